@@ -1,0 +1,253 @@
+//! Reading evaluation shards in order: one thread streams the tar members, decoding and the eval
+//! transform run in parallel on each chunk, and chunks come out in the data's order.
+
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::thread::JoinHandle;
+
+use rayon::prelude::*;
+
+use super::sample::{self, Rejected};
+use super::skips::SkipCounts;
+use super::spec::ShardSource;
+use super::tar_read::{read_shard, RawSample, ShardEvent};
+use super::transform::{decode, decode_min_side, eval_transform, ImageConfig};
+use crate::util::log;
+
+/// What an evaluation needs from each sample; a sample lacking a needed part is skipped.
+#[derive(Debug, Clone, Copy)]
+pub struct Needs {
+    pub image: bool,
+    pub captions: bool,
+    pub label: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct EvalItem {
+    pub key: String,
+    /// `3 × image_size × image_size` after the eval transform, when images are needed.
+    pub image: Vec<f32>,
+    pub captions: Vec<String>,
+    pub label: Option<i64>,
+}
+
+struct Chunk {
+    samples: Vec<(usize, RawSample)>,
+    skips: SkipCounts,
+}
+
+pub struct EvalReader {
+    rx: Option<Receiver<Chunk>>,
+    handle: Option<JoinHandle<()>>,
+    shards: Vec<ShardSource>,
+    cfg: ImageConfig,
+    needs: Needs,
+    skips: SkipCounts,
+    samples: u64,
+}
+
+impl EvalReader {
+    pub fn new(shards: Vec<ShardSource>, cfg: ImageConfig, needs: Needs, chunk: usize) -> Self {
+        let (tx, rx) = sync_channel::<Chunk>(4);
+        let list = shards.clone();
+        let chunk = chunk.max(1);
+        let handle = std::thread::spawn(move || {
+            let mut cur = Chunk {
+                samples: Vec::with_capacity(chunk),
+                skips: SkipCounts::default(),
+            };
+            for (i, src) in list.iter().enumerate() {
+                let mut open = true;
+                read_shard(src, |ev| {
+                    match ev {
+                        ShardEvent::Sample(s) => cur.samples.push((i, s)),
+                        ShardEvent::BadSample {
+                            key,
+                            reason,
+                            detail,
+                            ..
+                        } => {
+                            cur.skips.add(reason);
+                            log::warn(format!("shard {src}: sample {key}: {detail}; skipped"));
+                        }
+                        ShardEvent::Failed { reason, detail } => {
+                            cur.skips.add(reason);
+                            log::warn(format!("shard {src}: {detail}; rest of the shard skipped"));
+                        }
+                    }
+                    if cur.samples.len() >= chunk {
+                        let full = std::mem::replace(
+                            &mut cur,
+                            Chunk {
+                                samples: Vec::with_capacity(chunk),
+                                skips: SkipCounts::default(),
+                            },
+                        );
+                        open = tx.send(full).is_ok();
+                    }
+                    open
+                });
+                if !open {
+                    return;
+                }
+            }
+            let _ = tx.send(cur);
+        });
+        EvalReader {
+            rx: Some(rx),
+            handle: Some(handle),
+            shards,
+            cfg,
+            needs,
+            skips: SkipCounts::default(),
+            samples: 0,
+        }
+    }
+
+    pub fn skips(&self) -> &SkipCounts {
+        &self.skips
+    }
+
+    /// Usable samples delivered so far.
+    pub fn samples(&self) -> u64 {
+        self.samples
+    }
+}
+
+fn prepare(
+    shards: &[ShardSource],
+    cfg: &ImageConfig,
+    needs: Needs,
+    shard: usize,
+    s: &RawSample,
+) -> Result<EvalItem, Rejected> {
+    let captions = if needs.captions {
+        sample::captions(s)?
+    } else {
+        sample::captions(s).unwrap_or_default()
+    };
+    let label = sample::label(s)?;
+    if needs.label && label.is_none() {
+        return Err(Rejected {
+            reason: super::skips::reason::BAD_LABEL,
+            detail: format!("no cls field in shard {}", shards[shard]),
+        });
+    }
+    let mut image = Vec::new();
+    if needs.image {
+        let bytes = sample::image_bytes(s)?;
+        let img =
+            decode(bytes, decode_min_side(cfg, false), cfg.max_pixels).map_err(|e| Rejected {
+                reason: e.reason,
+                detail: e.detail,
+            })?;
+        image = vec![0.0; cfg.numel()];
+        eval_transform(&img, cfg, &mut image);
+    }
+    Ok(EvalItem {
+        key: s.key.clone(),
+        image,
+        captions,
+        label,
+    })
+}
+
+impl Iterator for EvalReader {
+    type Item = Vec<EvalItem>;
+
+    fn next(&mut self) -> Option<Vec<EvalItem>> {
+        loop {
+            let chunk = self.rx.as_ref()?.recv().ok()?;
+            self.skips.merge(&chunk.skips);
+            let (shards, cfg, needs) = (&self.shards, &self.cfg, self.needs);
+            let results: Vec<Result<EvalItem, Rejected>> = chunk
+                .samples
+                .par_iter()
+                .map(|(i, s)| prepare(shards, cfg, needs, *i, s))
+                .collect();
+            let mut items = Vec::with_capacity(results.len());
+            for ((i, s), r) in chunk.samples.iter().zip(results) {
+                match r {
+                    Ok(item) => items.push(item),
+                    Err(rej) => {
+                        self.skips.add(rej.reason);
+                        log::warn(format!(
+                            "shard {}: sample {}: {}; skipped",
+                            self.shards[*i], s.key, rej.detail
+                        ));
+                    }
+                }
+            }
+            self.samples += items.len() as u64;
+            if !items.is_empty() {
+                return Some(items);
+            }
+        }
+    }
+}
+
+impl Drop for EvalReader {
+    fn drop(&mut self) {
+        self.rx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::shard_writer::ShardWriter;
+
+    #[test]
+    fn items_come_out_in_shard_order_with_bad_ones_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut shards = Vec::new();
+        for s in 0..2 {
+            let path = dir.path().join(format!("e{s}.tar"));
+            let mut w = ShardWriter::create(&path).unwrap();
+            for i in 0..5 {
+                let img = image::RgbImage::from_pixel(4, 4, image::Rgb([i as u8, 0, 0]));
+                let mut png = Vec::new();
+                img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
+                    .unwrap();
+                let png = if s == 1 && i == 2 {
+                    b"broken".to_vec()
+                } else {
+                    png
+                };
+                w.write_sample(
+                    &format!("{s}-{i}"),
+                    &[("png", png), ("txt", format!("a\nb{i}").into_bytes())],
+                )
+                .unwrap();
+            }
+            w.finish().unwrap();
+            shards.push(ShardSource::File(path));
+        }
+        let cfg = ImageConfig {
+            image_size: 4,
+            resize: 4,
+            ..Default::default()
+        };
+        let mut r = EvalReader::new(
+            shards,
+            cfg,
+            Needs {
+                image: true,
+                captions: true,
+                label: false,
+            },
+            3,
+        );
+        let items: Vec<EvalItem> = r.by_ref().flatten().collect();
+        let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["0-0", "0-1", "0-2", "0-3", "0-4", "1-0", "1-1", "1-3", "1-4"]
+        );
+        assert_eq!(items[3].captions, vec!["a", "b3"]);
+        assert_eq!(r.skips().get("corrupt_image"), 1);
+        assert_eq!(items[1].image.len(), 48);
+    }
+}

@@ -1,0 +1,815 @@
+//! The training loader: shards → samples → shuffle buffer → decode + augment + tokenise → batches,
+//! on worker threads, with a position that can be saved and restored exactly.
+//!
+//! Stages, in order, each its own small piece:
+//! 1. [`ShardPlan`] deals the epoch's shards to this rank's workers (or resamples them).
+//! 2. Each worker streams its shards with [`read_shard`] into a seeded shuffle buffer.
+//! 3. Samples leaving the buffer are decoded, augmented ([`train_transform`]) and tokenised
+//!    straight into the worker's batch buffers (no per-sample tensors, no extra copies).
+//! 4. Full batches go into the worker's bounded queue; the main thread takes batches from the
+//!    workers round-robin, skipping workers that finished the current epoch.
+//!
+//! ## Resumption guarantee
+//! Every random choice is a pure function of (seed, rank, worker, epoch, position), and each batch
+//! carries the state of its worker right after the batch was formed: epoch, shard cursor, next
+//! sample index in that shard, the identities of the samples in the shuffle buffer (in order) and
+//! the shuffle draw counter. [`LoaderPosition`] holds that state for the last batch *consumed* from
+//! each worker plus the round-robin bookkeeping. A loader restarted from a position produces
+//! exactly the batches the original would have produced next (same worker count and seed): a
+//! restored worker re-reads the shards its buffered samples came from (tar parsing only, no
+//! decoding; at most a buffer's worth of samples back) to refill its buffer, then continues.
+//!
+//! A worker's last partial batch of an epoch is completed with the first samples of its next epoch,
+//! so no sample is dropped.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::distribute::{Placement, ShardPlan};
+use super::sample;
+use super::skips::SkipCounts;
+use super::tar_read::{read_shard, RawSample, ShardEvent};
+use super::tokenizer::TextTokenizer;
+use super::transform::{decode, decode_min_side, train_transform, ImageConfig};
+use crate::util::log;
+use crate::util::rng::Rng;
+
+/// One training batch in host memory, laid out for zero-copy tensor construction.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    pub size: usize,
+    /// `size × 3 × image_size × image_size`, normalised.
+    pub images: Vec<f32>,
+    pub image_size: usize,
+    /// `size × max_len` token ids and attention mask.
+    pub ids: Vec<u32>,
+    pub mask: Vec<u32>,
+    pub max_len: usize,
+    pub keys: Vec<String>,
+    pub captions: Vec<String>,
+    pub labels: Vec<Option<i64>>,
+}
+
+impl Batch {
+    fn with_capacity(n: usize, image_size: usize, max_len: usize) -> Self {
+        Batch {
+            size: 0,
+            images: Vec::with_capacity(n * 3 * image_size * image_size),
+            image_size,
+            ids: Vec::with_capacity(n * max_len),
+            mask: Vec::with_capacity(n * max_len),
+            max_len,
+            keys: Vec::with_capacity(n),
+            captions: Vec::with_capacity(n),
+            labels: Vec::with_capacity(n),
+        }
+    }
+}
+
+/// A worker's progress, as of the end of a batch it produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct WorkerState {
+    pub epoch: u64,
+    /// Position in this worker's shard stream for `epoch`.
+    pub cursor: usize,
+    /// Next sample index to read in shard `cursor`.
+    pub next_index: u64,
+    /// `(cursor, index)` of each sample in the shuffle buffer, in buffer order.
+    pub buffer: Vec<(usize, u64)>,
+    /// Number of random draws the shuffle buffer has made this epoch.
+    pub pops: u64,
+    /// Samples emitted into batches, all epochs.
+    pub samples: u64,
+    pub skips: SkipCounts,
+}
+
+/// The whole loader's position: what to save in a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderPosition {
+    pub epoch: u64,
+    pub next_worker: usize,
+    pub exhausted: Vec<bool>,
+    pub workers: Vec<WorkerState>,
+    pub batches: u64,
+}
+
+impl LoaderPosition {
+    pub fn fresh(workers: usize) -> Self {
+        LoaderPosition {
+            epoch: 0,
+            next_worker: 0,
+            exhausted: vec![false; workers],
+            workers: vec![WorkerState::default(); workers],
+            batches: 0,
+        }
+    }
+
+    pub fn skips(&self) -> SkipCounts {
+        let mut s = SkipCounts::default();
+        for w in &self.workers {
+            s.merge(&w.skips);
+        }
+        s
+    }
+
+    pub fn samples(&self) -> u64 {
+        self.workers.iter().map(|w| w.samples).sum()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LoaderSettings {
+    pub image: ImageConfig,
+    pub batch_size: usize,
+    pub shuffle_buffer: usize,
+    pub seed: u64,
+    /// Batches each worker may have ready ahead of the trainer.
+    pub prefetch: usize,
+}
+
+enum Msg {
+    Batch(Box<Batch>, Box<WorkerState>),
+    EpochEnd { epoch: u64, samples_in_epoch: u64 },
+}
+
+pub struct TrainLoader {
+    receivers: Vec<Receiver<Msg>>,
+    handles: Vec<JoinHandle<()>>,
+    pos: LoaderPosition,
+    samples_this_epoch: u64,
+}
+
+const AUGMENT: u64 = 0x4155_474d_454e_5431;
+const BUFFER: u64 = 0x4255_4646_4552_5f31;
+
+impl TrainLoader {
+    /// Starts the workers. `placement` gives rank, world size and worker count (its `worker` field
+    /// is ignored). `resume` restores a saved position (same worker count required).
+    pub fn start(
+        plan: ShardPlan,
+        placement: Placement,
+        settings: LoaderSettings,
+        tokenizer: Arc<TextTokenizer>,
+        resume: Option<LoaderPosition>,
+    ) -> Result<Self> {
+        if plan.shards.is_empty() {
+            bail!("no training shards");
+        }
+        if placement.workers == 0 || settings.batch_size == 0 {
+            bail!("workers and batch size must be positive");
+        }
+        if !plan.resampled && plan.min_shards_per_rank(placement.world_size) == 0 {
+            bail!("{} shards cannot be split over {} ranks: every rank needs at least one (use resampled mode or more shards)", plan.shards.len(), placement.world_size);
+        }
+        let pos = resume.unwrap_or_else(|| LoaderPosition::fresh(placement.workers));
+        if pos.workers.len() != placement.workers {
+            bail!("the saved loader position has {} workers but {} are configured: resume with the same `data.workers`", pos.workers.len(), placement.workers);
+        }
+        let per_rank = plan.shards.len().div_ceil(placement.world_size);
+        if !plan.resampled && per_rank < placement.workers {
+            log::warn(format!(
+                "{} workers but at most {per_rank} shards per rank: some workers will idle",
+                placement.workers
+            ));
+        }
+        let plan = Arc::new(plan);
+        let settings = Arc::new(settings);
+        let mut receivers = Vec::new();
+        let mut handles = Vec::new();
+        for w in 0..placement.workers {
+            let (tx, rx) = sync_channel(settings.prefetch.max(1));
+            let worker = Worker {
+                plan: plan.clone(),
+                at: placement.with_worker(w),
+                settings: settings.clone(),
+                tokenizer: tokenizer.clone(),
+                tx,
+                state: pos.workers[w].clone(),
+                buffer: Vec::new(),
+                batch: Batch::with_capacity(
+                    settings.batch_size,
+                    settings.image.image_size,
+                    tokenizer.max_len(),
+                ),
+                samples_in_epoch: 0,
+                cache: None,
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("loader-{w}"))
+                .spawn(move || worker.run())?;
+            receivers.push(rx);
+            handles.push(handle);
+        }
+        Ok(TrainLoader {
+            receivers,
+            handles,
+            pos,
+            samples_this_epoch: 0,
+        })
+    }
+
+    /// The next batch, in an order fixed by the seed and worker count.
+    pub fn next_batch(&mut self) -> Result<Batch> {
+        let n = self.receivers.len();
+        loop {
+            if self.pos.exhausted.iter().all(|&e| e) {
+                if self.samples_this_epoch == 0 && !self.pos.workers.iter().any(|w| w.samples > 0) {
+                    bail!("epoch {} produced no usable sample: every shard is unreadable or empty (skipped: {})", self.pos.epoch, self.pos.skips().summary());
+                }
+                self.pos.epoch += 1;
+                self.pos.exhausted.iter_mut().for_each(|e| *e = false);
+                self.samples_this_epoch = 0;
+            }
+            let w = self.pos.next_worker;
+            if self.pos.exhausted[w] {
+                self.pos.next_worker = (w + 1) % n;
+                continue;
+            }
+            let msg = self.receivers[w]
+                .recv()
+                .map_err(|_| anyhow!("loader worker {w} stopped unexpectedly"))?;
+            match msg {
+                Msg::Batch(batch, state) => {
+                    self.pos.workers[w] = *state;
+                    self.pos.next_worker = (w + 1) % n;
+                    self.pos.batches += 1;
+                    return Ok(*batch);
+                }
+                // An epoch end the restored position already accounts for.
+                Msg::EpochEnd { epoch, .. } if epoch < self.pos.epoch => {}
+                Msg::EpochEnd {
+                    samples_in_epoch, ..
+                } => {
+                    self.samples_this_epoch += samples_in_epoch;
+                    self.pos.exhausted[w] = true;
+                    self.pos.next_worker = (w + 1) % n;
+                }
+            }
+        }
+    }
+
+    pub fn position(&self) -> &LoaderPosition {
+        &self.pos
+    }
+
+    pub fn skips(&self) -> SkipCounts {
+        self.pos.skips()
+    }
+}
+
+impl Drop for TrainLoader {
+    fn drop(&mut self) {
+        // Closing the queues makes each worker's next send fail, which ends it.
+        self.receivers.clear();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+struct Worker {
+    plan: Arc<ShardPlan>,
+    at: Placement,
+    settings: Arc<LoaderSettings>,
+    tokenizer: Arc<TextTokenizer>,
+    tx: SyncSender<Msg>,
+    state: WorkerState,
+    buffer: Vec<(usize, u64, RawSample)>,
+    batch: Batch,
+    samples_in_epoch: u64,
+    cache: Option<(u64, Vec<usize>)>,
+}
+
+/// The worker's queue is gone: the loader was dropped.
+struct Closed;
+
+impl Worker {
+    fn run(mut self) {
+        if let Err(Closed) = self.run_inner() {
+            // Normal shutdown.
+        }
+    }
+
+    fn run_inner(&mut self) -> Result<(), Closed> {
+        self.restore_buffer();
+        loop {
+            while let Some(shard) = self.plan.shard_at(
+                self.state.epoch,
+                self.at,
+                self.state.cursor,
+                &mut self.cache,
+            ) {
+                self.read_one_shard(shard)?;
+                self.state.cursor += 1;
+                self.state.next_index = 0;
+            }
+            while !self.buffer.is_empty() {
+                self.pop_and_process()?;
+            }
+            let epoch = self.state.epoch;
+            self.tx
+                .send(Msg::EpochEnd {
+                    epoch,
+                    samples_in_epoch: self.samples_in_epoch,
+                })
+                .map_err(|_| Closed)?;
+            self.state.epoch += 1;
+            self.state.cursor = 0;
+            self.state.next_index = 0;
+            self.state.pops = 0;
+            self.samples_in_epoch = 0;
+        }
+    }
+
+    fn read_one_shard(&mut self, shard: usize) -> Result<(), Closed> {
+        let source = self.plan.shards[shard].clone();
+        let start = self.state.next_index;
+        let cursor = self.state.cursor;
+        let mut result = Ok(());
+        read_shard(&source, |ev| {
+            match ev {
+                ShardEvent::Sample(s) => {
+                    if s.index < start {
+                        return true;
+                    }
+                    self.state.next_index = s.index + 1;
+                    self.buffer.push((cursor, s.index, s));
+                    if self.buffer.len() > self.settings.shuffle_buffer {
+                        if let Err(c) = self.pop_and_process() {
+                            result = Err(c);
+                            return false;
+                        }
+                    }
+                }
+                ShardEvent::BadSample {
+                    key,
+                    index,
+                    reason,
+                    detail,
+                } => {
+                    if index >= start {
+                        self.state.next_index = index + 1;
+                        self.state.skips.add(reason);
+                        log::warn(format!("shard {source}: sample {key}: {detail}; skipped"));
+                    }
+                }
+                ShardEvent::Failed { reason, detail } => {
+                    self.state.skips.add(reason);
+                    log::warn(format!(
+                        "shard {source}: {detail}; rest of the shard skipped"
+                    ));
+                }
+            }
+            true
+        });
+        result
+    }
+
+    fn pop_and_process(&mut self) -> Result<(), Closed> {
+        let mut rng = Rng::derived(
+            self.settings.seed,
+            &[
+                BUFFER,
+                self.at.rank as u64,
+                self.at.worker as u64,
+                self.state.epoch,
+                self.state.pops,
+            ],
+        );
+        self.state.pops += 1;
+        let k = rng.below(self.buffer.len());
+        let (cursor, index, sample) = self.buffer.swap_remove(k);
+        self.process(cursor, index, sample)
+    }
+
+    fn process(&mut self, cursor: usize, index: u64, s: RawSample) -> Result<(), Closed> {
+        let mut rng = Rng::derived(
+            self.settings.seed,
+            &[
+                AUGMENT,
+                self.at.rank as u64,
+                self.at.worker as u64,
+                self.state.epoch,
+                cursor as u64,
+                index,
+            ],
+        );
+        let cfg = &self.settings.image;
+        let numel = cfg.numel();
+        let outcome = (|| -> Result<(), sample::Rejected> {
+            let caps = sample::captions(&s)?;
+            let label = sample::label(&s)?;
+            let bytes = sample::image_bytes(&s)?;
+            let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels).map_err(|e| {
+                sample::Rejected {
+                    reason: e.reason,
+                    detail: e.detail,
+                }
+            })?;
+            let caption = caps[rng.below(caps.len())].clone();
+            let b = &mut self.batch;
+            let start = b.images.len();
+            b.images.resize(start + numel, 0.0);
+            train_transform(&img, cfg, &mut rng, &mut b.images[start..]);
+            self.tokenizer
+                .encode_into(&caption, &mut b.ids, &mut b.mask)
+                .map_err(|e| sample::Rejected {
+                    reason: super::skips::reason::CAPTION_NOT_UTF8,
+                    detail: e.to_string(),
+                })?;
+            b.keys.push(s.key.clone());
+            b.captions.push(caption);
+            b.labels.push(label);
+            b.size += 1;
+            Ok(())
+        })();
+        if let Err(rej) = outcome {
+            // Undo a partly written slot.
+            let b = &mut self.batch;
+            b.images.truncate(b.size * numel);
+            b.ids.truncate(b.size * b.max_len);
+            b.mask.truncate(b.size * b.max_len);
+            self.state.skips.add(rej.reason);
+            let shard = self.plan.shards[self
+                .plan
+                .shard_at(self.state.epoch, self.at, cursor, &mut self.cache)
+                .unwrap_or(0)]
+            .clone();
+            log::warn(format!(
+                "shard {shard}: sample {}: {}; skipped",
+                s.key, rej.detail
+            ));
+            return Ok(());
+        }
+        self.state.samples += 1;
+        self.samples_in_epoch += 1;
+        if self.batch.size == self.settings.batch_size {
+            let full = std::mem::replace(
+                &mut self.batch,
+                Batch::with_capacity(
+                    self.settings.batch_size,
+                    cfg.image_size,
+                    self.tokenizer.max_len(),
+                ),
+            );
+            let mut snapshot = self.state.clone();
+            snapshot.buffer = self.buffer.iter().map(|(c, i, _)| (*c, *i)).collect();
+            self.tx
+                .send(Msg::Batch(Box::new(full), Box::new(snapshot)))
+                .map_err(|_| Closed)?;
+        }
+        Ok(())
+    }
+
+    /// Refills the shuffle buffer of a restored state by re-reading the shards its samples came
+    /// from. Nothing is decoded and nothing is counted twice.
+    fn restore_buffer(&mut self) {
+        let wanted: Vec<(usize, u64)> = std::mem::take(&mut self.state.buffer);
+        if wanted.is_empty() {
+            return;
+        }
+        let want_set: HashSet<(usize, u64)> = wanted.iter().copied().collect();
+        let mut found: HashMap<(usize, u64), RawSample> = HashMap::new();
+        let first = wanted.iter().map(|w| w.0).min().unwrap_or(0);
+        for cursor in first..=self.state.cursor {
+            let Some(shard) =
+                self.plan
+                    .shard_at(self.state.epoch, self.at, cursor, &mut self.cache)
+            else {
+                break;
+            };
+            let limit = if cursor == self.state.cursor {
+                self.state.next_index
+            } else {
+                u64::MAX
+            };
+            if limit == 0 {
+                continue;
+            }
+            read_shard(&self.plan.shards[shard], |ev| {
+                if let ShardEvent::Sample(s) = ev {
+                    if s.index >= limit {
+                        return false;
+                    }
+                    if want_set.contains(&(cursor, s.index)) {
+                        found.insert((cursor, s.index), s);
+                    }
+                }
+                true
+            });
+        }
+        for (c, i) in wanted {
+            match found.remove(&(c, i)) {
+                Some(s) => self.buffer.push((c, i, s)),
+                None => log::warn(format!("resuming: buffered sample {i} of shard position {c} could not be re-read; it is lost")),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::shard_writer::ShardWriter;
+    use crate::data::spec::ShardSource;
+    use crate::data::tokenizer::train_wordpiece;
+    use crate::data::transform::ImageConfig;
+    use std::path::Path;
+
+    fn png(v: u8) -> Vec<u8> {
+        let img = image::RgbImage::from_pixel(12, 10, image::Rgb([v, v, v]));
+        let mut out = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut out), image::ImageFormat::Png)
+            .unwrap();
+        out
+    }
+
+    /// `shards` shards of `per` samples; sample (s, i) has caption "s{s} i{i}" and pixel value
+    /// 7*s + i so batches can be traced back to samples.
+    fn make_shards(dir: &Path, shards: usize, per: usize) -> Vec<ShardSource> {
+        (0..shards)
+            .map(|s| {
+                let path = dir.join(format!("shard-{s}.tar"));
+                let mut w = ShardWriter::create(&path).unwrap();
+                for i in 0..per {
+                    w.write_sample(
+                        &format!("s{s}-{i:03}"),
+                        &[
+                            ("png", png((7 * s + i) as u8)),
+                            ("txt", format!("shard {s} item {i}").into_bytes()),
+                        ],
+                    )
+                    .unwrap();
+                }
+                w.finish().unwrap();
+                ShardSource::File(path)
+            })
+            .collect()
+    }
+
+    fn tokenizer() -> Arc<TextTokenizer> {
+        let caps: Vec<String> = (0..10).map(|i| format!("shard {i} item {i}")).collect();
+        Arc::new(
+            TextTokenizer::new(train_wordpiece(caps.iter(), 100, true, 1).unwrap(), 8).unwrap(),
+        )
+    }
+
+    fn settings(batch: usize, buffer: usize) -> LoaderSettings {
+        LoaderSettings {
+            image: ImageConfig {
+                image_size: 8,
+                resize: 10,
+                ..Default::default()
+            },
+            batch_size: batch,
+            shuffle_buffer: buffer,
+            seed: 11,
+            prefetch: 2,
+        }
+    }
+
+    fn keys(loader: &mut TrainLoader, batches: usize) -> Vec<Vec<String>> {
+        (0..batches)
+            .map(|_| loader.next_batch().unwrap().keys)
+            .collect()
+    }
+
+    #[test]
+    fn one_epoch_covers_every_sample_once_and_the_order_is_reproducible() {
+        let dir = tempfile::tempdir().unwrap();
+        // Three workers with two shards of five each: six batches of five are exactly one epoch.
+        let shards = make_shards(dir.path(), 6, 5);
+        let plan = ShardPlan {
+            shards,
+            seed: 3,
+            shuffle: true,
+            resampled: false,
+        };
+        let mut a = TrainLoader::start(
+            plan.clone(),
+            Placement::single(3),
+            settings(5, 4),
+            tokenizer(),
+            None,
+        )
+        .unwrap();
+        let ka = keys(&mut a, 6);
+        let mut all: Vec<String> = ka.iter().flatten().cloned().collect();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), 30, "{ka:?}");
+        let mut b = TrainLoader::start(
+            plan,
+            Placement::single(3),
+            settings(5, 4),
+            tokenizer(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(ka, keys(&mut b, 6));
+    }
+
+    #[test]
+    fn the_shuffle_buffer_mixes_samples_within_a_worker() {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = make_shards(dir.path(), 1, 30);
+        let plan = ShardPlan {
+            shards,
+            seed: 3,
+            shuffle: false,
+            resampled: false,
+        };
+        let mut l = TrainLoader::start(
+            plan.clone(),
+            Placement::single(1),
+            settings(30, 0),
+            tokenizer(),
+            None,
+        )
+        .unwrap();
+        let sequential = l.next_batch().unwrap().keys;
+        let want: Vec<String> = (0..30).map(|i| format!("s0-{i:03}")).collect();
+        assert_eq!(sequential, want);
+        let mut l = TrainLoader::start(
+            plan,
+            Placement::single(1),
+            settings(30, 10),
+            tokenizer(),
+            None,
+        )
+        .unwrap();
+        let shuffled = l.next_batch().unwrap().keys;
+        assert_ne!(shuffled, want);
+        let mut sorted = shuffled.clone();
+        sorted.sort();
+        assert_eq!(sorted, want);
+    }
+
+    #[test]
+    fn a_restored_position_continues_with_exactly_the_same_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = make_shards(dir.path(), 5, 7);
+        for resampled in [false, true] {
+            let plan = ShardPlan {
+                shards: shards.clone(),
+                seed: 5,
+                shuffle: true,
+                resampled,
+            };
+            let mut full = TrainLoader::start(
+                plan.clone(),
+                Placement::single(2),
+                settings(4, 6),
+                tokenizer(),
+                None,
+            )
+            .unwrap();
+            let reference: Vec<Batch> = (0..25).map(|_| full.next_batch().unwrap()).collect();
+            for stop in [1, 4, 9, 17] {
+                let mut first = TrainLoader::start(
+                    plan.clone(),
+                    Placement::single(2),
+                    settings(4, 6),
+                    tokenizer(),
+                    None,
+                )
+                .unwrap();
+                for _ in 0..stop {
+                    first.next_batch().unwrap();
+                }
+                let saved: LoaderPosition =
+                    serde_json::from_str(&serde_json::to_string(first.position()).unwrap())
+                        .unwrap();
+                drop(first);
+                let mut resumed = TrainLoader::start(
+                    plan.clone(),
+                    Placement::single(2),
+                    settings(4, 6),
+                    tokenizer(),
+                    Some(saved),
+                )
+                .unwrap();
+                for (k, want) in reference.iter().enumerate().skip(stop) {
+                    let got = resumed.next_batch().unwrap();
+                    assert_eq!(
+                        got.keys, want.keys,
+                        "resampled={resampled} stop={stop} batch={k}"
+                    );
+                    assert_eq!(got.images, want.images);
+                    assert_eq!(got.ids, want.ids);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_samples_and_truncated_shards_are_skipped_and_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad.tar");
+        let mut w = ShardWriter::create(&path).unwrap();
+        w.write_sample("good1", &[("png", png(1)), ("txt", b"ok".to_vec())])
+            .unwrap();
+        w.write_sample(
+            "corrupt",
+            &[("png", b"not a png".to_vec()), ("txt", b"ok".to_vec())],
+        )
+        .unwrap();
+        w.write_sample("nocap", &[("png", png(2))]).unwrap();
+        w.write_sample("empty", &[("png", png(2)), ("txt", b" ".to_vec())])
+            .unwrap();
+        w.write_sample("good2", &[("png", png(3)), ("txt", b"ok".to_vec())])
+            .unwrap();
+        w.write_sample("cut", &[("png", png(4)), ("txt", vec![b'x'; 5000])])
+            .unwrap();
+        w.finish().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        // Cut inside the 5000-byte caption of the last sample.
+        let at = bytes.windows(4).position(|w| w == b"xxxx").unwrap() + 100;
+        std::fs::write(&path, &bytes[..at]).unwrap();
+        let plan = ShardPlan {
+            shards: vec![ShardSource::File(path)],
+            seed: 1,
+            shuffle: false,
+            resampled: false,
+        };
+        let mut l = TrainLoader::start(
+            plan,
+            Placement::single(1),
+            settings(2, 0),
+            tokenizer(),
+            None,
+        )
+        .unwrap();
+        let b = l.next_batch().unwrap();
+        assert_eq!(b.keys, vec!["good1", "good2"]);
+        // Counts are as of the last batch handed out: the broken tail is not reached yet.
+        assert_eq!(
+            l.skips().summary(),
+            "corrupt_image=1, empty_caption=1, missing_caption=1"
+        );
+        // The second epoch's batch is formed after the first epoch's tail and its own bad samples.
+        assert_eq!(l.next_batch().unwrap().keys, vec!["good1", "good2"]);
+        let skips = l.skips();
+        assert_eq!(skips.get("corrupt_image"), 2);
+        assert_eq!(skips.get("missing_caption"), 2);
+        assert_eq!(skips.get("empty_caption"), 2);
+        assert_eq!(skips.get("incomplete_sample"), 1, "{skips:?}");
+        assert_eq!(skips.get("truncated_shard"), 1, "{skips:?}");
+    }
+
+    #[test]
+    fn a_dataset_with_no_usable_sample_is_an_error_not_a_hang() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("empty.tar");
+        ShardWriter::create(&path).unwrap().finish().unwrap();
+        let plan = ShardPlan {
+            shards: vec![ShardSource::File(path)],
+            seed: 1,
+            shuffle: false,
+            resampled: false,
+        };
+        let mut l = TrainLoader::start(
+            plan,
+            Placement::single(1),
+            settings(2, 0),
+            tokenizer(),
+            None,
+        )
+        .unwrap();
+        let err = l.next_batch().unwrap_err().to_string();
+        assert!(err.contains("no usable sample"), "{err}");
+    }
+
+    #[test]
+    fn pixels_and_tokens_land_in_their_batch_rows() {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = make_shards(dir.path(), 1, 3);
+        let plan = ShardPlan {
+            shards,
+            seed: 3,
+            shuffle: false,
+            resampled: false,
+        };
+        let mut s = settings(3, 0);
+        s.image.hflip = false;
+        let mut l = TrainLoader::start(plan, Placement::single(1), s, tokenizer(), None).unwrap();
+        let b = l.next_batch().unwrap();
+        let numel = 3 * 8 * 8;
+        for (row, v) in [0u8, 1, 2].iter().enumerate() {
+            let want = *v as f32 / 127.5 - 1.0;
+            assert!(
+                b.images[row * numel..(row + 1) * numel]
+                    .iter()
+                    .all(|&x| (x - want).abs() < 1e-6),
+                "row {row}"
+            );
+        }
+        assert_eq!(b.ids.len(), 3 * 8);
+        assert_eq!(b.captions[2], "shard 0 item 2");
+    }
+}

@@ -1,0 +1,14 @@
+//! The data's journey from shards to batches. See `loader` for how the stages chain.
+
+pub mod distribute;
+pub mod eval_reader;
+pub mod loader;
+pub mod sample;
+pub mod shard_writer;
+pub mod skips;
+pub mod spec;
+pub mod stats;
+pub mod synth;
+pub mod tar_read;
+pub mod tokenizer;
+pub mod transform;

@@ -1,0 +1,428 @@
+//! Streaming a tar shard into webdataset samples.
+//!
+//! Members are read in order and never extracted to disk. Consecutive members that share a key
+//! form one sample, exactly as webdataset's `group_by_keys` does: for a member path, the key is
+//! everything up to the first dot of the file name (directories included) and the field is the
+//! rest, lower-cased. `images/0001.seg.png` is key `images/0001`, field `seg.png`. Members without
+//! a dot in the file name, directories and links are ignored. ustar, GNU long names and pax
+//! headers are understood (by the `tar` crate's reader).
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+
+use super::skips::reason;
+use super::spec::ShardSource;
+
+/// One sample as it sits in the shard: raw bytes per field.
+#[derive(Debug, Clone)]
+pub struct RawSample {
+    pub key: String,
+    /// Position of the sample within its shard (0-based, counting every sample formed, good or
+    /// bad), used to identify samples for exact resumption.
+    pub index: u64,
+    pub fields: BTreeMap<String, Vec<u8>>,
+}
+
+/// What reading a shard yields: samples, and the problems found on the way.
+#[derive(Debug)]
+pub enum ShardEvent {
+    Sample(RawSample),
+    /// A sample that cannot be used at the tar level (e.g. a repeated field).
+    BadSample {
+        key: String,
+        index: u64,
+        reason: &'static str,
+        detail: String,
+    },
+    /// The shard cannot be read any further; nothing more comes from it.
+    Failed {
+        reason: &'static str,
+        detail: String,
+    },
+}
+
+/// Splits a member path into (key, field) the way webdataset does, or None when the file name has
+/// no dot.
+pub fn split_key(path: &str) -> Option<(&str, String)> {
+    let name_start = path.rfind('/').map_or(0, |i| i + 1);
+    let dot = path[name_start..].find('.')? + name_start;
+    if dot == name_start {
+        // Hidden files such as `.DS_Store` have no key.
+        return None;
+    }
+    Some((&path[..dot], path[dot + 1..].to_lowercase()))
+}
+
+enum Input {
+    File(BufReader<File>),
+    Pipe {
+        child: Child,
+        stdout: BufReader<std::process::ChildStdout>,
+        cmd: String,
+    },
+}
+
+impl Read for Input {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Input::File(f) => f.read(buf),
+            Input::Pipe { stdout, .. } => stdout.read(buf),
+        }
+    }
+}
+
+fn open_input(source: &ShardSource) -> io::Result<Input> {
+    match source {
+        ShardSource::File(path) => Ok(Input::File(BufReader::with_capacity(
+            1 << 20,
+            File::open(path)?,
+        ))),
+        ShardSource::Pipe(cmd) => {
+            let mut child = Command::new("sh")
+                .arg("-c")
+                .arg(cmd)
+                .stdout(Stdio::piped())
+                .stdin(Stdio::null())
+                .spawn()?;
+            let stdout =
+                BufReader::with_capacity(1 << 20, child.stdout.take().expect("piped stdout"));
+            Ok(Input::Pipe {
+                child,
+                stdout,
+                cmd: cmd.clone(),
+            })
+        }
+    }
+}
+
+/// Reads every sample of a shard, calling `sink` for each event, in order. Returns after the last
+/// sample or the first unrecoverable error (which is reported as a `Failed` event, not returned).
+/// `sink` returns false to stop reading early.
+pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool) {
+    let input = match open_input(source) {
+        Ok(i) => i,
+        Err(e) => {
+            sink(ShardEvent::Failed {
+                reason: reason::UNREADABLE_SHARD,
+                detail: format!("cannot open: {e}"),
+            });
+            return;
+        }
+    };
+    let mut archive = tar::Archive::new(input);
+    let mut grouper = Grouper::default();
+    let mut stopped = false;
+    let mut failure: Option<String> = None;
+    // The key of the member being read when the stream broke: only a pending sample with that key
+    // is known to be incomplete. A break at a header leaves it unknown, so that one counts too.
+    let mut reading_key: Option<String> = None;
+    match archive.entries() {
+        Err(e) => failure = Some(e.to_string()),
+        Ok(entries) => {
+            for entry in entries {
+                let mut entry = match entry {
+                    Ok(e) => e,
+                    Err(e) => {
+                        failure = Some(e.to_string());
+                        break;
+                    }
+                };
+                if !entry.header().entry_type().is_file() {
+                    continue;
+                }
+                let path = match entry.path() {
+                    Ok(p) => p.to_string_lossy().into_owned(),
+                    Err(e) => {
+                        failure = Some(format!("bad member name: {e}"));
+                        break;
+                    }
+                };
+                let Some((key, field)) = split_key(&path) else {
+                    continue;
+                };
+                let key = key.to_string();
+                reading_key = Some(key.clone());
+                let size = entry.size();
+                let mut data = Vec::with_capacity(size.min(1 << 30) as usize);
+                if let Err(e) = entry.read_to_end(&mut data) {
+                    failure = Some(format!("member {path}: {e}"));
+                    break;
+                }
+                // The reader hands back a short member at end of input without complaint.
+                if data.len() as u64 != size {
+                    failure = Some(format!(
+                        "member {path} is cut off: {} of {size} bytes",
+                        data.len()
+                    ));
+                    break;
+                }
+                reading_key = None;
+                if let Some(ev) = grouper.push(key, field, data) {
+                    if !sink(ev) {
+                        stopped = true;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    if stopped {
+        if let Input::Pipe { mut child, .. } = archive.into_inner() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        return;
+    }
+    match failure {
+        // The sample being assembled when the stream broke may be missing fields: drop it.
+        Some(detail) => {
+            let pending_cut = match (&reading_key, grouper.current.as_ref()) {
+                (Some(k), Some(p)) => *k == p.key,
+                _ => true,
+            };
+            let ev = if pending_cut {
+                grouper.pending_as_bad("sample cut off by a broken tar stream")
+            } else {
+                grouper.finish()
+            };
+            if let Some(ev) = ev {
+                sink(ev);
+            }
+            sink(ShardEvent::Failed {
+                reason: reason::TRUNCATED_SHARD,
+                detail,
+            });
+            if let Input::Pipe { mut child, .. } = archive.into_inner() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        None => {
+            let input = archive.into_inner();
+            if let Input::Pipe { mut child, cmd, .. } = input {
+                match child.wait() {
+                    Ok(status) if !status.success() => {
+                        if let Some(ev) = grouper.pending_as_bad("pipe command failed") {
+                            sink(ev);
+                        }
+                        sink(ShardEvent::Failed {
+                            reason: reason::TRUNCATED_SHARD,
+                            detail: format!("command {cmd:?} exited with {status}"),
+                        });
+                        return;
+                    }
+                    Err(e) => {
+                        sink(ShardEvent::Failed {
+                            reason: reason::TRUNCATED_SHARD,
+                            detail: format!("command {cmd:?}: {e}"),
+                        });
+                        return;
+                    }
+                    _ => {}
+                }
+            }
+            if let Some(ev) = grouper.finish() {
+                sink(ev);
+            }
+        }
+    }
+}
+
+/// Reads a whole shard into memory as a list of events (tests and small tools).
+pub fn read_shard_events(source: &ShardSource) -> Vec<ShardEvent> {
+    let mut out = Vec::new();
+    read_shard(source, |ev| {
+        out.push(ev);
+        true
+    });
+    out
+}
+
+#[derive(Default)]
+struct Grouper {
+    current: Option<Pending>,
+    next_index: u64,
+}
+
+struct Pending {
+    key: String,
+    index: u64,
+    fields: BTreeMap<String, Vec<u8>>,
+    duplicate: Option<String>,
+}
+
+impl Grouper {
+    fn push(&mut self, key: String, field: String, data: Vec<u8>) -> Option<ShardEvent> {
+        let mut emitted = None;
+        if self.current.as_ref().is_some_and(|c| c.key != key) {
+            emitted = self.finish();
+        }
+        let cur = self.current.get_or_insert_with(|| {
+            let index = self.next_index;
+            self.next_index += 1;
+            Pending {
+                key,
+                index,
+                fields: BTreeMap::new(),
+                duplicate: None,
+            }
+        });
+        if cur.fields.contains_key(&field) {
+            cur.duplicate.get_or_insert(field);
+        } else {
+            cur.fields.insert(field, data);
+        }
+        emitted
+    }
+
+    fn finish(&mut self) -> Option<ShardEvent> {
+        let p = self.current.take()?;
+        Some(match p.duplicate {
+            Some(field) => ShardEvent::BadSample {
+                key: p.key,
+                index: p.index,
+                reason: reason::DUPLICATE_FIELD,
+                detail: format!("field {field:?} appears twice"),
+            },
+            None => ShardEvent::Sample(RawSample {
+                key: p.key,
+                index: p.index,
+                fields: p.fields,
+            }),
+        })
+    }
+
+    fn pending_as_bad(&mut self, detail: &str) -> Option<ShardEvent> {
+        let p = self.current.take()?;
+        Some(ShardEvent::BadSample {
+            key: p.key,
+            index: p.index,
+            reason: reason::INCOMPLETE_SAMPLE,
+            detail: detail.into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::shard_writer::ShardWriter;
+
+    #[test]
+    fn keys_split_at_the_first_dot_of_the_file_name() {
+        assert_eq!(split_key("000123.jpg"), Some(("000123", "jpg".into())));
+        assert_eq!(
+            split_key("dir.v2/000123.seg.PNG"),
+            Some(("dir.v2/000123", "seg.png".into()))
+        );
+        assert_eq!(split_key("dir/noext"), None);
+        assert_eq!(split_key("dir/.hidden"), None);
+    }
+
+    fn samples(events: &[ShardEvent]) -> Vec<(String, Vec<String>)> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                ShardEvent::Sample(s) => Some((s.key.clone(), s.fields.keys().cloned().collect())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn consecutive_members_with_one_key_form_one_sample() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.tar");
+        let mut w = ShardWriter::create(&path).unwrap();
+        w.write_sample("a", &[("jpg", b"1".as_slice()), ("txt", b"cap a")])
+            .unwrap();
+        w.write_sample("b", &[("TXT", b"cap b".as_slice()), ("json", b"{}")])
+            .unwrap();
+        w.finish().unwrap();
+        let ev = read_shard_events(&ShardSource::File(path));
+        assert_eq!(
+            samples(&ev),
+            vec![
+                ("a".into(), vec!["jpg".into(), "txt".into()]),
+                ("b".into(), vec!["json".into(), "txt".into()])
+            ]
+        );
+    }
+
+    #[test]
+    fn long_names_survive_the_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("long.tar");
+        let key = format!("{}/{}", "d".repeat(120), "k".repeat(150));
+        let mut w = ShardWriter::create(&path).unwrap();
+        w.write_sample(&key, &[("txt", b"x".as_slice())]).unwrap();
+        w.finish().unwrap();
+        let ev = read_shard_events(&ShardSource::File(path));
+        assert_eq!(samples(&ev), vec![(key, vec!["txt".to_string()])]);
+    }
+
+    #[test]
+    fn a_truncated_shard_keeps_the_complete_samples_and_reports_the_break() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.tar");
+        let mut w = ShardWriter::create(&path).unwrap();
+        for i in 0..4 {
+            w.write_sample(&format!("k{i}"), &[("txt", vec![b'x'; 3000].as_slice())])
+                .unwrap();
+        }
+        w.finish().unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        // Cut in the middle of the third member's data.
+        std::fs::write(&path, &bytes[..2 * 3584 + 1000]).unwrap();
+        let ev = read_shard_events(&ShardSource::File(path));
+        assert_eq!(samples(&ev).len(), 2);
+        assert!(
+            matches!(
+                ev.last(),
+                Some(ShardEvent::Failed {
+                    reason: "truncated_shard",
+                    ..
+                })
+            ),
+            "{ev:?}"
+        );
+    }
+
+    #[test]
+    fn a_repeated_field_makes_the_sample_bad_not_the_shard() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.tar");
+        let mut w = ShardWriter::create(&path).unwrap();
+        w.write_sample("a", &[("txt", b"1".as_slice()), ("txt", b"2")])
+            .unwrap();
+        w.write_sample("b", &[("txt", b"3".as_slice())]).unwrap();
+        w.finish().unwrap();
+        let ev = read_shard_events(&ShardSource::File(path));
+        assert!(matches!(
+            &ev[0],
+            ShardEvent::BadSample {
+                reason: "duplicate_field",
+                ..
+            }
+        ));
+        assert_eq!(samples(&ev), vec![("b".into(), vec!["txt".into()])]);
+    }
+
+    #[test]
+    fn pipe_sources_stream_from_a_command_and_failures_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.tar");
+        let mut w = ShardWriter::create(&path).unwrap();
+        w.write_sample("a", &[("txt", b"1".as_slice())]).unwrap();
+        w.finish().unwrap();
+        let ev = read_shard_events(&ShardSource::Pipe(format!("cat {}", path.display())));
+        assert_eq!(samples(&ev).len(), 1);
+        let ev = read_shard_events(&ShardSource::Pipe("exit 3".into()));
+        assert!(
+            matches!(ev.last(), Some(ShardEvent::Failed { .. })),
+            "{ev:?}"
+        );
+    }
+}

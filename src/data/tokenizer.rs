@@ -1,0 +1,267 @@
+//! WordPiece (BERT) tokenisation with `[CLS] … [SEP]`, truncation and padding to a fixed length,
+//! and training a vocabulary on the captions themselves as ALIGN does.
+//!
+//! The vocabulary is a `tokenizer.json` in Hugging Face's format, so `transformers` and
+//! `tokenizers` load ours and we load theirs (e.g. `bert-base-uncased`'s).
+
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use tokenizers::models::wordpiece::{WordPiece, WordPieceTrainer};
+use tokenizers::normalizers::bert::BertNormalizer;
+use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{
+    AddedToken, Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy,
+};
+
+pub const PAD: &str = "[PAD]";
+pub const UNK: &str = "[UNK]";
+pub const CLS: &str = "[CLS]";
+pub const SEP: &str = "[SEP]";
+pub const MASK: &str = "[MASK]";
+/// CC12M replaces person names by this hypernym; it must never be split into `<`, `person`, `>`.
+pub const PERSON: &str = "<PERSON>";
+
+/// Token ids and attention masks of a batch, each `batch × max_len`, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenBatch {
+    pub ids: Vec<u32>,
+    pub mask: Vec<u32>,
+    pub max_len: usize,
+}
+
+#[derive(Clone)]
+pub struct TextTokenizer {
+    inner: Tokenizer,
+    max_len: usize,
+    pad_id: u32,
+}
+
+impl TextTokenizer {
+    pub fn from_file(path: &Path, max_len: usize) -> Result<Self> {
+        let inner = Tokenizer::from_file(path)
+            .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
+        Self::new(inner, max_len).with_context(|| format!("tokenizer {}", path.display()))
+    }
+
+    pub fn new(mut inner: Tokenizer, max_len: usize) -> Result<Self> {
+        if max_len < 2 {
+            bail!("max_len {max_len} leaves no room for [CLS] and [SEP]");
+        }
+        let pad_id = inner
+            .token_to_id(PAD)
+            .ok_or_else(|| anyhow!("vocabulary has no {PAD} token"))?;
+        for t in [CLS, SEP] {
+            inner
+                .token_to_id(t)
+                .ok_or_else(|| anyhow!("vocabulary has no {t} token"))?;
+        }
+        if inner.get_post_processor().is_none() {
+            // A vocabulary without a post-processor would silently drop [CLS]/[SEP] and break
+            // [CLS] pooling; attach BERT's template.
+            attach_bert_template(&mut inner)?;
+        }
+        inner
+            .with_truncation(Some(TruncationParams {
+                max_length: max_len,
+                strategy: TruncationStrategy::LongestFirst,
+                stride: 0,
+                direction: TruncationDirection::Right,
+            }))
+            .map_err(|e| anyhow!("{e}"))?;
+        inner.with_padding(None);
+        Ok(Self {
+            inner,
+            max_len,
+            pad_id,
+        })
+    }
+
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn inner(&self) -> &Tokenizer {
+        &self.inner
+    }
+
+    pub fn save(&self, path: &Path) -> Result<()> {
+        self.inner
+            .save(path, true)
+            .map_err(|e| anyhow!("saving tokenizer {}: {e}", path.display()))
+    }
+
+    /// Tokenises one text into `ids`/`mask` rows of length `max_len` (appended to the vectors).
+    pub fn encode_into(&self, text: &str, ids: &mut Vec<u32>, mask: &mut Vec<u32>) -> Result<()> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
+        let n = enc.get_ids().len().min(self.max_len);
+        ids.extend_from_slice(&enc.get_ids()[..n]);
+        mask.extend(std::iter::repeat_n(1, n));
+        ids.extend(std::iter::repeat_n(self.pad_id, self.max_len - n));
+        mask.extend(std::iter::repeat_n(0, self.max_len - n));
+        Ok(())
+    }
+
+    pub fn encode_batch<S: AsRef<str>>(&self, texts: &[S]) -> Result<TokenBatch> {
+        let mut ids = Vec::with_capacity(texts.len() * self.max_len);
+        let mut mask = Vec::with_capacity(texts.len() * self.max_len);
+        for t in texts {
+            self.encode_into(t.as_ref(), &mut ids, &mut mask)?;
+        }
+        Ok(TokenBatch {
+            ids,
+            mask,
+            max_len: self.max_len,
+        })
+    }
+
+    pub fn tokens(&self, text: &str) -> Result<Vec<String>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
+        Ok(enc.get_tokens().to_vec())
+    }
+}
+
+fn attach_bert_template(tok: &mut Tokenizer) -> Result<()> {
+    let cls = tok.token_to_id(CLS).ok_or_else(|| anyhow!("no {CLS}"))?;
+    let sep = tok.token_to_id(SEP).ok_or_else(|| anyhow!("no {SEP}"))?;
+    let template = TemplateProcessing::builder()
+        .try_single(format!("{CLS}:0 $A:0 {SEP}:0"))
+        .map_err(|e| anyhow!("{e}"))?
+        .try_pair(format!("{CLS}:0 $A:0 {SEP}:0 $B:1 {SEP}:1"))
+        .map_err(|e| anyhow!("{e}"))?
+        .special_tokens(vec![(CLS, cls), (SEP, sep)])
+        .build()
+        .map_err(|e| anyhow!("{e}"))?;
+    tok.with_post_processor(Some(template));
+    Ok(())
+}
+
+/// Trains a BERT-style WordPiece vocabulary of (at most) `vocab_size` entries on `captions`.
+///
+/// The special tokens come first (`[PAD]`=0, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`, `<PERSON>`).
+/// The `tokenizers` trainer may break frequency ties differently between runs, so a run saves the
+/// vocabulary it trained with and never retrains it on resume.
+pub fn train_wordpiece<I, S>(
+    captions: I,
+    vocab_size: usize,
+    lowercase: bool,
+    min_frequency: u64,
+) -> Result<Tokenizer>
+where
+    I: Iterator<Item = S> + Send,
+    S: AsRef<str> + Send,
+{
+    let specials: Vec<AddedToken> = [PAD, UNK, CLS, SEP, MASK, PERSON]
+        .iter()
+        .map(|t| AddedToken::from(*t, true))
+        .collect();
+    let model = WordPiece::builder()
+        .unk_token(UNK.into())
+        .build()
+        .map_err(|e| anyhow!("{e}"))?;
+    let mut tok = Tokenizer::new(model);
+    tok.with_normalizer(Some(BertNormalizer::new(
+        true,
+        true,
+        Some(lowercase),
+        lowercase,
+    )))
+    .map_err(|e| anyhow!("{e}"))?;
+    tok.with_pre_tokenizer(Some(BertPreTokenizer));
+    let trainer = WordPieceTrainer::builder()
+        .vocab_size(vocab_size)
+        .min_frequency(min_frequency)
+        .special_tokens(specials.clone())
+        .show_progress(false)
+        .build();
+    let mut wrapper: tokenizers::models::TrainerWrapper = trainer.into();
+    tok.train(&mut wrapper, captions)
+        .map_err(|e| anyhow!("training WordPiece: {e}"))?;
+    tok.add_special_tokens(specials)
+        .map_err(|e| anyhow!("{e}"))?;
+    attach_bert_template(&mut tok)?;
+    Ok(tok)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small_tokenizer(max_len: usize) -> TextTokenizer {
+        let captions = [
+            "a small red circle on a grey background",
+            "a big blue square",
+            "grey backdrop with a red disc",
+            "photo of <PERSON> holding a blue cup",
+        ];
+        let tok = train_wordpiece(captions.iter().cycle().take(40), 200, true, 1).unwrap();
+        TextTokenizer::new(tok, max_len).unwrap()
+    }
+
+    #[test]
+    fn captions_get_cls_and_sep_and_padding_with_a_mask() {
+        let tok = small_tokenizer(10);
+        let b = tok.encode_batch(&["A red circle", ""]).unwrap();
+        let (cls, sep, pad) = (
+            tok.inner.token_to_id(CLS).unwrap(),
+            tok.inner.token_to_id(SEP).unwrap(),
+            tok.inner.token_to_id(PAD).unwrap(),
+        );
+        assert_eq!(b.ids.len(), 20);
+        assert_eq!(b.ids[0], cls);
+        assert_eq!(b.ids[4], sep);
+        assert_eq!(&b.ids[5..10], &[pad; 5]);
+        assert_eq!(&b.mask[..10], &[1, 1, 1, 1, 1, 0, 0, 0, 0, 0]);
+        // The empty caption is just [CLS] [SEP].
+        assert_eq!(&b.ids[10..12], &[cls, sep]);
+        assert_eq!(b.mask[10..].iter().sum::<u32>(), 2);
+    }
+
+    #[test]
+    fn long_captions_are_truncated_keeping_sep() {
+        let tok = small_tokenizer(6);
+        let b = tok
+            .encode_batch(&["a small red circle on a grey background"])
+            .unwrap();
+        let sep = tok.inner.token_to_id(SEP).unwrap();
+        assert_eq!(b.ids.len(), 6);
+        assert_eq!(b.ids[5], sep);
+        assert!(b.mask.iter().all(|&m| m == 1));
+    }
+
+    #[test]
+    fn lowercasing_and_the_person_token() {
+        let tok = small_tokenizer(16);
+        assert_eq!(
+            tok.tokens("RED Circle").unwrap(),
+            vec!["[CLS]", "red", "circle", "[SEP]"]
+        );
+        let toks = tok.tokens("<PERSON> holding a cup").unwrap();
+        assert_eq!(toks[1], PERSON, "{toks:?}");
+    }
+
+    #[test]
+    fn a_saved_vocabulary_loads_back_identically() {
+        let tok = small_tokenizer(12);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        tok.save(&path).unwrap();
+        let back = TextTokenizer::from_file(&path, 12).unwrap();
+        let text = ["grey backdrop with a blue disc"];
+        assert_eq!(
+            tok.encode_batch(&text).unwrap(),
+            back.encode_batch(&text).unwrap()
+        );
+    }
+}

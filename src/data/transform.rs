@@ -1,0 +1,583 @@
+//! Image decoding and the train / eval transforms, writing normalised CHW floats in place.
+//!
+//! ALIGN (and Hugging Face's `AlignProcessor`) resizes to a square ignoring aspect ratio (346) and
+//! crops 289: randomly with a horizontal flip for training, centrally for evaluation. CLIP-style
+//! training uses a random resized crop instead, and evaluation resizes the shorter side. Both are
+//! configured by [`ImageConfig`]; the pixels are written straight into the batch buffer.
+
+use std::io::Cursor;
+
+use image::imageops::FilterType;
+use image::RgbImage;
+use serde::{Deserialize, Serialize};
+
+use super::skips::reason;
+use crate::util::rng::Rng;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResizeMode {
+    /// Resize to `resize`×`resize` ignoring the aspect ratio (ALIGN / EfficientNet preprocessing).
+    Square,
+    /// Resize so the shorter side is `resize`, keeping the aspect ratio (CLIP, torchvision).
+    Shorter,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TrainCrop {
+    /// Resize per `resize_mode`, then a uniformly placed `image_size` crop (ALIGN).
+    RandomCrop,
+    /// torchvision's RandomResizedCrop with `rrc_scale` / `rrc_ratio` (CLIP / open_clip).
+    RandomResizedCrop,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Interpolation {
+    Nearest,
+    /// Antialiased when shrinking, like PIL's BILINEAR.
+    Bilinear,
+    Bicubic,
+    Lanczos,
+}
+
+impl Interpolation {
+    fn filter(self) -> FilterType {
+        match self {
+            Interpolation::Nearest => FilterType::Nearest,
+            Interpolation::Bilinear => FilterType::Triangle,
+            Interpolation::Bicubic => FilterType::CatmullRom,
+            Interpolation::Lanczos => FilterType::Lanczos3,
+        }
+    }
+}
+
+/// How images become tensors. Defaults are ALIGN's (paper §4 and `AlignProcessor`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ImageConfig {
+    /// Side of the square the towers see.
+    pub image_size: usize,
+    /// Resize target before cropping (square side, or shorter side).
+    pub resize: usize,
+    pub resize_mode: ResizeMode,
+    pub train_crop: TrainCrop,
+    /// RandomResizedCrop area fraction range.
+    pub rrc_scale: [f64; 2],
+    /// RandomResizedCrop aspect-ratio range.
+    pub rrc_ratio: [f64; 2],
+    /// Random horizontal flip with probability 0.5 during training.
+    pub hflip: bool,
+    pub mean: [f32; 3],
+    pub std: [f32; 3],
+    pub interpolation: Interpolation,
+    /// Images whose header claims more pixels than this are skipped unread (decompression bombs).
+    pub max_pixels: u64,
+}
+
+impl Default for ImageConfig {
+    fn default() -> Self {
+        Self {
+            image_size: 289,
+            resize: 346,
+            resize_mode: ResizeMode::Square,
+            train_crop: TrainCrop::RandomCrop,
+            rrc_scale: [0.9, 1.0],
+            rrc_ratio: [3.0 / 4.0, 4.0 / 3.0],
+            hflip: true,
+            // x / 127.5 - 1, as AlignProcessor scales.
+            mean: [0.5, 0.5, 0.5],
+            std: [0.5, 0.5, 0.5],
+            interpolation: Interpolation::Bilinear,
+            // PIL's default MAX_IMAGE_PIXELS.
+            max_pixels: 89_478_485,
+        }
+    }
+}
+
+impl ImageConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.image_size == 0 {
+            return Err("image_size must be positive".into());
+        }
+        if self.resize < self.image_size {
+            return Err(format!(
+                "resize ({}) must be at least image_size ({})",
+                self.resize, self.image_size
+            ));
+        }
+        if !(0.0 < self.rrc_scale[0]
+            && self.rrc_scale[0] <= self.rrc_scale[1]
+            && self.rrc_scale[1] <= 1.0)
+        {
+            return Err(format!(
+                "rrc_scale {:?} must satisfy 0 < lo <= hi <= 1",
+                self.rrc_scale
+            ));
+        }
+        if !(0.0 < self.rrc_ratio[0] && self.rrc_ratio[0] <= self.rrc_ratio[1]) {
+            return Err(format!(
+                "rrc_ratio {:?} must satisfy 0 < lo <= hi",
+                self.rrc_ratio
+            ));
+        }
+        if self.std.iter().any(|&s| s <= 0.0) {
+            return Err(format!("std {:?} must be positive", self.std));
+        }
+        Ok(())
+    }
+
+    /// Floats per image in the output buffer.
+    pub fn numel(&self) -> usize {
+        3 * self.image_size * self.image_size
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeError {
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+/// Decodes an image, refusing ones whose header claims more than `max_pixels`. For JPEG, decoding
+/// happens at the smallest DCT scale (1/8 … 1) that still gives at least `min_side` pixels on
+/// both sides, which is several times cheaper for web images far larger than the target.
+pub fn decode(bytes: &[u8], min_side: u32, max_pixels: u64) -> Result<RgbImage, DecodeError> {
+    let corrupt = |detail: String| DecodeError {
+        reason: reason::CORRUPT_IMAGE,
+        detail,
+    };
+    if bytes.starts_with(&[0xff, 0xd8]) {
+        if let Some(img) = decode_jpeg_scaled(bytes, min_side, max_pixels)? {
+            return Ok(img);
+        }
+    }
+    let reader = image::ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| corrupt(e.to_string()))?;
+    if reader.format().is_none() {
+        return Err(corrupt("unrecognised image format".into()));
+    }
+    let (w, h) = reader
+        .into_dimensions()
+        .map_err(|e| corrupt(e.to_string()))?;
+    check_pixels(w, h, max_pixels)?;
+    let mut reader = image::ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| corrupt(e.to_string()))?;
+    let mut limits = image::Limits::default();
+    limits.max_alloc = Some(max_pixels.saturating_mul(16).max(1 << 26));
+    reader.limits(limits);
+    let img = reader.decode().map_err(|e| corrupt(e.to_string()))?;
+    Ok(img.to_rgb8())
+}
+
+fn check_pixels(w: u32, h: u32, max_pixels: u64) -> Result<(), DecodeError> {
+    if w == 0 || h == 0 {
+        return Err(DecodeError {
+            reason: reason::CORRUPT_IMAGE,
+            detail: format!("empty image {w}x{h}"),
+        });
+    }
+    if w as u64 * h as u64 > max_pixels {
+        return Err(DecodeError {
+            reason: reason::IMAGE_TOO_LARGE,
+            detail: format!("{w}x{h} exceeds max_pixels {max_pixels}"),
+        });
+    }
+    Ok(())
+}
+
+/// Ok(None) means "let the general decoder try" (e.g. CMYK JPEGs).
+fn decode_jpeg_scaled(
+    bytes: &[u8],
+    min_side: u32,
+    max_pixels: u64,
+) -> Result<Option<RgbImage>, DecodeError> {
+    let corrupt = |detail: String| DecodeError {
+        reason: reason::CORRUPT_IMAGE,
+        detail,
+    };
+    let mut dec = jpeg_decoder::Decoder::new(Cursor::new(bytes));
+    dec.read_info().map_err(|e| corrupt(e.to_string()))?;
+    let info = dec.info().ok_or_else(|| corrupt("no JPEG header".into()))?;
+    check_pixels(info.width as u32, info.height as u32, max_pixels)?;
+    // The decoder picks the smallest scale reaching the request on *one* axis; we need both, so
+    // choose the scale here and request exactly its output size.
+    let (fw, fh) = (info.width as u32, info.height as u32);
+    let denom = [8u32, 4, 2, 1]
+        .into_iter()
+        .find(|d| fw.div_ceil(*d) >= min_side && fh.div_ceil(*d) >= min_side)
+        .unwrap_or(1);
+    let (w, h) = dec
+        .scale(fw.div_ceil(denom) as u16, fh.div_ceil(denom) as u16)
+        .map_err(|e| corrupt(e.to_string()))?;
+    let pixels = dec.decode().map_err(|e| corrupt(e.to_string()))?;
+    let info = dec.info().ok_or_else(|| corrupt("no JPEG header".into()))?;
+    let (w, h) = (w as u32, h as u32);
+    let rgb = match info.pixel_format {
+        jpeg_decoder::PixelFormat::RGB24 => pixels,
+        jpeg_decoder::PixelFormat::L8 => pixels.iter().flat_map(|&v| [v, v, v]).collect(),
+        jpeg_decoder::PixelFormat::L16 => pixels
+            .chunks_exact(2)
+            .flat_map(|c| [c[0], c[0], c[0]])
+            .collect(),
+        jpeg_decoder::PixelFormat::CMYK32 => return Ok(None),
+    };
+    RgbImage::from_raw(w, h, rgb)
+        .map(Some)
+        .ok_or_else(|| corrupt(format!("decoded buffer does not match {w}x{h}")))
+}
+
+/// A crop rectangle in pixel coordinates of the image it applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rect {
+    pub x: u32,
+    pub y: u32,
+    pub w: u32,
+    pub h: u32,
+}
+
+fn resized_dims(w: u32, h: u32, cfg: &ImageConfig) -> (u32, u32) {
+    let r = cfg.resize as u32;
+    match cfg.resize_mode {
+        ResizeMode::Square => (r, r),
+        ResizeMode::Shorter => {
+            // torchvision: the shorter side becomes r, the longer one int(r * long / short).
+            if w <= h {
+                (r, ((r as u64 * h as u64) / w as u64) as u32)
+            } else {
+                (((r as u64 * w as u64) / h as u64) as u32, r)
+            }
+        }
+    }
+}
+
+/// The center crop of an image of `w`×`h`, as Hugging Face's `center_crop` places it.
+pub fn center_crop(w: u32, h: u32, size: u32) -> Rect {
+    Rect {
+        x: w.saturating_sub(size) / 2,
+        y: h.saturating_sub(size) / 2,
+        w: size.min(w),
+        h: size.min(h),
+    }
+}
+
+/// A uniformly placed crop, every valid offset equally likely.
+pub fn random_crop(w: u32, h: u32, size: u32, rng: &mut Rng) -> Rect {
+    let x = rng.below((w.saturating_sub(size) + 1) as usize) as u32;
+    let y = rng.below((h.saturating_sub(size) + 1) as usize) as u32;
+    Rect {
+        x,
+        y,
+        w: size.min(w),
+        h: size.min(h),
+    }
+}
+
+/// torchvision's RandomResizedCrop box: ten tries at a random area and log-uniform aspect ratio,
+/// then a central crop clamped to the ratio range.
+pub fn random_resized_crop(
+    w: u32,
+    h: u32,
+    scale: [f64; 2],
+    ratio: [f64; 2],
+    rng: &mut Rng,
+) -> Rect {
+    let area = (w as f64) * (h as f64);
+    let (lr0, lr1) = (ratio[0].ln(), ratio[1].ln());
+    for _ in 0..10 {
+        let target = area * rng.uniform(scale[0], scale[1]);
+        let ar = rng.uniform(lr0, lr1).exp();
+        let cw = (target * ar).sqrt().round() as u32;
+        let ch = (target / ar).sqrt().round() as u32;
+        if cw > 0 && ch > 0 && cw <= w && ch <= h {
+            let x = rng.below((w - cw + 1) as usize) as u32;
+            let y = rng.below((h - ch + 1) as usize) as u32;
+            return Rect { x, y, w: cw, h: ch };
+        }
+    }
+    let in_ratio = w as f64 / h as f64;
+    let (cw, ch) = if in_ratio < ratio[0] {
+        (w, ((w as f64 / ratio[0]).round() as u32).min(h))
+    } else if in_ratio > ratio[1] {
+        (((h as f64 * ratio[1]).round() as u32).min(w), h)
+    } else {
+        (w, h)
+    };
+    Rect {
+        x: (w - cw) / 2,
+        y: (h - ch) / 2,
+        w: cw,
+        h: ch,
+    }
+}
+
+/// Writes `img[rect]` (optionally mirrored) normalised as `(x/255 - mean) / std` into `out`, laid
+/// out channel-major (3 × rect.h × rect.w).
+pub fn write_chw(
+    img: &RgbImage,
+    rect: Rect,
+    flip: bool,
+    mean: [f32; 3],
+    std: [f32; 3],
+    out: &mut [f32],
+) {
+    let (cw, ch) = (rect.w as usize, rect.h as usize);
+    assert_eq!(
+        out.len(),
+        3 * cw * ch,
+        "output slice does not match the crop"
+    );
+    let plane = cw * ch;
+    let scale: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * std[c]));
+    let shift: [f32; 3] = std::array::from_fn(|c| -mean[c] / std[c]);
+    let stride = img.width() as usize * 3;
+    let raw = img.as_raw();
+    for y in 0..ch {
+        let row = &raw[(rect.y as usize + y) * stride..][..stride];
+        for x in 0..cw {
+            let sx = if flip {
+                rect.x as usize + cw - 1 - x
+            } else {
+                rect.x as usize + x
+            };
+            let px = &row[sx * 3..sx * 3 + 3];
+            for c in 0..3 {
+                out[c * plane + y * cw + x] = px[c] as f32 * scale[c] + shift[c];
+            }
+        }
+    }
+}
+
+fn resize(img: &RgbImage, w: u32, h: u32, interp: Interpolation) -> RgbImage {
+    if img.width() == w && img.height() == h {
+        return img.clone();
+    }
+    image::imageops::resize(img, w, h, interp.filter())
+}
+
+/// The smallest side a JPEG may be decoded at without losing detail the transform keeps.
+pub fn decode_min_side(cfg: &ImageConfig, train: bool) -> u32 {
+    if train && cfg.train_crop == TrainCrop::RandomResizedCrop {
+        (cfg.image_size as f64 / cfg.rrc_scale[0].sqrt()).ceil() as u32
+    } else {
+        cfg.resize as u32
+    }
+}
+
+/// Training transform: random crop (or random resized crop) and random flip, drawn from `rng`.
+pub fn train_transform(img: &RgbImage, cfg: &ImageConfig, rng: &mut Rng, out: &mut [f32]) {
+    let s = cfg.image_size as u32;
+    match cfg.train_crop {
+        TrainCrop::RandomCrop => {
+            let (rw, rh) = resized_dims(img.width(), img.height(), cfg);
+            let resized = resize(img, rw, rh, cfg.interpolation);
+            let rect = random_crop(rw, rh, s, rng);
+            let flip = cfg.hflip && rng.bernoulli(0.5);
+            write_chw(&resized, rect, flip, cfg.mean, cfg.std, out);
+        }
+        TrainCrop::RandomResizedCrop => {
+            let r =
+                random_resized_crop(img.width(), img.height(), cfg.rrc_scale, cfg.rrc_ratio, rng);
+            let cropped = image::imageops::crop_imm(img, r.x, r.y, r.w, r.h).to_image();
+            let resized = resize(&cropped, s, s, cfg.interpolation);
+            let flip = cfg.hflip && rng.bernoulli(0.5);
+            write_chw(
+                &resized,
+                Rect {
+                    x: 0,
+                    y: 0,
+                    w: s,
+                    h: s,
+                },
+                flip,
+                cfg.mean,
+                cfg.std,
+                out,
+            );
+        }
+    }
+}
+
+/// Evaluation transform: deterministic resize and center crop.
+pub fn eval_transform(img: &RgbImage, cfg: &ImageConfig, out: &mut [f32]) {
+    let s = cfg.image_size as u32;
+    let (rw, rh) = resized_dims(img.width(), img.height(), cfg);
+    let resized = resize(img, rw.max(s), rh.max(s), cfg.interpolation);
+    let rect = center_crop(resized.width(), resized.height(), s);
+    write_chw(&resized, rect, false, cfg.mean, cfg.std, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gradient_image(w: u32, h: u32) -> RgbImage {
+        RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, (x + y) as u8]))
+    }
+
+    #[test]
+    fn normalisation_matches_hand_computed_pixels() {
+        let img = RgbImage::from_fn(2, 1, |x, _| {
+            if x == 0 {
+                image::Rgb([0, 127, 255])
+            } else {
+                image::Rgb([51, 102, 204])
+            }
+        });
+        let mut out = vec![0.0; 6];
+        write_chw(
+            &img,
+            Rect {
+                x: 0,
+                y: 0,
+                w: 2,
+                h: 1,
+            },
+            false,
+            [0.5; 3],
+            [0.5; 3],
+            &mut out,
+        );
+        // ALIGN scaling x / 127.5 - 1.
+        let want = [
+            -1.0,
+            51.0 / 127.5 - 1.0,
+            127.0 / 127.5 - 1.0,
+            102.0 / 127.5 - 1.0,
+            1.0,
+            204.0 / 127.5 - 1.0,
+        ];
+        for (g, w) in out.iter().zip(want) {
+            assert!((g - w).abs() < 1e-6, "{out:?}");
+        }
+        let mut out = vec![0.0; 3];
+        write_chw(
+            &img,
+            Rect {
+                x: 1,
+                y: 0,
+                w: 1,
+                h: 1,
+            },
+            false,
+            [0.485, 0.456, 0.406],
+            [0.229, 0.224, 0.225],
+            &mut out,
+        );
+        assert!((out[0] - (0.2 - 0.485) / 0.229).abs() < 1e-5);
+        assert!((out[2] - (0.8 - 0.406) / 0.225).abs() < 1e-5);
+    }
+
+    #[test]
+    fn flip_mirrors_columns_of_the_crop() {
+        let img = gradient_image(8, 4);
+        let rect = Rect {
+            x: 2,
+            y: 1,
+            w: 4,
+            h: 2,
+        };
+        let (mut a, mut b) = (vec![0.0; 24], vec![0.0; 24]);
+        write_chw(&img, rect, false, [0.0; 3], [1.0 / 255.0; 3], &mut a);
+        write_chw(&img, rect, true, [0.0; 3], [1.0 / 255.0; 3], &mut b);
+        // Channel 0 holds x: row 0 is 2,3,4,5 and mirrored 5,4,3,2.
+        assert_eq!(&a[0..4], &[2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(&b[0..4], &[5.0, 4.0, 3.0, 2.0]);
+        // Channel 1 holds y: rows start at the crop's top.
+        assert_eq!(a[8], 1.0);
+        assert_eq!(a[12], 2.0);
+    }
+
+    #[test]
+    fn random_crops_stay_inside_and_reach_every_corner() {
+        let mut rng = Rng::new(0);
+        let (mut min_x, mut max_x) = (u32::MAX, 0);
+        for _ in 0..2000 {
+            let r = random_crop(346, 346, 289, &mut rng);
+            assert!(r.x + r.w <= 346 && r.y + r.h <= 346 && r.w == 289);
+            min_x = min_x.min(r.x);
+            max_x = max_x.max(r.x);
+        }
+        assert_eq!((min_x, max_x), (0, 57));
+    }
+
+    #[test]
+    fn random_resized_crops_respect_scale_and_ratio() {
+        let mut rng = Rng::new(1);
+        for _ in 0..500 {
+            let r = random_resized_crop(640, 480, [0.3, 1.0], [0.75, 4.0 / 3.0], &mut rng);
+            assert!(r.x + r.w <= 640 && r.y + r.h <= 480);
+            let frac = (r.w * r.h) as f64 / (640.0 * 480.0);
+            assert!(frac > 0.28 && frac <= 1.0, "{r:?}");
+        }
+        // A panorama cannot hold a 3:4..4:3 crop of full area: the fallback clamps to the ratio.
+        let r = random_resized_crop(1000, 100, [0.99, 1.0], [0.75, 4.0 / 3.0], &mut Rng::new(2));
+        assert_eq!((r.w, r.h), (133, 100));
+    }
+
+    #[test]
+    fn center_crop_places_the_odd_pixel_like_hugging_face() {
+        assert_eq!(
+            center_crop(346, 346, 289),
+            Rect {
+                x: 28,
+                y: 28,
+                w: 289,
+                h: 289
+            }
+        );
+        assert_eq!(
+            center_crop(300, 289, 289),
+            Rect {
+                x: 5,
+                y: 0,
+                w: 289,
+                h: 289
+            }
+        );
+    }
+
+    #[test]
+    fn eval_transform_of_a_flat_image_is_flat() {
+        let img = RgbImage::from_pixel(50, 30, image::Rgb([255, 0, 127]));
+        let cfg = ImageConfig {
+            image_size: 16,
+            resize: 20,
+            resize_mode: ResizeMode::Shorter,
+            ..Default::default()
+        };
+        let mut out = vec![0.0; cfg.numel()];
+        eval_transform(&img, &cfg, &mut out);
+        assert!(out[..256].iter().all(|&v| (v - 1.0).abs() < 1e-6));
+        assert!(out[256..512].iter().all(|&v| (v + 1.0).abs() < 1e-6));
+    }
+
+    #[test]
+    fn decoding_rejects_garbage_and_bombs_and_scales_jpegs() {
+        assert_eq!(
+            decode(b"not an image", 10, 1 << 30).unwrap_err().reason,
+            "corrupt_image"
+        );
+        let img = gradient_image(200, 120);
+        let mut jpg = Vec::new();
+        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpg, 90)
+            .encode_image(&img)
+            .unwrap();
+        assert_eq!(decode(&jpg, 10, 100).unwrap_err().reason, "image_too_large");
+        // Asking for 40 px lets the decoder work at 1/2 scale: 1/4 would give 50x30, short of 40.
+        let small = decode(&jpg, 40, 1 << 30).unwrap();
+        assert_eq!(small.dimensions(), (100, 60));
+        assert_eq!(decode(&jpg, 30, 1 << 30).unwrap().dimensions(), (50, 30));
+        let full = decode(&jpg, 500, 1 << 30).unwrap();
+        assert_eq!(full.dimensions(), (200, 120));
+        let truncated = &jpg[..jpg.len() / 3];
+        assert!(decode(truncated, 500, 1 << 30).is_err());
+        let mut png = Vec::new();
+        img.write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png)
+            .unwrap();
+        assert_eq!(decode(&png, 10, 1 << 30).unwrap().dimensions(), (200, 120));
+    }
+}

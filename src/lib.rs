@@ -1,0 +1,7 @@
+//! align: contrastive image-text dual encoders (ALIGN, CLIP) trained on candle.
+//!
+//! The modules follow a sample's journey: `data` (shards to batches), `model` (towers and the dual
+//! encoder), `train` (loss, optimisers, the loop, checkpoints) and `eval` (retrieval, zero-shot).
+
+pub mod data;
+pub mod util;
