@@ -4,4 +4,6 @@
 //! encoder), `train` (loss, optimisers, the loop, checkpoints) and `eval` (retrieval, zero-shot).
 
 pub mod data;
+pub mod model;
+pub mod train;
 pub mod util;

@@ -1,0 +1,102 @@
+//! BERT text tower with Hugging Face `BertModel` parameter names, pooled by `[CLS]` or the mean.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{Embedding, Init, Linear, VarBuilder};
+
+use super::config::{BertConfig, TextPooling};
+use super::layers::{attention, linear, LayerNorm};
+
+const STD: Init = Init::Randn { mean: 0.0, stdev: 0.02 };
+
+struct Layer {
+    query: Linear,
+    key: Linear,
+    value: Linear,
+    attn_out: Linear,
+    attn_norm: LayerNorm,
+    intermediate: Linear,
+    output: Linear,
+    out_norm: LayerNorm,
+    heads: usize,
+}
+
+impl Layer {
+    fn new(c: &BertConfig, vb: VarBuilder) -> Result<Self> {
+        let h = c.hidden;
+        let sa = vb.pp("attention").pp("self");
+        let ao = vb.pp("attention").pp("output");
+        Ok(Layer {
+            query: linear(h, h, true, STD, sa.pp("query"))?,
+            key: linear(h, h, true, STD, sa.pp("key"))?,
+            value: linear(h, h, true, STD, sa.pp("value"))?,
+            attn_out: linear(h, h, true, STD, ao.pp("dense"))?,
+            attn_norm: LayerNorm::new(h, c.layer_norm_eps, ao.pp("LayerNorm"))?,
+            intermediate: linear(h, c.intermediate, true, STD, vb.pp("intermediate").pp("dense"))?,
+            output: linear(c.intermediate, h, true, STD, vb.pp("output").pp("dense"))?,
+            out_norm: LayerNorm::new(h, c.layer_norm_eps, vb.pp("output").pp("LayerNorm"))?,
+            heads: c.heads,
+        })
+    }
+
+    /// Post-norm block, as BERT has it.
+    fn forward(&self, x: &Tensor, mask_bias: &Tensor) -> Result<Tensor> {
+        let ctx = attention(&self.query.forward(x)?, &self.key.forward(x)?, &self.value.forward(x)?, self.heads, Some(mask_bias))?;
+        let x = self.attn_norm.forward(&(self.attn_out.forward(&ctx)? + x)?)?;
+        let h = self.intermediate.forward(&x)?.gelu_erf()?;
+        self.out_norm.forward(&(self.output.forward(&h)? + x)?)
+    }
+}
+
+pub struct Bert {
+    word: Embedding,
+    position: Embedding,
+    token_type: Embedding,
+    emb_norm: LayerNorm,
+    layers: Vec<Layer>,
+    pub config: BertConfig,
+}
+
+impl Bert {
+    pub fn new(c: &BertConfig, vb: VarBuilder) -> Result<Self> {
+        let e = vb.pp("embeddings");
+        let emb = |n: usize, name: &str| -> Result<Embedding> { Ok(Embedding::new(e.get_with_hints((n, c.hidden), &format!("{name}.weight"), STD)?, c.hidden)) };
+        let layers = (0..c.layers).map(|i| Layer::new(c, vb.pp("encoder").pp("layer").pp(i))).collect::<Result<Vec<_>>>()?;
+        Ok(Bert {
+            word: emb(c.vocab_size, "word_embeddings")?,
+            position: emb(c.max_position, "position_embeddings")?,
+            token_type: emb(c.type_vocab, "token_type_embeddings")?,
+            emb_norm: LayerNorm::new(c.hidden, c.layer_norm_eps, e.pp("LayerNorm"))?,
+            layers,
+            config: c.clone(),
+        })
+    }
+
+    /// Final hidden states `[batch, len, hidden]` for token ids and a 0/1 attention mask (both
+    /// `[batch, len]`, u32).
+    pub fn hidden_states(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (_b, l) = ids.dims2()?;
+        let positions = Tensor::arange(0u32, l as u32, ids.device())?;
+        let types = Tensor::zeros(l, DType::U32, ids.device())?;
+        let x = self.word.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?.broadcast_add(&self.token_type.forward(&types)?)?;
+        let mut x = self.emb_norm.forward(&x)?;
+        // Padding gets a large negative score so it receives no attention.
+        let keep = mask.to_dtype(x.dtype())?;
+        let bias = ((keep - 1.0)? * 1e9)?.unsqueeze(1)?.unsqueeze(1)?;
+        for layer in &self.layers {
+            x = layer.forward(&x, &bias)?;
+        }
+        Ok(x)
+    }
+
+    pub fn pooled(&self, ids: &Tensor, mask: &Tensor, pooling: TextPooling) -> Result<Tensor> {
+        let h = self.hidden_states(ids, mask)?;
+        match pooling {
+            TextPooling::Cls => h.narrow(1, 0, 1)?.squeeze(1),
+            TextPooling::Mean => {
+                let m = mask.to_dtype(h.dtype())?.unsqueeze(D::Minus1)?;
+                let sum = h.broadcast_mul(&m)?.sum(1)?;
+                sum.broadcast_div(&m.sum(1)?.clamp(1.0, f64::INFINITY)?)
+            }
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Tower sizes: named presets plus free-form overrides, resolved once into concrete configs.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextPooling {
+    /// The final hidden state of `[CLS]` (ALIGN, BERT).
+    Cls,
+    /// The mean over non-padding tokens (CC12M's text encoder).
+    Mean,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ImagePooling {
+    /// The class token's final state.
+    Cls,
+    /// Global average of the patch tokens.
+    Gap,
+}
+
+/// How the learnable temperature is parameterised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TemperatureKind {
+    /// ALIGN: logits = x·y / σ, σ learned directly (Hugging Face's `temperature`).
+    Align,
+    /// CLIP: logits = x·y · exp(s), s learned (`logit_scale`), exp(s) clamped at 100.
+    Clip,
+}
+
+/// Optional overrides on top of a ViT preset (any field left out keeps the preset's value).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VitOverrides {
+    pub patch_size: Option<usize>,
+    pub width: Option<usize>,
+    pub depth: Option<usize>,
+    pub heads: Option<usize>,
+    pub mlp_ratio: Option<f64>,
+    pub pool: Option<ImagePooling>,
+    pub layer_norm_eps: Option<f64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BertOverrides {
+    pub hidden: Option<usize>,
+    pub layers: Option<usize>,
+    pub heads: Option<usize>,
+    pub intermediate: Option<usize>,
+    pub max_position: Option<usize>,
+    pub type_vocab: Option<usize>,
+    pub layer_norm_eps: Option<f64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VitConfig {
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub width: usize,
+    pub depth: usize,
+    pub heads: usize,
+    pub mlp_dim: usize,
+    pub pool: ImagePooling,
+    pub layer_norm_eps: f64,
+}
+
+impl VitConfig {
+    /// `vit-ti16`, `vit-s16`, `vit-b32`, `vit-b16`, `vit-l14` (Dosovitskiy et al.; DeiT for Ti).
+    pub fn preset(name: &str, image_size: usize) -> Option<Self> {
+        let (patch, width, depth, heads) = match name {
+            "vit-ti16" => (16, 192, 12, 3),
+            "vit-s16" => (16, 384, 12, 6),
+            "vit-b32" => (32, 768, 12, 12),
+            "vit-b16" => (16, 768, 12, 12),
+            "vit-l14" => (14, 1024, 24, 16),
+            "vit" => (16, 768, 12, 12),
+            _ => return None,
+        };
+        Some(VitConfig { image_size, patch_size: patch, width, depth, heads, mlp_dim: 4 * width, pool: ImagePooling::Cls, layer_norm_eps: 1e-12 })
+    }
+
+    pub fn with(mut self, o: &VitOverrides) -> Self {
+        if let Some(v) = o.patch_size {
+            self.patch_size = v;
+        }
+        if let Some(v) = o.width {
+            self.width = v;
+            self.mlp_dim = 4 * v;
+        }
+        if let Some(v) = o.depth {
+            self.depth = v;
+        }
+        if let Some(v) = o.heads {
+            self.heads = v;
+        }
+        if let Some(r) = o.mlp_ratio {
+            self.mlp_dim = (self.width as f64 * r).round() as usize;
+        }
+        if let Some(p) = o.pool {
+            self.pool = p;
+        }
+        if let Some(e) = o.layer_norm_eps {
+            self.layer_norm_eps = e;
+        }
+        self
+    }
+
+    pub fn num_patches(&self) -> usize {
+        (self.image_size / self.patch_size).pow(2)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.patch_size == 0 || self.image_size % self.patch_size != 0 {
+            return Err(format!("image_size {} is not a multiple of patch_size {}", self.image_size, self.patch_size));
+        }
+        if self.heads == 0 || self.width % self.heads != 0 {
+            return Err(format!("ViT width {} is not divisible by heads {}", self.width, self.heads));
+        }
+        if self.depth == 0 || self.mlp_dim == 0 {
+            return Err("ViT depth and MLP size must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BertConfig {
+    pub vocab_size: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub intermediate: usize,
+    pub max_position: usize,
+    pub type_vocab: usize,
+    pub layer_norm_eps: f64,
+}
+
+impl BertConfig {
+    /// The standard Google BERT sizes (Turc et al. 2019 for the small ones).
+    pub fn preset(name: &str, vocab_size: usize) -> Option<Self> {
+        let (layers, hidden, heads) = match name {
+            "bert-tiny" => (2, 128, 2),
+            "bert-mini" => (4, 256, 4),
+            "bert-small" => (4, 512, 8),
+            "bert-medium" => (8, 512, 8),
+            "bert-base" | "bert" => (12, 768, 12),
+            "bert-large" => (24, 1024, 16),
+            _ => return None,
+        };
+        Some(BertConfig { vocab_size, hidden, layers, heads, intermediate: 4 * hidden, max_position: 512, type_vocab: 2, layer_norm_eps: 1e-12 })
+    }
+
+    pub fn with(mut self, o: &BertOverrides) -> Self {
+        if let Some(v) = o.hidden {
+            self.hidden = v;
+            self.intermediate = 4 * v;
+        }
+        if let Some(v) = o.layers {
+            self.layers = v;
+        }
+        if let Some(v) = o.heads {
+            self.heads = v;
+        }
+        if let Some(v) = o.intermediate {
+            self.intermediate = v;
+        }
+        if let Some(v) = o.max_position {
+            self.max_position = v;
+        }
+        if let Some(v) = o.type_vocab {
+            self.type_vocab = v;
+        }
+        if let Some(v) = o.layer_norm_eps {
+            self.layer_norm_eps = v;
+        }
+        self
+    }
+
+    pub fn validate(&self, max_len: usize) -> Result<(), String> {
+        if self.heads == 0 || self.hidden % self.heads != 0 {
+            return Err(format!("BERT hidden {} is not divisible by heads {}", self.hidden, self.heads));
+        }
+        if max_len > self.max_position {
+            return Err(format!("text max_len {max_len} exceeds BERT max_position {}", self.max_position));
+        }
+        if self.vocab_size == 0 || self.layers == 0 {
+            return Err("BERT vocab_size and layers must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+pub const VIT_PRESETS: [&str; 5] = ["vit-ti16", "vit-s16", "vit-b32", "vit-b16", "vit-l14"];
+pub const BERT_PRESETS: [&str; 6] = ["bert-tiny", "bert-mini", "bert-small", "bert-medium", "bert-base", "bert-large"];

@@ -1,0 +1,180 @@
+//! The dual encoder: an image tower and a text tower, linear projections to a shared embedding
+//! space, L2 normalisation, and the learnable temperature.
+
+use candle_core::{Module, Result, Tensor};
+use candle_nn::{Init, Linear, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use super::bert::Bert;
+use super::config::{BertConfig, TemperatureKind, TextPooling, VitConfig};
+use super::init::LINEAR_DEFAULT;
+use super::layers::{l2_normalize, linear};
+use super::vit::Vit;
+
+/// Concrete sizes of everything, resolved from the config, tokenizer and data settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    pub image: ImageSpec,
+    pub text: BertConfig,
+    pub embed_dim: usize,
+    /// Without a projection the image tower's width must equal `embed_dim` (ALIGN's EfficientNet).
+    pub image_projection: bool,
+    pub text_pooling: TextPooling,
+    pub temperature: TemperatureKind,
+    /// σ at initialisation (ALIGN 1.0; CLIP 0.07, i.e. logit scale ln(1/0.07)).
+    pub temperature_init: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ImageSpec {
+    Vit(VitConfig),
+}
+
+impl ImageSpec {
+    pub fn width(&self) -> usize {
+        match self {
+            ImageSpec::Vit(c) => c.width,
+        }
+    }
+
+    pub fn image_size(&self) -> usize {
+        match self {
+            ImageSpec::Vit(c) => c.image_size,
+        }
+    }
+}
+
+pub enum ImageTower {
+    Vit(Vit),
+}
+
+impl ImageTower {
+    pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
+        match self {
+            ImageTower::Vit(v) => v.pooled(images),
+        }
+    }
+}
+
+/// CLIP clamps the logit scale at 100 (σ ≥ 0.01).
+pub const CLIP_MAX_LOGIT_SCALE: f64 = 100.0;
+
+pub struct DualEncoder {
+    pub image: ImageTower,
+    pub text: Bert,
+    visual_projection: Option<Linear>,
+    text_projection: Linear,
+    /// σ (ALIGN) or s = ln(logit scale) (CLIP); a 0-d variable.
+    temperature: Tensor,
+    pub spec: ModelSpec,
+}
+
+impl DualEncoder {
+    pub fn new(spec: &ModelSpec, vb: VarBuilder) -> Result<Self> {
+        let image = match &spec.image {
+            ImageSpec::Vit(c) => ImageTower::Vit(Vit::new(c, vb.pp("vision_model"))?),
+        };
+        let text = Bert::new(&spec.text, vb.pp("text_model"))?;
+        let width = spec.image.width();
+        let visual_projection = if spec.image_projection {
+            Some(linear(width, spec.embed_dim, false, LINEAR_DEFAULT, vb.pp("visual_projection"))?)
+        } else {
+            if width != spec.embed_dim {
+                candle_core::bail!("image tower width {width} differs from embed_dim {} and image_projection is off", spec.embed_dim);
+            }
+            None
+        };
+        let text_projection = linear(spec.text.hidden, spec.embed_dim, true, LINEAR_DEFAULT, vb.pp("text_projection"))?;
+        let temperature = match spec.temperature {
+            TemperatureKind::Align => vb.get_with_hints((), "temperature", Init::Const(spec.temperature_init))?,
+            TemperatureKind::Clip => vb.get_with_hints((), "logit_scale", Init::Const((1.0 / spec.temperature_init).ln()))?,
+        };
+        Ok(DualEncoder { image, text, visual_projection, text_projection, temperature, spec: spec.clone() })
+    }
+
+    /// L2-normalised image embeddings `[batch, embed_dim]` for `[batch, 3, S, S]` images.
+    pub fn image_embeddings(&self, images: &Tensor) -> Result<Tensor> {
+        let pooled = self.image.pooled(images)?;
+        let x = match &self.visual_projection {
+            Some(p) => p.forward(&pooled)?,
+            None => pooled,
+        };
+        l2_normalize(&x)
+    }
+
+    /// L2-normalised text embeddings for token ids and attention mask (`[batch, len]`, u32).
+    pub fn text_embeddings(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let pooled = self.text.pooled(ids, mask, self.spec.text_pooling)?;
+        l2_normalize(&self.text_projection.forward(&pooled)?)
+    }
+
+    /// The factor logits are multiplied by: 1/σ (ALIGN) or min(exp(s), 100) (CLIP). 0-d.
+    pub fn logit_scale(&self) -> Result<Tensor> {
+        match self.spec.temperature {
+            TemperatureKind::Align => self.temperature.recip(),
+            TemperatureKind::Clip => self.temperature.exp()?.clamp(0.0, CLIP_MAX_LOGIT_SCALE),
+        }
+    }
+
+    /// σ = 1 / logit scale, for reporting.
+    pub fn temperature_value(&self) -> Result<f64> {
+        Ok(1.0 / self.logit_scale()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::ImagePooling;
+    use crate::model::init::SeededVars;
+    use candle_core::{DType, Device, Tensor};
+
+    pub fn tiny_spec() -> ModelSpec {
+        ModelSpec {
+            image: ImageSpec::Vit(VitConfig { image_size: 8, patch_size: 4, width: 16, depth: 1, heads: 2, mlp_dim: 32, pool: ImagePooling::Cls, layer_norm_eps: 1e-12 }),
+            text: BertConfig { vocab_size: 30, hidden: 16, layers: 1, heads: 2, intermediate: 32, max_position: 16, type_vocab: 2, layer_norm_eps: 1e-12 },
+            embed_dim: 8,
+            image_projection: true,
+            text_pooling: TextPooling::Cls,
+            temperature: TemperatureKind::Align,
+            temperature_init: 1.0,
+        }
+    }
+
+    #[test]
+    fn embeddings_are_unit_vectors_and_every_variable_gets_a_gradient() {
+        let dev = Device::Cpu;
+        let vm = candle_nn::VarMap::new();
+        let model = DualEncoder::new(&tiny_spec(), SeededVars::builder(&vm, 3, &dev)).unwrap();
+        let images = Tensor::randn(0f32, 1.0, (3, 3, 8, 8), &dev).unwrap();
+        let ids = Tensor::new(&[[2u32, 7, 9, 3, 0], [2, 5, 3, 0, 0], [2, 11, 12, 13, 3]], &dev).unwrap();
+        let mask = Tensor::new(&[[1u32, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], &dev).unwrap();
+        let xi = model.image_embeddings(&images).unwrap();
+        let xt = model.text_embeddings(&ids, &mask).unwrap();
+        for n in xi.sqr().unwrap().sum(1).unwrap().to_vec1::<f32>().unwrap() {
+            assert!((n - 1.0).abs() < 1e-5);
+        }
+        let logits = xi.matmul(&xt.t().unwrap()).unwrap().broadcast_mul(&model.logit_scale().unwrap()).unwrap();
+        let loss = candle_nn::loss::cross_entropy(&logits, &Tensor::new(&[0u32, 1, 2], &dev).unwrap()).unwrap();
+        let grads = loss.backward().unwrap();
+        let data = vm.data().lock().unwrap();
+        let mut missing: Vec<&String> = data.iter().filter(|(_, v)| grads.get(v.as_tensor()).is_none()).map(|(k, _)| k).collect();
+        missing.sort();
+        // Unused rows of tables still get (zero) gradients; a missing entry means a broken graph.
+        assert!(missing.is_empty(), "variables without gradient: {missing:?}");
+        assert_eq!(model.temperature_value().unwrap(), 1.0);
+        assert_eq!(data["temperature"].dtype(), DType::F32);
+    }
+
+    #[test]
+    fn padding_does_not_change_the_text_embedding() {
+        let dev = Device::Cpu;
+        let vm = candle_nn::VarMap::new();
+        let model = DualEncoder::new(&tiny_spec(), SeededVars::builder(&vm, 3, &dev)).unwrap();
+        let short = model.text_embeddings(&Tensor::new(&[[2u32, 7, 3]], &dev).unwrap(), &Tensor::new(&[[1u32, 1, 1]], &dev).unwrap()).unwrap();
+        let padded = model.text_embeddings(&Tensor::new(&[[2u32, 7, 3, 0, 0, 0]], &dev).unwrap(), &Tensor::new(&[[1u32, 1, 1, 0, 0, 0]], &dev).unwrap()).unwrap();
+        let d = (short - padded).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-5, "{d}");
+    }
+}

@@ -1,0 +1,102 @@
+//! Building blocks shared by the towers, written only with ops whose gradients candle 0.11
+//! computes correctly (its fused LayerNorm and last-dim softmax silently drop gradients).
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+/// LayerNorm over the last dimension, composed from differentiable primitives.
+#[derive(Debug, Clone)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f64,
+}
+
+impl LayerNorm {
+    /// Hugging Face names: `weight` and `bias` (BERT's old `gamma`/`beta` are not used).
+    pub fn new(dim: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
+        let weight = vb.get_with_hints(dim, "weight", Init::Const(1.0))?;
+        let bias = vb.get_with_hints(dim, "bias", Init::Const(0.0))?;
+        Ok(Self { weight, bias, eps })
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let x = if dtype == DType::F32 || dtype == DType::F64 { x.clone() } else { x.to_dtype(DType::F32)? };
+        let mean = x.mean_keepdim(D::Minus1)?;
+        let centered = x.broadcast_sub(&mean)?;
+        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+        let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)
+    }
+}
+
+/// A linear layer whose weights follow `init` (PyTorch layout: `[out, in]`).
+pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuilder) -> Result<candle_nn::Linear> {
+    let w = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
+    let b = if bias { Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?) } else { None };
+    Ok(candle_nn::Linear::new(w, b))
+}
+
+/// Multi-head scaled dot-product attention on already projected `q`, `k`, `v` of shape
+/// `[batch, len, heads * head_dim]`. `bias` is added to the scores (`[batch, 1, 1, len]` for a
+/// padding mask) before the softmax.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (b, l, d) = q.dims3()?;
+    let hd = d / heads;
+    let split = |t: &Tensor| t.reshape((b, l, heads, hd))?.transpose(1, 2)?.contiguous();
+    let (q, k, v) = (split(q)?, split(k)?, split(v)?);
+    let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+    let scores = match bias {
+        Some(m) => scores.broadcast_add(m)?,
+        None => scores,
+    };
+    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    probs.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))
+}
+
+/// L2-normalises rows.
+pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
+    let norm = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
+    x.broadcast_div(&(norm + 1e-12)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn layer_norm_matches_hand_computation_and_passes_gradients() {
+        let dev = Device::Cpu;
+        let x = Var::new(&[[1.0f32, 2.0, 3.0, 6.0]], &dev).unwrap();
+        let ln = LayerNorm { weight: Tensor::new(&[1.0f32, 2.0, 1.0, 1.0], &dev).unwrap(), bias: Tensor::new(&[0.0f32, 0.0, 0.5, 0.0], &dev).unwrap(), eps: 0.0 };
+        let y = ln.forward(x.as_tensor()).unwrap();
+        // mean 3, var (4+1+0+9)/4 = 3.5
+        let s = 3.5f32.sqrt();
+        let want = [-2.0 / s, -2.0 / s, 0.5, 3.0 / s];
+        for (g, w) in y.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().zip(want) {
+            assert!((g - w).abs() < 1e-5);
+        }
+        let grads = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(x.as_tensor()).is_some(), "LayerNorm must pass gradients to its input");
+    }
+
+    #[test]
+    fn attention_ignores_masked_keys() {
+        let dev = Device::Cpu;
+        let q = Tensor::new(&[[[1.0f32, 0.0], [0.0, 1.0], [1.0, 1.0]]], &dev).unwrap();
+        let v = Tensor::new(&[[[1.0f32, 2.0], [3.0, 4.0], [100.0, 100.0]]], &dev).unwrap();
+        let mask = Tensor::new(&[[[[0.0f32, 0.0, -1e9]]]], &dev).unwrap();
+        let out = attention(&q, &q, &v, 1, Some(&mask)).unwrap().to_vec3::<f32>().unwrap();
+        for row in &out[0] {
+            assert!(row[0] <= 3.0 && row[1] <= 4.0, "{row:?}");
+        }
+        // Query 0 = [1,0] scores keys [1, 0]/sqrt(2): softmax weights by hand.
+        let (a, b) = ((1.0f32 / 2f32.sqrt()).exp(), 1.0f32);
+        let w0 = a / (a + b);
+        assert!((out[0][0][0] - (w0 * 1.0 + (1.0 - w0) * 3.0)).abs() < 1e-5);
+    }
+}
