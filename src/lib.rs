@@ -3,7 +3,9 @@
 //! The modules follow a sample's journey: `data` (shards to batches), `model` (towers and the dual
 //! encoder), `train` (loss, optimisers, the loop, checkpoints) and `eval` (retrieval, zero-shot).
 
+pub mod config;
 pub mod data;
+pub mod eval;
 pub mod model;
 pub mod train;
 pub mod util;

@@ -1,1 +1,113 @@
-fn main() {}
+//! The `align` command line: parse, then call one function per subcommand.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+mod cli;
+
+// candle allocates a fresh buffer for every op result; glibc returns large ones to the kernel
+// each time (mmap/munmap), which showed up as a third of the training time in system calls.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Parser)]
+#[command(name = "align", version, about = "Train and evaluate contrastive image-text dual encoders (ALIGN, CLIP)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate synthetic data, train a small model on the CPU, evaluate it.
+    Demo(cli::demo::DemoArgs),
+    /// Train from a TOML config.
+    Train(TrainArgs),
+    /// Data tools: synthetic shards, statistics.
+    #[command(subcommand)]
+    Data(DataCommand),
+    /// Tokenizer tools.
+    #[command(subcommand)]
+    Tokenizer(TokenizerCommand),
+    /// Evaluate a checkpoint.
+    #[command(subcommand)]
+    Eval(EvalCommand),
+    /// Embed images and captions (or a text file) into a searchable index.
+    Embed(cli::embed::EmbedArgs),
+    /// Query an index with a text, an image, or an image plus / minus a text.
+    Search(cli::embed::SearchArgs),
+    /// Measure throughput.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Args)]
+pub struct TrainArgs {
+    /// Experiment config (TOML).
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a config field: `--set train.lr=1e-4` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Continue from the run's latest checkpoint.
+    #[arg(long)]
+    resume: bool,
+    /// Print the summary as JSON.
+    #[arg(long)]
+    json: bool,
+    /// No progress bars.
+    #[arg(long)]
+    quiet: bool,
+    /// Stop after this many steps (the schedule still follows train.steps).
+    #[arg(long)]
+    stop_after: Option<u64>,
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Write synthetic image-caption shards (train + test), classes.txt and templates.txt.
+    Synth(cli::data::SynthArgs),
+    /// Count samples, skips by reason, caption lengths and image sizes.
+    Stats(cli::data::StatsArgs),
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a WordPiece vocabulary on the captions of shards.
+    Train(cli::data::TokenizerTrainArgs),
+}
+
+#[derive(Subcommand)]
+enum EvalCommand {
+    /// Image-text retrieval Recall@1/5/10 in both directions.
+    Retrieval(cli::eval::RetrievalArgs),
+    /// Zero-shot classification with prompt ensembles.
+    Zeroshot(cli::eval::ZeroShotArgs),
+    /// K-nearest-neighbour classification of image embeddings (train split as the index).
+    Knn(cli::eval::KnnArgs),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Loader throughput in images per second.
+    Loader(cli::bench::LoaderArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo(a) => cli::demo::run(&a),
+        Command::Train(a) => cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after),
+        Command::Data(DataCommand::Synth(a)) => cli::data::synth(&a),
+        Command::Data(DataCommand::Stats(a)) => cli::data::stats(&a),
+        Command::Tokenizer(TokenizerCommand::Train(a)) => cli::data::tokenizer_train(&a),
+        Command::Eval(EvalCommand::Retrieval(a)) => cli::eval::retrieval(&a),
+        Command::Eval(EvalCommand::Zeroshot(a)) => cli::eval::zeroshot(&a),
+        Command::Eval(EvalCommand::Knn(a)) => cli::eval::knn(&a),
+        Command::Embed(a) => cli::embed::embed(&a),
+        Command::Search(a) => cli::embed::search(&a),
+        Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
+    }
+}

@@ -25,12 +25,7 @@ pub struct Placement {
 
 impl Placement {
     pub fn single(workers: usize) -> Self {
-        Placement {
-            rank: 0,
-            world_size: 1,
-            worker: 0,
-            workers,
-        }
+        Placement { rank: 0, world_size: 1, worker: 0, workers }
     }
 
     pub fn with_worker(self, worker: usize) -> Self {
@@ -61,28 +56,13 @@ impl ShardPlan {
 
     /// The shards one worker reads in an epoch (epoch mode), in reading order.
     pub fn worker_shards(&self, epoch: u64, at: Placement) -> Vec<usize> {
-        self.epoch_order(epoch)
-            .into_iter()
-            .skip(at.rank)
-            .step_by(at.world_size)
-            .skip(at.worker)
-            .step_by(at.workers)
-            .collect()
+        self.epoch_order(epoch).into_iter().skip(at.rank).step_by(at.world_size).skip(at.worker).step_by(at.workers).collect()
     }
 
     /// The shard at position `cursor` of a worker's stream in `epoch`, or None past its end.
-    pub fn shard_at(
-        &self,
-        epoch: u64,
-        at: Placement,
-        cursor: usize,
-        cached: &mut Option<(u64, Vec<usize>)>,
-    ) -> Option<usize> {
+    pub fn shard_at(&self, epoch: u64, at: Placement, cursor: usize, cached: &mut Option<(u64, Vec<usize>)>) -> Option<usize> {
         if self.resampled {
-            let mut rng = Rng::derived(
-                self.seed,
-                &[RESAMPLE, at.rank as u64, at.worker as u64, cursor as u64],
-            );
+            let mut rng = Rng::derived(self.seed, &[RESAMPLE, at.rank as u64, at.worker as u64, cursor as u64]);
             return Some(rng.below(self.shards.len()));
         }
         if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
@@ -105,9 +85,7 @@ mod tests {
 
     fn plan(n: usize, shuffle: bool) -> ShardPlan {
         ShardPlan {
-            shards: (0..n)
-                .map(|i| ShardSource::File(PathBuf::from(format!("s{i}.tar"))))
-                .collect(),
+            shards: (0..n).map(|i| ShardSource::File(PathBuf::from(format!("s{i}.tar")))).collect(),
             seed: 42,
             shuffle,
             resampled: false,
@@ -122,23 +100,12 @@ mod tests {
                 let mut seen = vec![0; n];
                 for rank in 0..world {
                     for worker in 0..workers {
-                        for s in p.worker_shards(
-                            epoch,
-                            Placement {
-                                rank,
-                                world_size: world,
-                                worker,
-                                workers,
-                            },
-                        ) {
+                        for s in p.worker_shards(epoch, Placement { rank, world_size: world, worker, workers }) {
                             seen[s] += 1;
                         }
                     }
                 }
-                assert!(
-                    seen.iter().all(|&c| c == 1),
-                    "n={n} world={world} workers={workers}: {seen:?}"
-                );
+                assert!(seen.iter().all(|&c| c == 1), "n={n} world={world} workers={workers}: {seen:?}");
             }
         }
     }
@@ -146,20 +113,8 @@ mod tests {
     #[test]
     fn uneven_deals_differ_by_at_most_one_shard() {
         let p = plan(10, false);
-        let counts: Vec<usize> = (0..3)
-            .map(|w| {
-                p.worker_shards(
-                    0,
-                    Placement {
-                        rank: 0,
-                        world_size: 1,
-                        worker: w,
-                        workers: 3,
-                    },
-                )
-                .len()
-            })
-            .collect();
+        let counts: Vec<usize> =
+            (0..3).map(|w| p.worker_shards(0, Placement { rank: 0, world_size: 1, worker: w, workers: 3 }).len()).collect();
         assert_eq!(counts, vec![4, 3, 3]);
     }
 
@@ -177,20 +132,14 @@ mod tests {
         p.resampled = true;
         let at = Placement::single(2);
         let mut cache = None;
-        let draws: Vec<usize> = (0..400)
-            .map(|c| p.shard_at(0, at, c, &mut cache).unwrap())
-            .collect();
-        let again: Vec<usize> = (0..400)
-            .map(|c| p.shard_at(0, at, c, &mut cache).unwrap())
-            .collect();
+        let draws: Vec<usize> = (0..400).map(|c| p.shard_at(0, at, c, &mut cache).unwrap()).collect();
+        let again: Vec<usize> = (0..400).map(|c| p.shard_at(0, at, c, &mut cache).unwrap()).collect();
         assert_eq!(draws, again);
         for s in 0..4 {
             let k = draws.iter().filter(|&&d| d == s).count();
             assert!(k > 60, "shard {s} drawn {k} times");
         }
-        let other: Vec<usize> = (0..400)
-            .map(|c| p.shard_at(0, at.with_worker(1), c, &mut cache).unwrap())
-            .collect();
+        let other: Vec<usize> = (0..400).map(|c| p.shard_at(0, at.with_worker(1), c, &mut cache).unwrap()).collect();
         assert_ne!(draws, other);
     }
 }

@@ -1,4 +1,5 @@
-//! Reading evaluation shards in order: one thread streams the tar members, decoding and the eval
+//! Reading evaluation data in order: one thread streams the samples (tar members of shards, or
+//! image files of a folder layout such as ImageNet's or a Karpathy split), decoding and the eval
 //! transform run in parallel on each chunk, and chunks come out in the data's order.
 
 use std::sync::mpsc::{sync_channel, Receiver};
@@ -30,15 +31,53 @@ pub struct EvalItem {
     pub label: Option<i64>,
 }
 
+/// An image file with its label and/or captions (folder layouts, Karpathy splits).
+#[derive(Debug, Clone)]
+pub struct FileSample {
+    pub path: std::path::PathBuf,
+    pub label: Option<i64>,
+    pub captions: Vec<String>,
+}
+
+pub enum EvalSource {
+    Shards(Vec<ShardSource>),
+    Files(Vec<FileSample>),
+}
+
+impl EvalSource {
+    fn origins(&self) -> Vec<String> {
+        match self {
+            EvalSource::Shards(s) => s.iter().map(|s| s.to_string()).collect(),
+            EvalSource::Files(_) => vec!["files".to_string()],
+        }
+    }
+}
+
 struct Chunk {
     samples: Vec<(usize, RawSample)>,
     skips: SkipCounts,
 }
 
+/// A file as a sample: the image under its extension's field, the label as `cls`, the captions
+/// as lines of `txt`, keyed by its path.
+fn file_sample(f: &FileSample, index: u64) -> std::io::Result<RawSample> {
+    let bytes = std::fs::read(&f.path)?;
+    let ext = f.path.extension().map(|e| e.to_string_lossy().to_lowercase()).unwrap_or_else(|| "jpg".into());
+    let mut fields = std::collections::BTreeMap::new();
+    fields.insert(ext, bytes);
+    if let Some(l) = f.label {
+        fields.insert("cls".to_string(), l.to_string().into_bytes());
+    }
+    if !f.captions.is_empty() {
+        fields.insert("txt".to_string(), f.captions.join("\n").into_bytes());
+    }
+    Ok(RawSample { key: f.path.display().to_string(), index, fields })
+}
+
 pub struct EvalReader {
     rx: Option<Receiver<Chunk>>,
     handle: Option<JoinHandle<()>>,
-    shards: Vec<ShardSource>,
+    shards: Vec<String>,
     cfg: ImageConfig,
     needs: Needs,
     skips: SkipCounts,
@@ -47,60 +86,60 @@ pub struct EvalReader {
 
 impl EvalReader {
     pub fn new(shards: Vec<ShardSource>, cfg: ImageConfig, needs: Needs, chunk: usize) -> Self {
+        Self::from_source(EvalSource::Shards(shards), cfg, needs, chunk)
+    }
+
+    pub fn from_source(source: EvalSource, cfg: ImageConfig, needs: Needs, chunk: usize) -> Self {
         let (tx, rx) = sync_channel::<Chunk>(4);
-        let list = shards.clone();
+        let origins = source.origins();
         let chunk = chunk.max(1);
         let handle = std::thread::spawn(move || {
-            let mut cur = Chunk {
-                samples: Vec::with_capacity(chunk),
-                skips: SkipCounts::default(),
-            };
-            for (i, src) in list.iter().enumerate() {
-                let mut open = true;
-                read_shard(src, |ev| {
-                    match ev {
-                        ShardEvent::Sample(s) => cur.samples.push((i, s)),
-                        ShardEvent::BadSample {
-                            key,
-                            reason,
-                            detail,
-                            ..
-                        } => {
-                            cur.skips.add(reason);
-                            log::warn(format!("shard {src}: sample {key}: {detail}; skipped"));
+            let fresh = || Chunk { samples: Vec::with_capacity(chunk), skips: SkipCounts::default() };
+            let mut cur = fresh();
+            match source {
+                EvalSource::Files(files) => {
+                    for (i, f) in files.iter().enumerate() {
+                        match file_sample(f, i as u64) {
+                            Ok(s) => cur.samples.push((0, s)),
+                            Err(e) => {
+                                cur.skips.add(super::skips::reason::MISSING_IMAGE);
+                                log::warn(format!("{}: {e}; skipped", f.path.display()));
+                            }
                         }
-                        ShardEvent::Failed { reason, detail } => {
-                            cur.skips.add(reason);
-                            log::warn(format!("shard {src}: {detail}; rest of the shard skipped"));
+                        if cur.samples.len() >= chunk && tx.send(std::mem::replace(&mut cur, fresh())).is_err() {
+                            return;
                         }
                     }
-                    if cur.samples.len() >= chunk {
-                        let full = std::mem::replace(
-                            &mut cur,
-                            Chunk {
-                                samples: Vec::with_capacity(chunk),
-                                skips: SkipCounts::default(),
-                            },
-                        );
-                        open = tx.send(full).is_ok();
+                }
+                EvalSource::Shards(list) => {
+                    for (i, src) in list.iter().enumerate() {
+                        let mut open = true;
+                        read_shard(src, |ev| {
+                            match ev {
+                                ShardEvent::Sample(s) => cur.samples.push((i, s)),
+                                ShardEvent::BadSample { key, reason, detail, .. } => {
+                                    cur.skips.add(reason);
+                                    log::warn(format!("shard {src}: sample {key}: {detail}; skipped"));
+                                }
+                                ShardEvent::Failed { reason, detail } => {
+                                    cur.skips.add(reason);
+                                    log::warn(format!("shard {src}: {detail}; rest of the shard skipped"));
+                                }
+                            }
+                            if cur.samples.len() >= chunk {
+                                open = tx.send(std::mem::replace(&mut cur, fresh())).is_ok();
+                            }
+                            open
+                        });
+                        if !open {
+                            return;
+                        }
                     }
-                    open
-                });
-                if !open {
-                    return;
                 }
             }
             let _ = tx.send(cur);
         });
-        EvalReader {
-            rx: Some(rx),
-            handle: Some(handle),
-            shards,
-            cfg,
-            needs,
-            skips: SkipCounts::default(),
-            samples: 0,
-        }
+        EvalReader { rx: Some(rx), handle: Some(handle), shards: origins, cfg, needs, skips: SkipCounts::default(), samples: 0 }
     }
 
     pub fn skips(&self) -> &SkipCounts {
@@ -113,42 +152,21 @@ impl EvalReader {
     }
 }
 
-fn prepare(
-    shards: &[ShardSource],
-    cfg: &ImageConfig,
-    needs: Needs,
-    shard: usize,
-    s: &RawSample,
-) -> Result<EvalItem, Rejected> {
-    let captions = if needs.captions {
-        sample::captions(s)?
-    } else {
-        sample::captions(s).unwrap_or_default()
-    };
+fn prepare(shards: &[String], cfg: &ImageConfig, needs: Needs, shard: usize, s: &RawSample) -> Result<EvalItem, Rejected> {
+    let captions = if needs.captions { sample::captions(s)? } else { sample::captions(s).unwrap_or_default() };
     let label = sample::label(s)?;
     if needs.label && label.is_none() {
-        return Err(Rejected {
-            reason: super::skips::reason::BAD_LABEL,
-            detail: format!("no cls field in shard {}", shards[shard]),
-        });
+        return Err(Rejected { reason: super::skips::reason::BAD_LABEL, detail: format!("no cls field in shard {}", shards[shard]) });
     }
     let mut image = Vec::new();
     if needs.image {
         let bytes = sample::image_bytes(s)?;
         let img =
-            decode(bytes, decode_min_side(cfg, false), cfg.max_pixels).map_err(|e| Rejected {
-                reason: e.reason,
-                detail: e.detail,
-            })?;
+            decode(bytes, decode_min_side(cfg, false), cfg.max_pixels).map_err(|e| Rejected { reason: e.reason, detail: e.detail })?;
         image = vec![0.0; cfg.numel()];
         eval_transform(&img, cfg, &mut image);
     }
-    Ok(EvalItem {
-        key: s.key.clone(),
-        image,
-        captions,
-        label,
-    })
+    Ok(EvalItem { key: s.key.clone(), image, captions, label })
 }
 
 impl Iterator for EvalReader {
@@ -159,21 +177,15 @@ impl Iterator for EvalReader {
             let chunk = self.rx.as_ref()?.recv().ok()?;
             self.skips.merge(&chunk.skips);
             let (shards, cfg, needs) = (&self.shards, &self.cfg, self.needs);
-            let results: Vec<Result<EvalItem, Rejected>> = chunk
-                .samples
-                .par_iter()
-                .map(|(i, s)| prepare(shards, cfg, needs, *i, s))
-                .collect();
+            let results: Vec<Result<EvalItem, Rejected>> =
+                chunk.samples.par_iter().map(|(i, s)| prepare(shards, cfg, needs, *i, s)).collect();
             let mut items = Vec::with_capacity(results.len());
             for ((i, s), r) in chunk.samples.iter().zip(results) {
                 match r {
                     Ok(item) => items.push(item),
                     Err(rej) => {
                         self.skips.add(rej.reason);
-                        log::warn(format!(
-                            "shard {}: sample {}: {}; skipped",
-                            self.shards[*i], s.key, rej.detail
-                        ));
+                        log::warn(format!("shard {}: sample {}: {}; skipped", self.shards[*i], s.key, rej.detail));
                     }
                 }
             }
@@ -209,43 +221,18 @@ mod tests {
             for i in 0..5 {
                 let img = image::RgbImage::from_pixel(4, 4, image::Rgb([i as u8, 0, 0]));
                 let mut png = Vec::new();
-                img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png)
-                    .unwrap();
-                let png = if s == 1 && i == 2 {
-                    b"broken".to_vec()
-                } else {
-                    png
-                };
-                w.write_sample(
-                    &format!("{s}-{i}"),
-                    &[("png", png), ("txt", format!("a\nb{i}").into_bytes())],
-                )
-                .unwrap();
+                img.write_to(&mut std::io::Cursor::new(&mut png), image::ImageFormat::Png).unwrap();
+                let png = if s == 1 && i == 2 { b"broken".to_vec() } else { png };
+                w.write_sample(&format!("{s}-{i}"), &[("png", png), ("txt", format!("a\nb{i}").into_bytes())]).unwrap();
             }
             w.finish().unwrap();
             shards.push(ShardSource::File(path));
         }
-        let cfg = ImageConfig {
-            image_size: 4,
-            resize: 4,
-            ..Default::default()
-        };
-        let mut r = EvalReader::new(
-            shards,
-            cfg,
-            Needs {
-                image: true,
-                captions: true,
-                label: false,
-            },
-            3,
-        );
+        let cfg = ImageConfig { image_size: 4, resize: 4, ..Default::default() };
+        let mut r = EvalReader::new(shards, cfg, Needs { image: true, captions: true, label: false }, 3);
         let items: Vec<EvalItem> = r.by_ref().flatten().collect();
         let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
-        assert_eq!(
-            keys,
-            ["0-0", "0-1", "0-2", "0-3", "0-4", "1-0", "1-1", "1-3", "1-4"]
-        );
+        assert_eq!(keys, ["0-0", "0-1", "0-2", "0-3", "0-4", "1-0", "1-1", "1-3", "1-4"]);
         assert_eq!(items[3].captions, vec!["a", "b3"]);
         assert_eq!(r.skips().get("corrupt_image"), 1);
         assert_eq!(items[1].image.len(), 48);

@@ -164,18 +164,23 @@ impl TrainLoader {
             bail!("workers and batch size must be positive");
         }
         if !plan.resampled && plan.min_shards_per_rank(placement.world_size) == 0 {
-            bail!("{} shards cannot be split over {} ranks: every rank needs at least one (use resampled mode or more shards)", plan.shards.len(), placement.world_size);
+            bail!(
+                "{} shards cannot be split over {} ranks: every rank needs at least one (use resampled mode or more shards)",
+                plan.shards.len(),
+                placement.world_size
+            );
         }
         let pos = resume.unwrap_or_else(|| LoaderPosition::fresh(placement.workers));
         if pos.workers.len() != placement.workers {
-            bail!("the saved loader position has {} workers but {} are configured: resume with the same `data.workers`", pos.workers.len(), placement.workers);
+            bail!(
+                "the saved loader position has {} workers but {} are configured: resume with the same `data.workers`",
+                pos.workers.len(),
+                placement.workers
+            );
         }
         let per_rank = plan.shards.len().div_ceil(placement.world_size);
         if !plan.resampled && per_rank < placement.workers {
-            log::warn(format!(
-                "{} workers but at most {per_rank} shards per rank: some workers will idle",
-                placement.workers
-            ));
+            log::warn(format!("{} workers but at most {per_rank} shards per rank: some workers will idle", placement.workers));
         }
         let plan = Arc::new(plan);
         let settings = Arc::new(settings);
@@ -191,26 +196,15 @@ impl TrainLoader {
                 tx,
                 state: pos.workers[w].clone(),
                 buffer: Vec::new(),
-                batch: Batch::with_capacity(
-                    settings.batch_size,
-                    settings.image.image_size,
-                    tokenizer.max_len(),
-                ),
+                batch: Batch::with_capacity(settings.batch_size, settings.image.image_size, tokenizer.max_len()),
                 samples_in_epoch: 0,
                 cache: None,
             };
-            let handle = std::thread::Builder::new()
-                .name(format!("loader-{w}"))
-                .spawn(move || worker.run())?;
+            let handle = std::thread::Builder::new().name(format!("loader-{w}")).spawn(move || worker.run())?;
             receivers.push(rx);
             handles.push(handle);
         }
-        Ok(TrainLoader {
-            receivers,
-            handles,
-            pos,
-            samples_this_epoch: 0,
-        })
+        Ok(TrainLoader { receivers, handles, pos, samples_this_epoch: 0 })
     }
 
     /// The next batch, in an order fixed by the seed and worker count.
@@ -219,7 +213,11 @@ impl TrainLoader {
         loop {
             if self.pos.exhausted.iter().all(|&e| e) {
                 if self.samples_this_epoch == 0 && !self.pos.workers.iter().any(|w| w.samples > 0) {
-                    bail!("epoch {} produced no usable sample: every shard is unreadable or empty (skipped: {})", self.pos.epoch, self.pos.skips().summary());
+                    bail!(
+                        "epoch {} produced no usable sample: every shard is unreadable or empty (skipped: {})",
+                        self.pos.epoch,
+                        self.pos.skips().summary()
+                    );
                 }
                 self.pos.epoch += 1;
                 self.pos.exhausted.iter_mut().for_each(|e| *e = false);
@@ -230,9 +228,7 @@ impl TrainLoader {
                 self.pos.next_worker = (w + 1) % n;
                 continue;
             }
-            let msg = self.receivers[w]
-                .recv()
-                .map_err(|_| anyhow!("loader worker {w} stopped unexpectedly"))?;
+            let msg = self.receivers[w].recv().map_err(|_| anyhow!("loader worker {w} stopped unexpectedly"))?;
             match msg {
                 Msg::Batch(batch, state) => {
                     self.pos.workers[w] = *state;
@@ -242,9 +238,7 @@ impl TrainLoader {
                 }
                 // An epoch end the restored position already accounts for.
                 Msg::EpochEnd { epoch, .. } if epoch < self.pos.epoch => {}
-                Msg::EpochEnd {
-                    samples_in_epoch, ..
-                } => {
+                Msg::EpochEnd { samples_in_epoch, .. } => {
                     self.samples_this_epoch += samples_in_epoch;
                     self.pos.exhausted[w] = true;
                     self.pos.next_worker = (w + 1) % n;
@@ -298,12 +292,7 @@ impl Worker {
     fn run_inner(&mut self) -> Result<(), Closed> {
         self.restore_buffer();
         loop {
-            while let Some(shard) = self.plan.shard_at(
-                self.state.epoch,
-                self.at,
-                self.state.cursor,
-                &mut self.cache,
-            ) {
+            while let Some(shard) = self.plan.shard_at(self.state.epoch, self.at, self.state.cursor, &mut self.cache) {
                 self.read_one_shard(shard)?;
                 self.state.cursor += 1;
                 self.state.next_index = 0;
@@ -312,12 +301,7 @@ impl Worker {
                 self.pop_and_process()?;
             }
             let epoch = self.state.epoch;
-            self.tx
-                .send(Msg::EpochEnd {
-                    epoch,
-                    samples_in_epoch: self.samples_in_epoch,
-                })
-                .map_err(|_| Closed)?;
+            self.tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.samples_in_epoch }).map_err(|_| Closed)?;
             self.state.epoch += 1;
             self.state.cursor = 0;
             self.state.next_index = 0;
@@ -346,12 +330,7 @@ impl Worker {
                         }
                     }
                 }
-                ShardEvent::BadSample {
-                    key,
-                    index,
-                    reason,
-                    detail,
-                } => {
+                ShardEvent::BadSample { key, index, reason, detail } => {
                     if index >= start {
                         self.state.next_index = index + 1;
                         self.state.skips.add(reason);
@@ -360,9 +339,7 @@ impl Worker {
                 }
                 ShardEvent::Failed { reason, detail } => {
                     self.state.skips.add(reason);
-                    log::warn(format!(
-                        "shard {source}: {detail}; rest of the shard skipped"
-                    ));
+                    log::warn(format!("shard {source}: {detail}; rest of the shard skipped"));
                 }
             }
             true
@@ -371,16 +348,8 @@ impl Worker {
     }
 
     fn pop_and_process(&mut self) -> Result<(), Closed> {
-        let mut rng = Rng::derived(
-            self.settings.seed,
-            &[
-                BUFFER,
-                self.at.rank as u64,
-                self.at.worker as u64,
-                self.state.epoch,
-                self.state.pops,
-            ],
-        );
+        let mut rng =
+            Rng::derived(self.settings.seed, &[BUFFER, self.at.rank as u64, self.at.worker as u64, self.state.epoch, self.state.pops]);
         self.state.pops += 1;
         let k = rng.below(self.buffer.len());
         let (cursor, index, sample) = self.buffer.swap_remove(k);
@@ -390,14 +359,7 @@ impl Worker {
     fn process(&mut self, cursor: usize, index: u64, s: RawSample) -> Result<(), Closed> {
         let mut rng = Rng::derived(
             self.settings.seed,
-            &[
-                AUGMENT,
-                self.at.rank as u64,
-                self.at.worker as u64,
-                self.state.epoch,
-                cursor as u64,
-                index,
-            ],
+            &[AUGMENT, self.at.rank as u64, self.at.worker as u64, self.state.epoch, cursor as u64, index],
         );
         let cfg = &self.settings.image;
         let numel = cfg.numel();
@@ -405,12 +367,8 @@ impl Worker {
             let caps = sample::captions(&s)?;
             let label = sample::label(&s)?;
             let bytes = sample::image_bytes(&s)?;
-            let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels).map_err(|e| {
-                sample::Rejected {
-                    reason: e.reason,
-                    detail: e.detail,
-                }
-            })?;
+            let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels)
+                .map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
             let caption = caps[rng.below(caps.len())].clone();
             let b = &mut self.batch;
             let start = b.images.len();
@@ -418,10 +376,7 @@ impl Worker {
             train_transform(&img, cfg, &mut rng, &mut b.images[start..]);
             self.tokenizer
                 .encode_into(&caption, &mut b.ids, &mut b.mask)
-                .map_err(|e| sample::Rejected {
-                    reason: super::skips::reason::CAPTION_NOT_UTF8,
-                    detail: e.to_string(),
-                })?;
+                .map_err(|e| sample::Rejected { reason: super::skips::reason::CAPTION_NOT_UTF8, detail: e.to_string() })?;
             b.keys.push(s.key.clone());
             b.captions.push(caption);
             b.labels.push(label);
@@ -435,15 +390,8 @@ impl Worker {
             b.ids.truncate(b.size * b.max_len);
             b.mask.truncate(b.size * b.max_len);
             self.state.skips.add(rej.reason);
-            let shard = self.plan.shards[self
-                .plan
-                .shard_at(self.state.epoch, self.at, cursor, &mut self.cache)
-                .unwrap_or(0)]
-            .clone();
-            log::warn(format!(
-                "shard {shard}: sample {}: {}; skipped",
-                s.key, rej.detail
-            ));
+            let shard = self.plan.shards[self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache).unwrap_or(0)].clone();
+            log::warn(format!("shard {shard}: sample {}: {}; skipped", s.key, rej.detail));
             return Ok(());
         }
         self.state.samples += 1;
@@ -451,17 +399,11 @@ impl Worker {
         if self.batch.size == self.settings.batch_size {
             let full = std::mem::replace(
                 &mut self.batch,
-                Batch::with_capacity(
-                    self.settings.batch_size,
-                    cfg.image_size,
-                    self.tokenizer.max_len(),
-                ),
+                Batch::with_capacity(self.settings.batch_size, cfg.image_size, self.tokenizer.max_len()),
             );
             let mut snapshot = self.state.clone();
             snapshot.buffer = self.buffer.iter().map(|(c, i, _)| (*c, *i)).collect();
-            self.tx
-                .send(Msg::Batch(Box::new(full), Box::new(snapshot)))
-                .map_err(|_| Closed)?;
+            self.tx.send(Msg::Batch(Box::new(full), Box::new(snapshot))).map_err(|_| Closed)?;
         }
         Ok(())
     }
@@ -477,17 +419,10 @@ impl Worker {
         let mut found: HashMap<(usize, u64), RawSample> = HashMap::new();
         let first = wanted.iter().map(|w| w.0).min().unwrap_or(0);
         for cursor in first..=self.state.cursor {
-            let Some(shard) =
-                self.plan
-                    .shard_at(self.state.epoch, self.at, cursor, &mut self.cache)
-            else {
+            let Some(shard) = self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache) else {
                 break;
             };
-            let limit = if cursor == self.state.cursor {
-                self.state.next_index
-            } else {
-                u64::MAX
-            };
+            let limit = if cursor == self.state.cursor { self.state.next_index } else { u64::MAX };
             if limit == 0 {
                 continue;
             }
@@ -524,8 +459,7 @@ mod tests {
     fn png(v: u8) -> Vec<u8> {
         let img = image::RgbImage::from_pixel(12, 10, image::Rgb([v, v, v]));
         let mut out = Vec::new();
-        img.write_to(&mut std::io::Cursor::new(&mut out), image::ImageFormat::Png)
-            .unwrap();
+        img.write_to(&mut std::io::Cursor::new(&mut out), image::ImageFormat::Png).unwrap();
         out
     }
 
@@ -539,10 +473,7 @@ mod tests {
                 for i in 0..per {
                     w.write_sample(
                         &format!("s{s}-{i:03}"),
-                        &[
-                            ("png", png((7 * s + i) as u8)),
-                            ("txt", format!("shard {s} item {i}").into_bytes()),
-                        ],
+                        &[("png", png((7 * s + i) as u8)), ("txt", format!("shard {s} item {i}").into_bytes())],
                     )
                     .unwrap();
                 }
@@ -554,18 +485,12 @@ mod tests {
 
     fn tokenizer() -> Arc<TextTokenizer> {
         let caps: Vec<String> = (0..10).map(|i| format!("shard {i} item {i}")).collect();
-        Arc::new(
-            TextTokenizer::new(train_wordpiece(caps.iter(), 100, true, 1).unwrap(), 8).unwrap(),
-        )
+        Arc::new(TextTokenizer::new(train_wordpiece(caps.iter(), 100, true, 1).unwrap(), 8).unwrap())
     }
 
     fn settings(batch: usize, buffer: usize) -> LoaderSettings {
         LoaderSettings {
-            image: ImageConfig {
-                image_size: 8,
-                resize: 10,
-                ..Default::default()
-            },
+            image: ImageConfig { image_size: 8, resize: 10, ..Default::default() },
             batch_size: batch,
             shuffle_buffer: buffer,
             seed: 11,
@@ -574,9 +499,7 @@ mod tests {
     }
 
     fn keys(loader: &mut TrainLoader, batches: usize) -> Vec<Vec<String>> {
-        (0..batches)
-            .map(|_| loader.next_batch().unwrap().keys)
-            .collect()
+        (0..batches).map(|_| loader.next_batch().unwrap().keys).collect()
     }
 
     #[test]
@@ -584,33 +507,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // Three workers with two shards of five each: six batches of five are exactly one epoch.
         let shards = make_shards(dir.path(), 6, 5);
-        let plan = ShardPlan {
-            shards,
-            seed: 3,
-            shuffle: true,
-            resampled: false,
-        };
-        let mut a = TrainLoader::start(
-            plan.clone(),
-            Placement::single(3),
-            settings(5, 4),
-            tokenizer(),
-            None,
-        )
-        .unwrap();
+        let plan = ShardPlan { shards, seed: 3, shuffle: true, resampled: false };
+        let mut a = TrainLoader::start(plan.clone(), Placement::single(3), settings(5, 4), tokenizer(), None).unwrap();
         let ka = keys(&mut a, 6);
         let mut all: Vec<String> = ka.iter().flatten().cloned().collect();
         all.sort();
         all.dedup();
         assert_eq!(all.len(), 30, "{ka:?}");
-        let mut b = TrainLoader::start(
-            plan,
-            Placement::single(3),
-            settings(5, 4),
-            tokenizer(),
-            None,
-        )
-        .unwrap();
+        let mut b = TrainLoader::start(plan, Placement::single(3), settings(5, 4), tokenizer(), None).unwrap();
         assert_eq!(ka, keys(&mut b, 6));
     }
 
@@ -618,31 +522,12 @@ mod tests {
     fn the_shuffle_buffer_mixes_samples_within_a_worker() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 30);
-        let plan = ShardPlan {
-            shards,
-            seed: 3,
-            shuffle: false,
-            resampled: false,
-        };
-        let mut l = TrainLoader::start(
-            plan.clone(),
-            Placement::single(1),
-            settings(30, 0),
-            tokenizer(),
-            None,
-        )
-        .unwrap();
+        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false };
+        let mut l = TrainLoader::start(plan.clone(), Placement::single(1), settings(30, 0), tokenizer(), None).unwrap();
         let sequential = l.next_batch().unwrap().keys;
         let want: Vec<String> = (0..30).map(|i| format!("s0-{i:03}")).collect();
         assert_eq!(sequential, want);
-        let mut l = TrainLoader::start(
-            plan,
-            Placement::single(1),
-            settings(30, 10),
-            tokenizer(),
-            None,
-        )
-        .unwrap();
+        let mut l = TrainLoader::start(plan, Placement::single(1), settings(30, 10), tokenizer(), None).unwrap();
         let shuffled = l.next_batch().unwrap().keys;
         assert_ne!(shuffled, want);
         let mut sorted = shuffled.clone();
@@ -655,51 +540,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 5, 7);
         for resampled in [false, true] {
-            let plan = ShardPlan {
-                shards: shards.clone(),
-                seed: 5,
-                shuffle: true,
-                resampled,
-            };
-            let mut full = TrainLoader::start(
-                plan.clone(),
-                Placement::single(2),
-                settings(4, 6),
-                tokenizer(),
-                None,
-            )
-            .unwrap();
+            let plan = ShardPlan { shards: shards.clone(), seed: 5, shuffle: true, resampled };
+            let mut full = TrainLoader::start(plan.clone(), Placement::single(2), settings(4, 6), tokenizer(), None).unwrap();
             let reference: Vec<Batch> = (0..25).map(|_| full.next_batch().unwrap()).collect();
             for stop in [1, 4, 9, 17] {
-                let mut first = TrainLoader::start(
-                    plan.clone(),
-                    Placement::single(2),
-                    settings(4, 6),
-                    tokenizer(),
-                    None,
-                )
-                .unwrap();
+                let mut first = TrainLoader::start(plan.clone(), Placement::single(2), settings(4, 6), tokenizer(), None).unwrap();
                 for _ in 0..stop {
                     first.next_batch().unwrap();
                 }
-                let saved: LoaderPosition =
-                    serde_json::from_str(&serde_json::to_string(first.position()).unwrap())
-                        .unwrap();
+                let saved: LoaderPosition = serde_json::from_str(&serde_json::to_string(first.position()).unwrap()).unwrap();
                 drop(first);
-                let mut resumed = TrainLoader::start(
-                    plan.clone(),
-                    Placement::single(2),
-                    settings(4, 6),
-                    tokenizer(),
-                    Some(saved),
-                )
-                .unwrap();
+                let mut resumed = TrainLoader::start(plan.clone(), Placement::single(2), settings(4, 6), tokenizer(), Some(saved)).unwrap();
                 for (k, want) in reference.iter().enumerate().skip(stop) {
                     let got = resumed.next_batch().unwrap();
-                    assert_eq!(
-                        got.keys, want.keys,
-                        "resampled={resampled} stop={stop} batch={k}"
-                    );
+                    assert_eq!(got.keys, want.keys, "resampled={resampled} stop={stop} batch={k}");
                     assert_eq!(got.images, want.images);
                     assert_eq!(got.ids, want.ids);
                 }
@@ -712,46 +566,23 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("bad.tar");
         let mut w = ShardWriter::create(&path).unwrap();
-        w.write_sample("good1", &[("png", png(1)), ("txt", b"ok".to_vec())])
-            .unwrap();
-        w.write_sample(
-            "corrupt",
-            &[("png", b"not a png".to_vec()), ("txt", b"ok".to_vec())],
-        )
-        .unwrap();
+        w.write_sample("good1", &[("png", png(1)), ("txt", b"ok".to_vec())]).unwrap();
+        w.write_sample("corrupt", &[("png", b"not a png".to_vec()), ("txt", b"ok".to_vec())]).unwrap();
         w.write_sample("nocap", &[("png", png(2))]).unwrap();
-        w.write_sample("empty", &[("png", png(2)), ("txt", b" ".to_vec())])
-            .unwrap();
-        w.write_sample("good2", &[("png", png(3)), ("txt", b"ok".to_vec())])
-            .unwrap();
-        w.write_sample("cut", &[("png", png(4)), ("txt", vec![b'x'; 5000])])
-            .unwrap();
+        w.write_sample("empty", &[("png", png(2)), ("txt", b" ".to_vec())]).unwrap();
+        w.write_sample("good2", &[("png", png(3)), ("txt", b"ok".to_vec())]).unwrap();
+        w.write_sample("cut", &[("png", png(4)), ("txt", vec![b'x'; 5000])]).unwrap();
         w.finish().unwrap();
         let bytes = std::fs::read(&path).unwrap();
         // Cut inside the 5000-byte caption of the last sample.
         let at = bytes.windows(4).position(|w| w == b"xxxx").unwrap() + 100;
         std::fs::write(&path, &bytes[..at]).unwrap();
-        let plan = ShardPlan {
-            shards: vec![ShardSource::File(path)],
-            seed: 1,
-            shuffle: false,
-            resampled: false,
-        };
-        let mut l = TrainLoader::start(
-            plan,
-            Placement::single(1),
-            settings(2, 0),
-            tokenizer(),
-            None,
-        )
-        .unwrap();
+        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false };
+        let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let b = l.next_batch().unwrap();
         assert_eq!(b.keys, vec!["good1", "good2"]);
         // Counts are as of the last batch handed out: the broken tail is not reached yet.
-        assert_eq!(
-            l.skips().summary(),
-            "corrupt_image=1, empty_caption=1, missing_caption=1"
-        );
+        assert_eq!(l.skips().summary(), "corrupt_image=1, empty_caption=1, missing_caption=1");
         // The second epoch's batch is formed after the first epoch's tail and its own bad samples.
         assert_eq!(l.next_batch().unwrap().keys, vec!["good1", "good2"]);
         let skips = l.skips();
@@ -767,20 +598,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("empty.tar");
         ShardWriter::create(&path).unwrap().finish().unwrap();
-        let plan = ShardPlan {
-            shards: vec![ShardSource::File(path)],
-            seed: 1,
-            shuffle: false,
-            resampled: false,
-        };
-        let mut l = TrainLoader::start(
-            plan,
-            Placement::single(1),
-            settings(2, 0),
-            tokenizer(),
-            None,
-        )
-        .unwrap();
+        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false };
+        let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("no usable sample"), "{err}");
     }
@@ -789,12 +608,7 @@ mod tests {
     fn pixels_and_tokens_land_in_their_batch_rows() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 3);
-        let plan = ShardPlan {
-            shards,
-            seed: 3,
-            shuffle: false,
-            resampled: false,
-        };
+        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false };
         let mut s = settings(3, 0);
         s.image.hflip = false;
         let mut l = TrainLoader::start(plan, Placement::single(1), s, tokenizer(), None).unwrap();
@@ -802,12 +616,7 @@ mod tests {
         let numel = 3 * 8 * 8;
         for (row, v) in [0u8, 1, 2].iter().enumerate() {
             let want = *v as f32 / 127.5 - 1.0;
-            assert!(
-                b.images[row * numel..(row + 1) * numel]
-                    .iter()
-                    .all(|&x| (x - want).abs() < 1e-6),
-                "row {row}"
-            );
+            assert!(b.images[row * numel..(row + 1) * numel].iter().all(|&x| (x - want).abs() < 1e-6), "row {row}");
         }
         assert_eq!(b.ids.len(), 3 * 8);
         assert_eq!(b.captions[2], "shard 0 item 2");

@@ -2,6 +2,7 @@
 
 pub mod distribute;
 pub mod eval_reader;
+pub mod folders;
 pub mod loader;
 pub mod sample;
 pub mod shard_writer;

@@ -21,14 +21,8 @@ pub struct ShardWriter {
 impl ShardWriter {
     pub fn create(path: &Path) -> Result<Self> {
         let tmp = path.with_extension("tar.tmp");
-        let file =
-            File::create(&tmp).with_context(|| format!("creating shard {}", tmp.display()))?;
-        Ok(Self {
-            builder: tar::Builder::new(BufWriter::with_capacity(1 << 20, file)),
-            tmp,
-            path: path.to_path_buf(),
-            samples: 0,
-        })
+        let file = File::create(&tmp).with_context(|| format!("creating shard {}", tmp.display()))?;
+        Ok(Self { builder: tar::Builder::new(BufWriter::with_capacity(1 << 20, file)), tmp, path: path.to_path_buf(), samples: 0 })
     }
 
     /// Appends one sample; `fields` are (extension, bytes) pairs such as `("jpg", ...)`.
@@ -41,9 +35,7 @@ impl ShardWriter {
             header.set_mtime(0);
             header.set_entry_type(tar::EntryType::Regular);
             let name = format!("{key}.{field}");
-            self.builder
-                .append_data(&mut header, &name, data)
-                .with_context(|| format!("writing {name} to {}", self.tmp.display()))?;
+            self.builder.append_data(&mut header, &name, data).with_context(|| format!("writing {name} to {}", self.tmp.display()))?;
         }
         self.samples += 1;
         Ok(())
@@ -54,15 +46,11 @@ impl ShardWriter {
     }
 
     pub fn finish(self) -> Result<PathBuf> {
-        let mut inner = self
-            .builder
-            .into_inner()
-            .with_context(|| format!("finishing {}", self.tmp.display()))?;
+        let mut inner = self.builder.into_inner().with_context(|| format!("finishing {}", self.tmp.display()))?;
         inner.flush()?;
         inner.get_ref().sync_all()?;
         drop(inner);
-        std::fs::rename(&self.tmp, &self.path)
-            .with_context(|| format!("renaming {} into place", self.tmp.display()))?;
+        std::fs::rename(&self.tmp, &self.path).with_context(|| format!("renaming {} into place", self.tmp.display()))?;
         Ok(self.path)
     }
 }

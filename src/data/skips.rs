@@ -59,11 +59,6 @@ impl SkipCounts {
         if self.is_empty() {
             return "none".into();
         }
-        self.0
-            .iter()
-            .filter(|(_, &v)| v > 0)
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        self.0.iter().filter(|(_, &v)| v > 0).map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ")
     }
 }

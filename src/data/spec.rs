@@ -57,19 +57,14 @@ fn expand_in(spec: &str, base: &Path) -> Result<Vec<ShardSource>, SpecError> {
         out.extend(expand_one(part, base)?);
     }
     if out.is_empty() {
-        return Err(SpecError::NoMatch {
-            spec: spec.to_string(),
-        });
+        return Err(SpecError::NoMatch { spec: spec.to_string() });
     }
     Ok(out)
 }
 
 fn expand_one(part: &str, base: &Path) -> Result<Vec<ShardSource>, SpecError> {
     if let Some(cmd) = part.strip_prefix("pipe:") {
-        let cmds = brace_expand(cmd).map_err(|what| SpecError::Malformed {
-            spec: part.into(),
-            what,
-        })?;
+        let cmds = brace_expand(cmd).map_err(|what| SpecError::Malformed { spec: part.into(), what })?;
         return Ok(cmds.into_iter().map(ShardSource::Pipe).collect());
     }
     let (is_list, path_text) = match part.strip_prefix('@') {
@@ -81,38 +76,21 @@ fn expand_one(part: &str, base: &Path) -> Result<Vec<ShardSource>, SpecError> {
         return read_list(&resolve(base, path_text));
     }
     let mut out = Vec::new();
-    for p in brace_expand(path_text).map_err(|what| SpecError::Malformed {
-        spec: part.into(),
-        what,
-    })? {
+    for p in brace_expand(path_text).map_err(|what| SpecError::Malformed { spec: part.into(), what })? {
         let full = resolve(base, &p);
         let text = full.to_string_lossy().to_string();
         if text.contains(['*', '?', '[']) {
-            let paths = glob::glob(&text).map_err(|e| SpecError::Malformed {
-                spec: part.into(),
-                what: e.to_string(),
-            })?;
-            let mut found: Vec<PathBuf> = paths
-                .filter_map(Result::ok)
-                .filter(|p| p.is_file())
-                .collect();
+            let paths = glob::glob(&text).map_err(|e| SpecError::Malformed { spec: part.into(), what: e.to_string() })?;
+            let mut found: Vec<PathBuf> = paths.filter_map(Result::ok).filter(|p| p.is_file()).collect();
             if found.is_empty() {
-                return Err(SpecError::NoMatch {
-                    spec: part.to_string(),
-                });
+                return Err(SpecError::NoMatch { spec: part.to_string() });
             }
             found.sort();
             out.extend(found.into_iter().map(ShardSource::File));
         } else if full.is_file() {
             out.push(ShardSource::File(full));
         } else {
-            return Err(SpecError::NoMatch {
-                spec: if p == part {
-                    part.to_string()
-                } else {
-                    format!("{part} (expanded to {p})")
-                },
-            });
+            return Err(SpecError::NoMatch { spec: if p == part { part.to_string() } else { format!("{part} (expanded to {p})") } });
         }
     }
     Ok(out)
@@ -128,23 +106,14 @@ fn resolve(base: &Path, p: &str) -> PathBuf {
 }
 
 fn read_list(path: &Path) -> Result<Vec<ShardSource>, SpecError> {
-    let text = std::fs::read_to_string(path).map_err(|source| SpecError::ListFile {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(path).map_err(|source| SpecError::ListFile { path: path.to_path_buf(), source })?;
     let base = path.parent().unwrap_or(Path::new(""));
     let mut out = Vec::new();
-    for line in text
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-    {
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
         out.extend(expand_in(line, base)?);
     }
     if out.is_empty() {
-        return Err(SpecError::NoMatch {
-            spec: format!("@{}", path.display()),
-        });
+        return Err(SpecError::NoMatch { spec: format!("@{}", path.display()) });
     }
     Ok(out)
 }
@@ -237,62 +206,29 @@ fn range_items(body: &str) -> Result<Option<Vec<String>>, String> {
     if !(fields.len() == 2 || fields.len() == 3) || fields.iter().any(|f| f.is_empty()) {
         return Ok(None);
     }
-    let numeric = |f: &str| {
-        f.trim_start_matches('-')
-            .chars()
-            .all(|c| c.is_ascii_digit())
-            && !f.trim_start_matches('-').is_empty()
-    };
+    let numeric = |f: &str| f.trim_start_matches('-').chars().all(|c| c.is_ascii_digit()) && !f.trim_start_matches('-').is_empty();
     if !fields.iter().all(|f| numeric(f)) {
-        if fields.len() == 2
-            && fields
-                .iter()
-                .all(|f| f.chars().count() == 1 && f.chars().all(|c| c.is_ascii_alphabetic()))
-        {
-            let (a, b) = (
-                fields[0].chars().next().unwrap(),
-                fields[1].chars().next().unwrap(),
-            );
-            let items: Vec<String> = if a <= b {
-                (a..=b).map(String::from).collect()
-            } else {
-                (b..=a).rev().map(String::from).collect()
-            };
+        if fields.len() == 2 && fields.iter().all(|f| f.chars().count() == 1 && f.chars().all(|c| c.is_ascii_alphabetic())) {
+            let (a, b) = (fields[0].chars().next().unwrap(), fields[1].chars().next().unwrap());
+            let items: Vec<String> = if a <= b { (a..=b).map(String::from).collect() } else { (b..=a).rev().map(String::from).collect() };
             return Ok(Some(items));
         }
         return Ok(None);
     }
-    let lo: i64 = fields[0]
-        .parse()
-        .map_err(|e| format!("bad range start {:?}: {e}", fields[0]))?;
-    let hi: i64 = fields[1]
-        .parse()
-        .map_err(|e| format!("bad range end {:?}: {e}", fields[1]))?;
+    let lo: i64 = fields[0].parse().map_err(|e| format!("bad range start {:?}: {e}", fields[0]))?;
+    let hi: i64 = fields[1].parse().map_err(|e| format!("bad range end {:?}: {e}", fields[1]))?;
     let step: i64 = match fields.get(2) {
-        Some(s) => s
-            .parse::<i64>()
-            .map_err(|e| format!("bad range step {s:?}: {e}"))?
-            .abs()
-            .max(1),
+        Some(s) => s.parse::<i64>().map_err(|e| format!("bad range step {s:?}: {e}"))?.abs().max(1),
         None => 1,
     };
-    let padded =
-        |f: &str| f.trim_start_matches('-').len() > 1 && f.trim_start_matches('-').starts_with('0');
-    let width = if padded(fields[0]) || padded(fields[1]) {
-        fields[0].len().max(fields[1].len())
-    } else {
-        0
-    };
+    let padded = |f: &str| f.trim_start_matches('-').len() > 1 && f.trim_start_matches('-').starts_with('0');
+    let width = if padded(fields[0]) || padded(fields[1]) { fields[0].len().max(fields[1].len()) } else { 0 };
     let count = (hi - lo).unsigned_abs() / step as u64 + 1;
     if count > 10_000_000 {
         return Err(format!("range {{{body}}} has {count} items"));
     }
     let dir = if hi >= lo { 1 } else { -1 };
-    Ok(Some(
-        (0..count as i64)
-            .map(|k| format!("{:0width$}", lo + dir * k * step, width = width))
-            .collect(),
-    ))
+    Ok(Some((0..count as i64).map(|k| format!("{:0width$}", lo + dir * k * step, width = width)).collect()))
 }
 
 #[cfg(test)]
@@ -301,10 +237,7 @@ mod tests {
 
     #[test]
     fn zero_padded_ranges_keep_their_width() {
-        assert_eq!(
-            brace_expand("cc-{0008..0011}.tar").unwrap(),
-            vec!["cc-0008.tar", "cc-0009.tar", "cc-0010.tar", "cc-0011.tar"]
-        );
+        assert_eq!(brace_expand("cc-{0008..0011}.tar").unwrap(), vec!["cc-0008.tar", "cc-0009.tar", "cc-0010.tar", "cc-0011.tar"]);
         assert_eq!(brace_expand("{8..11}").unwrap(), vec!["8", "9", "10", "11"]);
         assert_eq!(brace_expand("{0..6..3}").unwrap(), vec!["0", "3", "6"]);
         assert_eq!(brace_expand("{3..1}").unwrap(), vec!["3", "2", "1"]);
@@ -312,14 +245,8 @@ mod tests {
 
     #[test]
     fn several_and_nested_braces_form_the_product_in_order() {
-        assert_eq!(
-            brace_expand("{a,b}-{0..1}").unwrap(),
-            vec!["a-0", "a-1", "b-0", "b-1"]
-        );
-        assert_eq!(
-            brace_expand("x{a,b{1..2}}y").unwrap(),
-            vec!["xay", "xb1y", "xb2y"]
-        );
+        assert_eq!(brace_expand("{a,b}-{0..1}").unwrap(), vec!["a-0", "a-1", "b-0", "b-1"]);
+        assert_eq!(brace_expand("x{a,b{1..2}}y").unwrap(), vec!["xay", "xb1y", "xb2y"]);
         assert_eq!(brace_expand("plain").unwrap(), vec!["plain"]);
     }
 
@@ -335,16 +262,9 @@ mod tests {
         for name in ["a-000.tar", "a-001.tar", "b-000.tar"] {
             std::fs::write(dir.path().join(name), b"").unwrap();
         }
-        std::fs::write(
-            dir.path().join("list.txt"),
-            "# shards\nb-000.tar\n\na-{000..001}.tar\n",
-        )
-        .unwrap();
+        std::fs::write(dir.path().join("list.txt"), "# shards\nb-000.tar\n\na-{000..001}.tar\n").unwrap();
         let d = dir.path().display();
-        let got = expand(&format!(
-            "{d}/a-*.tar::{d}/list.txt::pipe:cat {d}/b-{{000..000}}.tar"
-        ))
-        .unwrap();
+        let got = expand(&format!("{d}/a-*.tar::{d}/list.txt::pipe:cat {d}/b-{{000..000}}.tar")).unwrap();
         let want = vec![
             ShardSource::File(dir.path().join("a-000.tar")),
             ShardSource::File(dir.path().join("a-001.tar")),
@@ -362,9 +282,7 @@ mod tests {
         let spec = format!("{}/missing-{{0..2}}.tar", dir.path().display());
         let err = expand(&spec).unwrap_err().to_string();
         assert!(err.contains("missing-{0..2}.tar"), "{err}");
-        let err = expand(&format!("{}/*.tar", dir.path().display()))
-            .unwrap_err()
-            .to_string();
+        let err = expand(&format!("{}/*.tar", dir.path().display())).unwrap_err().to_string();
         assert!(err.contains("matches no shard"), "{err}");
     }
 }

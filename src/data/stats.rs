@@ -28,13 +28,7 @@ impl Distribution {
         }
         xs.sort_by(f64::total_cmp);
         let q = |p: f64| xs[((xs.len() - 1) as f64 * p).round() as usize];
-        Distribution {
-            min: xs[0],
-            p50: q(0.5),
-            p90: q(0.9),
-            max: xs[xs.len() - 1],
-            mean: xs.iter().sum::<f64>() / xs.len() as f64,
-        }
+        Distribution { min: xs[0], p50: q(0.5), p90: q(0.9), max: xs[xs.len() - 1], mean: xs.iter().sum::<f64>() / xs.len() as f64 }
     }
 }
 
@@ -78,20 +72,14 @@ pub fn compute(shards: &[ShardSource], max_pixels: u64, on_shard: impl Fn() + Sy
                             let caps = sample::captions(&s)?;
                             let label = sample::label(&s)?;
                             let bytes = sample::image_bytes(&s)?;
-                            let img = decode(bytes, u32::MAX, max_pixels).map_err(|e| {
-                                sample::Rejected {
-                                    reason: e.reason,
-                                    detail: e.detail,
-                                }
-                            })?;
+                            let img =
+                                decode(bytes, u32::MAX, max_pixels).map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
                             Ok::<_, sample::Rejected>((caps, label, img.dimensions()))
                         })();
                         match checked {
                             Ok((caps, label, (w, h))) => {
                                 st.samples += 1;
-                                st.words.extend(
-                                    caps.iter().map(|c| c.split_whitespace().count() as f64),
-                                );
+                                st.words.extend(caps.iter().map(|c| c.split_whitespace().count() as f64));
                                 st.widths.push(w as f64);
                                 st.heights.push(h as f64);
                                 st.labels += label.is_some() as u64;
@@ -102,12 +90,7 @@ pub fn compute(shards: &[ShardSource], max_pixels: u64, on_shard: impl Fn() + Sy
                             }
                         }
                     }
-                    ShardEvent::BadSample {
-                        key,
-                        reason,
-                        detail,
-                        ..
-                    } => {
+                    ShardEvent::BadSample { key, reason, detail, .. } => {
                         st.skipped.add(reason);
                         log::warn(format!("shard {src}: sample {key}: {detail}"));
                     }
@@ -122,10 +105,7 @@ pub fn compute(shards: &[ShardSource], max_pixels: u64, on_shard: impl Fn() + Sy
             st
         })
         .collect();
-    let mut out = DataStats {
-        shards: shards.len(),
-        ..Default::default()
-    };
+    let mut out = DataStats { shards: shards.len(), ..Default::default() };
     let (mut words, mut widths, mut heights) = (Vec::new(), Vec::new(), Vec::new());
     for s in per {
         out.samples += s.samples;

@@ -26,36 +26,20 @@ pub const COLORS: [(&str, [u8; 3]); 6] = [
     ("orange", [245, 135, 25]),
 ];
 pub const SHAPES: [&str; 6] = ["circle", "square", "triangle", "star", "cross", "diamond"];
-const SHAPE_SYNONYMS: [&[&str]; 6] = [
-    &["circle", "disc", "round dot"],
-    &["square", "box"],
-    &["triangle"],
-    &["star"],
-    &["cross", "plus sign"],
-    &["diamond", "rhombus"],
-];
+const SHAPE_SYNONYMS: [&[&str]; 6] =
+    [&["circle", "disc", "round dot"], &["square", "box"], &["triangle"], &["star"], &["cross", "plus sign"], &["diamond", "rhombus"]];
 const SIZES: [(&str, &[&str], f32); 3] = [
-    ("small", &["small", "tiny", "little"], 8.5),
-    ("medium", &["medium", "medium-sized", "mid-sized"], 13.0),
-    ("large", &["large", "big", "huge"], 19.0),
+    ("small", &["small", "tiny", "little"], 12.0),
+    ("medium", &["medium", "medium-sized", "mid-sized"], 16.0),
+    ("large", &["large", "big", "huge"], 21.0),
 ];
 const POSITIONS: [(&str, &[&str]); 3] = [
     ("top", &["at the top", "near the top", "in the upper part"]),
-    (
-        "middle",
-        &["in the middle", "in the centre", "at the center"],
-    ),
-    (
-        "bottom",
-        &["at the bottom", "near the bottom", "in the lower part"],
-    ),
+    ("middle", &["in the middle", "in the centre", "at the center"]),
+    ("bottom", &["at the bottom", "near the bottom", "in the lower part"]),
 ];
-const BACKGROUNDS: [(&str, [u8; 3]); 4] = [
-    ("grey", [128, 128, 128]),
-    ("white", [238, 238, 238]),
-    ("black", [22, 22, 22]),
-    ("cream", [232, 222, 190]),
-];
+const BACKGROUNDS: [(&str, [u8; 3]); 4] =
+    [("grey", [128, 128, 128]), ("white", [238, 238, 238]), ("black", [22, 22, 22]), ("cream", [232, 222, 190])];
 
 /// Prompt templates for zero-shot classification of the synthetic classes.
 pub const TEMPLATES: [&str; 6] = [
@@ -78,13 +62,7 @@ pub struct SynthSpec {
 
 impl Default for SynthSpec {
     fn default() -> Self {
-        Self {
-            train_shards: 8,
-            samples_per_shard: 1000,
-            test_samples: 720,
-            image_size: 64,
-            seed: 0,
-        }
+        Self { train_shards: 8, samples_per_shard: 1000, test_samples: 720, image_size: 64, seed: 0 }
     }
 }
 
@@ -125,10 +103,7 @@ impl Scene {
 }
 
 pub fn class_names() -> Vec<String> {
-    COLORS
-        .iter()
-        .flat_map(|(c, _)| SHAPES.iter().map(move |s| format!("{c} {s}")))
-        .collect()
+    COLORS.iter().flat_map(|(c, _)| SHAPES.iter().map(move |s| format!("{c} {s}"))).collect()
 }
 
 fn pick<'a>(rng: &mut Rng, xs: &[&'a str]) -> &'a str {
@@ -159,9 +134,7 @@ fn inside(shape: usize, dx: f32, dy: f32, r: f32) -> bool {
         "circle" => dx * dx + dy * dy <= r * r,
         "square" => dx.abs() <= 0.82 * r && dy.abs() <= 0.82 * r,
         "diamond" => dx.abs() + dy.abs() <= r,
-        "cross" => {
-            (dx.abs() <= r * 0.33 && dy.abs() <= r) || (dy.abs() <= r * 0.33 && dx.abs() <= r)
-        }
+        "cross" => (dx.abs() <= r * 0.33 && dy.abs() <= r) || (dy.abs() <= r * 0.33 && dx.abs() <= r),
         "triangle" => {
             // Upward triangle: apex at (0, -r), base at y = 0.6 r.
             let t = (dy + r) / (1.6 * r);
@@ -191,8 +164,7 @@ pub fn render(scene: &Scene, size: u32, rng: &mut Rng) -> RgbImage {
         _ => rng.uniform((0.64 * n).min(n - margin) as f64, (n - margin) as f64) as f32,
     };
     let cx = rng.uniform(margin as f64, (n - margin) as f64) as f32;
-    let jitter =
-        |c: u8, rng: &mut Rng| (c as f64 + rng.uniform(-14.0, 14.0)).clamp(0.0, 255.0) as f32;
+    let jitter = |c: u8, rng: &mut Rng| (c as f64 + rng.uniform(-14.0, 14.0)).clamp(0.0, 255.0) as f32;
     let fg = COLORS[scene.color].1;
     let fg = [jitter(fg[0], rng), jitter(fg[1], rng), jitter(fg[2], rng)];
     let bg = BACKGROUNDS[scene.background].1;
@@ -211,9 +183,7 @@ pub fn render(scene: &Scene, size: u32, rng: &mut Rng) -> RgbImage {
                 }
             }
             let noise = rng.normal() as f32 * 6.0;
-            let px: [u8; 3] = std::array::from_fn(|c| {
-                (fg[c] * cover + bg[c] * (1.0 - cover) + noise).clamp(0.0, 255.0) as u8
-            });
+            let px: [u8; 3] = std::array::from_fn(|c| (fg[c] * cover + bg[c] * (1.0 - cover) + noise).clamp(0.0, 255.0) as u8);
             img.put_pixel(x, y, Rgb(px));
         }
     }
@@ -226,22 +196,13 @@ fn encode_jpeg(img: &RgbImage) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-fn write_shard(
-    path: &Path,
-    prefix: &str,
-    n: usize,
-    captions_per_image: usize,
-    spec: &SynthSpec,
-    stream: u64,
-) -> Result<()> {
+fn write_shard(path: &Path, prefix: &str, n: usize, captions_per_image: usize, spec: &SynthSpec, stream: u64) -> Result<()> {
     let mut w = ShardWriter::create(path)?;
     for i in 0..n {
         let mut rng = Rng::derived(spec.seed, &[stream, i as u64]);
         let scene = Scene::random(&mut rng);
         let img = render(&scene, spec.image_size, &mut rng);
-        let caps: Vec<String> = (0..captions_per_image)
-            .map(|_| caption(&scene, &mut rng))
-            .collect();
+        let caps: Vec<String> = (0..captions_per_image).map(|_| caption(&scene, &mut rng)).collect();
         let meta = serde_json::json!({
             "caption": caps[0],
             "captions": caps,
@@ -258,15 +219,7 @@ fn write_shard(
         let txt = caps.join("\n");
         let cls = scene.class_index().to_string();
         let json = serde_json::to_vec(&meta)?;
-        w.write_sample(
-            &key,
-            &[
-                ("cls", cls.as_bytes()),
-                ("jpg", &jpg),
-                ("json", &json),
-                ("txt", txt.as_bytes()),
-            ],
-        )?;
+        w.write_sample(&key, &[("cls", cls.as_bytes()), ("jpg", &jpg), ("json", &json), ("txt", txt.as_bytes())])?;
     }
     w.finish()?;
     Ok(())
@@ -276,29 +229,13 @@ fn write_shard(
 /// image, one per line, as Flickr30K / COCO evaluation expects), `classes.txt` and `templates.txt`.
 pub fn write_synth(out: &Path, spec: &SynthSpec) -> Result<SynthOutput> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    (0..spec.train_shards + 1)
-        .into_par_iter()
-        .try_for_each(|s| -> Result<()> {
-            if s < spec.train_shards {
-                write_shard(
-                    &out.join(format!("train-{s:05}.tar")),
-                    &format!("{s:04}"),
-                    spec.samples_per_shard,
-                    1,
-                    spec,
-                    s as u64,
-                )
-            } else {
-                write_shard(
-                    &out.join("test-00000.tar"),
-                    "test",
-                    spec.test_samples,
-                    5,
-                    spec,
-                    1_000_000,
-                )
-            }
-        })?;
+    (0..spec.train_shards + 1).into_par_iter().try_for_each(|s| -> Result<()> {
+        if s < spec.train_shards {
+            write_shard(&out.join(format!("train-{s:05}.tar")), &format!("{s:04}"), spec.samples_per_shard, 1, spec, s as u64)
+        } else {
+            write_shard(&out.join("test-00000.tar"), "test", spec.test_samples, 5, spec, 1_000_000)
+        }
+    })?;
     let classes = out.join("classes.txt");
     std::fs::write(&classes, class_names().join("\n") + "\n")?;
     let templates = out.join("templates.txt");
@@ -323,34 +260,19 @@ mod tests {
         let names = class_names();
         assert_eq!(names.len(), 36);
         assert_eq!(names[0], "red circle");
-        let s = Scene {
-            color: 2,
-            shape: 3,
-            size: 0,
-            position: 0,
-            background: 0,
-        };
+        let s = Scene { color: 2, shape: 3, size: 0, position: 0, background: 0 };
         assert_eq!(names[s.class_index()], "blue star");
     }
 
     #[test]
     fn rendered_shapes_have_their_colour_where_the_shape_is() {
         let mut rng = Rng::new(5);
-        let scene = Scene {
-            color: 0,
-            shape: 1,
-            size: 2,
-            position: 1,
-            background: 2,
-        };
+        let scene = Scene { color: 0, shape: 1, size: 2, position: 1, background: 2 };
         let img = render(&scene, 64, &mut rng);
         let reddish = img.pixels().filter(|p| p[0] > 150 && p[1] < 110).count();
-        let dark = img
-            .pixels()
-            .filter(|p| p[0] < 80 && p[1] < 80 && p[2] < 80)
-            .count();
-        // A large square covers about (2 * 0.82 * 19)^2 ≈ 970 of 4096 pixels.
-        assert!((700..1300).contains(&reddish), "{reddish}");
+        let dark = img.pixels().filter(|p| p[0] < 80 && p[1] < 80 && p[2] < 80).count();
+        // A large square covers about (2 · 0.82 · 21)^2 ≈ 1190 of 4096 pixels (radius ±10%).
+        assert!((900..1500).contains(&reddish), "{reddish}");
         assert!(dark > 2500, "{dark}");
     }
 
@@ -361,10 +283,7 @@ mod tests {
             let scene = Scene::random(&mut rng);
             let c = caption(&scene, &mut rng);
             assert!(c.contains(COLORS[scene.color].0), "{c}");
-            assert!(
-                SHAPE_SYNONYMS[scene.shape].iter().any(|w| c.contains(w)),
-                "{c}"
-            );
+            assert!(SHAPE_SYNONYMS[scene.shape].iter().any(|w| c.contains(w)), "{c}");
         }
     }
 }

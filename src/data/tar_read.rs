@@ -57,11 +57,7 @@ pub fn split_key(path: &str) -> Option<(&str, String)> {
 
 enum Input {
     File(BufReader<File>),
-    Pipe {
-        child: Child,
-        stdout: BufReader<std::process::ChildStdout>,
-        cmd: String,
-    },
+    Pipe { child: Child, stdout: BufReader<std::process::ChildStdout>, cmd: String },
 }
 
 impl Read for Input {
@@ -75,24 +71,11 @@ impl Read for Input {
 
 fn open_input(source: &ShardSource) -> io::Result<Input> {
     match source {
-        ShardSource::File(path) => Ok(Input::File(BufReader::with_capacity(
-            1 << 20,
-            File::open(path)?,
-        ))),
+        ShardSource::File(path) => Ok(Input::File(BufReader::with_capacity(1 << 20, File::open(path)?))),
         ShardSource::Pipe(cmd) => {
-            let mut child = Command::new("sh")
-                .arg("-c")
-                .arg(cmd)
-                .stdout(Stdio::piped())
-                .stdin(Stdio::null())
-                .spawn()?;
-            let stdout =
-                BufReader::with_capacity(1 << 20, child.stdout.take().expect("piped stdout"));
-            Ok(Input::Pipe {
-                child,
-                stdout,
-                cmd: cmd.clone(),
-            })
+            let mut child = Command::new("sh").arg("-c").arg(cmd).stdout(Stdio::piped()).stdin(Stdio::null()).spawn()?;
+            let stdout = BufReader::with_capacity(1 << 20, child.stdout.take().expect("piped stdout"));
+            Ok(Input::Pipe { child, stdout, cmd: cmd.clone() })
         }
     }
 }
@@ -104,10 +87,7 @@ pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool
     let input = match open_input(source) {
         Ok(i) => i,
         Err(e) => {
-            sink(ShardEvent::Failed {
-                reason: reason::UNREADABLE_SHARD,
-                detail: format!("cannot open: {e}"),
-            });
+            sink(ShardEvent::Failed { reason: reason::UNREADABLE_SHARD, detail: format!("cannot open: {e}") });
             return;
         }
     };
@@ -152,10 +132,7 @@ pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool
                 }
                 // The reader hands back a short member at end of input without complaint.
                 if data.len() as u64 != size {
-                    failure = Some(format!(
-                        "member {path} is cut off: {} of {size} bytes",
-                        data.len()
-                    ));
+                    failure = Some(format!("member {path} is cut off: {} of {size} bytes", data.len()));
                     break;
                 }
                 reading_key = None;
@@ -182,18 +159,11 @@ pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool
                 (Some(k), Some(p)) => *k == p.key,
                 _ => true,
             };
-            let ev = if pending_cut {
-                grouper.pending_as_bad("sample cut off by a broken tar stream")
-            } else {
-                grouper.finish()
-            };
+            let ev = if pending_cut { grouper.pending_as_bad("sample cut off by a broken tar stream") } else { grouper.finish() };
             if let Some(ev) = ev {
                 sink(ev);
             }
-            sink(ShardEvent::Failed {
-                reason: reason::TRUNCATED_SHARD,
-                detail,
-            });
+            sink(ShardEvent::Failed { reason: reason::TRUNCATED_SHARD, detail });
             if let Input::Pipe { mut child, .. } = archive.into_inner() {
                 let _ = child.kill();
                 let _ = child.wait();
@@ -214,10 +184,7 @@ pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool
                         return;
                     }
                     Err(e) => {
-                        sink(ShardEvent::Failed {
-                            reason: reason::TRUNCATED_SHARD,
-                            detail: format!("command {cmd:?}: {e}"),
-                        });
+                        sink(ShardEvent::Failed { reason: reason::TRUNCATED_SHARD, detail: format!("command {cmd:?}: {e}") });
                         return;
                     }
                     _ => {}
@@ -262,17 +229,15 @@ impl Grouper {
         let cur = self.current.get_or_insert_with(|| {
             let index = self.next_index;
             self.next_index += 1;
-            Pending {
-                key,
-                index,
-                fields: BTreeMap::new(),
-                duplicate: None,
-            }
+            Pending { key, index, fields: BTreeMap::new(), duplicate: None }
         });
-        if cur.fields.contains_key(&field) {
-            cur.duplicate.get_or_insert(field);
-        } else {
-            cur.fields.insert(field, data);
+        match cur.fields.entry(field) {
+            std::collections::btree_map::Entry::Occupied(e) => {
+                cur.duplicate.get_or_insert_with(|| e.key().clone());
+            }
+            std::collections::btree_map::Entry::Vacant(e) => {
+                e.insert(data);
+            }
         }
         emitted
     }
@@ -286,22 +251,13 @@ impl Grouper {
                 reason: reason::DUPLICATE_FIELD,
                 detail: format!("field {field:?} appears twice"),
             },
-            None => ShardEvent::Sample(RawSample {
-                key: p.key,
-                index: p.index,
-                fields: p.fields,
-            }),
+            None => ShardEvent::Sample(RawSample { key: p.key, index: p.index, fields: p.fields }),
         })
     }
 
     fn pending_as_bad(&mut self, detail: &str) -> Option<ShardEvent> {
         let p = self.current.take()?;
-        Some(ShardEvent::BadSample {
-            key: p.key,
-            index: p.index,
-            reason: reason::INCOMPLETE_SAMPLE,
-            detail: detail.into(),
-        })
+        Some(ShardEvent::BadSample { key: p.key, index: p.index, reason: reason::INCOMPLETE_SAMPLE, detail: detail.into() })
     }
 }
 
@@ -313,10 +269,7 @@ mod tests {
     #[test]
     fn keys_split_at_the_first_dot_of_the_file_name() {
         assert_eq!(split_key("000123.jpg"), Some(("000123", "jpg".into())));
-        assert_eq!(
-            split_key("dir.v2/000123.seg.PNG"),
-            Some(("dir.v2/000123", "seg.png".into()))
-        );
+        assert_eq!(split_key("dir.v2/000123.seg.PNG"), Some(("dir.v2/000123", "seg.png".into())));
         assert_eq!(split_key("dir/noext"), None);
         assert_eq!(split_key("dir/.hidden"), None);
     }
@@ -336,19 +289,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.tar");
         let mut w = ShardWriter::create(&path).unwrap();
-        w.write_sample("a", &[("jpg", b"1".as_slice()), ("txt", b"cap a")])
-            .unwrap();
-        w.write_sample("b", &[("TXT", b"cap b".as_slice()), ("json", b"{}")])
-            .unwrap();
+        w.write_sample("a", &[("jpg", b"1".as_slice()), ("txt", b"cap a")]).unwrap();
+        w.write_sample("b", &[("TXT", b"cap b".as_slice()), ("json", b"{}")]).unwrap();
         w.finish().unwrap();
         let ev = read_shard_events(&ShardSource::File(path));
-        assert_eq!(
-            samples(&ev),
-            vec![
-                ("a".into(), vec!["jpg".into(), "txt".into()]),
-                ("b".into(), vec!["json".into(), "txt".into()])
-            ]
-        );
+        assert_eq!(samples(&ev), vec![("a".into(), vec!["jpg".into(), "txt".into()]), ("b".into(), vec!["json".into(), "txt".into()])]);
     }
 
     #[test]
@@ -369,8 +314,7 @@ mod tests {
         let path = dir.path().join("t.tar");
         let mut w = ShardWriter::create(&path).unwrap();
         for i in 0..4 {
-            w.write_sample(&format!("k{i}"), &[("txt", vec![b'x'; 3000].as_slice())])
-                .unwrap();
+            w.write_sample(&format!("k{i}"), &[("txt", vec![b'x'; 3000].as_slice())]).unwrap();
         }
         w.finish().unwrap();
         let bytes = std::fs::read(&path).unwrap();
@@ -378,16 +322,7 @@ mod tests {
         std::fs::write(&path, &bytes[..2 * 3584 + 1000]).unwrap();
         let ev = read_shard_events(&ShardSource::File(path));
         assert_eq!(samples(&ev).len(), 2);
-        assert!(
-            matches!(
-                ev.last(),
-                Some(ShardEvent::Failed {
-                    reason: "truncated_shard",
-                    ..
-                })
-            ),
-            "{ev:?}"
-        );
+        assert!(matches!(ev.last(), Some(ShardEvent::Failed { reason: "truncated_shard", .. })), "{ev:?}");
     }
 
     #[test]
@@ -395,18 +330,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("d.tar");
         let mut w = ShardWriter::create(&path).unwrap();
-        w.write_sample("a", &[("txt", b"1".as_slice()), ("txt", b"2")])
-            .unwrap();
+        w.write_sample("a", &[("txt", b"1".as_slice()), ("txt", b"2")]).unwrap();
         w.write_sample("b", &[("txt", b"3".as_slice())]).unwrap();
         w.finish().unwrap();
         let ev = read_shard_events(&ShardSource::File(path));
-        assert!(matches!(
-            &ev[0],
-            ShardEvent::BadSample {
-                reason: "duplicate_field",
-                ..
-            }
-        ));
+        assert!(matches!(&ev[0], ShardEvent::BadSample { reason: "duplicate_field", .. }));
         assert_eq!(samples(&ev), vec![("b".into(), vec!["txt".into()])]);
     }
 
@@ -420,9 +348,6 @@ mod tests {
         let ev = read_shard_events(&ShardSource::Pipe(format!("cat {}", path.display())));
         assert_eq!(samples(&ev).len(), 1);
         let ev = read_shard_events(&ShardSource::Pipe("exit 3".into()));
-        assert!(
-            matches!(ev.last(), Some(ShardEvent::Failed { .. })),
-            "{ev:?}"
-        );
+        assert!(matches!(ev.last(), Some(ShardEvent::Failed { .. })), "{ev:?}");
     }
 }

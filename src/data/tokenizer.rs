@@ -11,9 +11,7 @@ use tokenizers::models::wordpiece::{WordPiece, WordPieceTrainer};
 use tokenizers::normalizers::bert::BertNormalizer;
 use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
 use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{
-    AddedToken, Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy,
-};
+use tokenizers::{AddedToken, Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
 
 pub const PAD: &str = "[PAD]";
 pub const UNK: &str = "[UNK]";
@@ -40,8 +38,7 @@ pub struct TextTokenizer {
 
 impl TextTokenizer {
     pub fn from_file(path: &Path, max_len: usize) -> Result<Self> {
-        let inner = Tokenizer::from_file(path)
-            .map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
+        let inner = Tokenizer::from_file(path).map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
         Self::new(inner, max_len).with_context(|| format!("tokenizer {}", path.display()))
     }
 
@@ -49,13 +46,9 @@ impl TextTokenizer {
         if max_len < 2 {
             bail!("max_len {max_len} leaves no room for [CLS] and [SEP]");
         }
-        let pad_id = inner
-            .token_to_id(PAD)
-            .ok_or_else(|| anyhow!("vocabulary has no {PAD} token"))?;
+        let pad_id = inner.token_to_id(PAD).ok_or_else(|| anyhow!("vocabulary has no {PAD} token"))?;
         for t in [CLS, SEP] {
-            inner
-                .token_to_id(t)
-                .ok_or_else(|| anyhow!("vocabulary has no {t} token"))?;
+            inner.token_to_id(t).ok_or_else(|| anyhow!("vocabulary has no {t} token"))?;
         }
         if inner.get_post_processor().is_none() {
             // A vocabulary without a post-processor would silently drop [CLS]/[SEP] and break
@@ -71,11 +64,7 @@ impl TextTokenizer {
             }))
             .map_err(|e| anyhow!("{e}"))?;
         inner.with_padding(None);
-        Ok(Self {
-            inner,
-            max_len,
-            pad_id,
-        })
+        Ok(Self { inner, max_len, pad_id })
     }
 
     pub fn max_len(&self) -> usize {
@@ -91,17 +80,12 @@ impl TextTokenizer {
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {
-        self.inner
-            .save(path, true)
-            .map_err(|e| anyhow!("saving tokenizer {}: {e}", path.display()))
+        self.inner.save(path, true).map_err(|e| anyhow!("saving tokenizer {}: {e}", path.display()))
     }
 
     /// Tokenises one text into `ids`/`mask` rows of length `max_len` (appended to the vectors).
     pub fn encode_into(&self, text: &str, ids: &mut Vec<u32>, mask: &mut Vec<u32>) -> Result<()> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
+        let enc = self.inner.encode(text, true).map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
         let n = enc.get_ids().len().min(self.max_len);
         ids.extend_from_slice(&enc.get_ids()[..n]);
         mask.extend(std::iter::repeat_n(1, n));
@@ -116,18 +100,11 @@ impl TextTokenizer {
         for t in texts {
             self.encode_into(t.as_ref(), &mut ids, &mut mask)?;
         }
-        Ok(TokenBatch {
-            ids,
-            mask,
-            max_len: self.max_len,
-        })
+        Ok(TokenBatch { ids, mask, max_len: self.max_len })
     }
 
     pub fn tokens(&self, text: &str) -> Result<Vec<String>> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
+        let enc = self.inner.encode(text, true).map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
         Ok(enc.get_tokens().to_vec())
     }
 }
@@ -152,32 +129,15 @@ fn attach_bert_template(tok: &mut Tokenizer) -> Result<()> {
 /// The special tokens come first (`[PAD]`=0, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`, `<PERSON>`).
 /// The `tokenizers` trainer may break frequency ties differently between runs, so a run saves the
 /// vocabulary it trained with and never retrains it on resume.
-pub fn train_wordpiece<I, S>(
-    captions: I,
-    vocab_size: usize,
-    lowercase: bool,
-    min_frequency: u64,
-) -> Result<Tokenizer>
+pub fn train_wordpiece<I, S>(captions: I, vocab_size: usize, lowercase: bool, min_frequency: u64) -> Result<Tokenizer>
 where
     I: Iterator<Item = S> + Send,
     S: AsRef<str> + Send,
 {
-    let specials: Vec<AddedToken> = [PAD, UNK, CLS, SEP, MASK, PERSON]
-        .iter()
-        .map(|t| AddedToken::from(*t, true))
-        .collect();
-    let model = WordPiece::builder()
-        .unk_token(UNK.into())
-        .build()
-        .map_err(|e| anyhow!("{e}"))?;
+    let specials: Vec<AddedToken> = [PAD, UNK, CLS, SEP, MASK, PERSON].iter().map(|t| AddedToken::from(*t, true)).collect();
+    let model = WordPiece::builder().unk_token(UNK.into()).build().map_err(|e| anyhow!("{e}"))?;
     let mut tok = Tokenizer::new(model);
-    tok.with_normalizer(Some(BertNormalizer::new(
-        true,
-        true,
-        Some(lowercase),
-        lowercase,
-    )))
-    .map_err(|e| anyhow!("{e}"))?;
+    tok.with_normalizer(Some(BertNormalizer::new(true, true, Some(lowercase), lowercase))).map_err(|e| anyhow!("{e}"))?;
     tok.with_pre_tokenizer(Some(BertPreTokenizer));
     let trainer = WordPieceTrainer::builder()
         .vocab_size(vocab_size)
@@ -186,12 +146,30 @@ where
         .show_progress(false)
         .build();
     let mut wrapper: tokenizers::models::TrainerWrapper = trainer.into();
-    tok.train(&mut wrapper, captions)
-        .map_err(|e| anyhow!("training WordPiece: {e}"))?;
-    tok.add_special_tokens(specials)
-        .map_err(|e| anyhow!("{e}"))?;
+    tok.train(&mut wrapper, captions).map_err(|e| anyhow!("training WordPiece: {e}"))?;
+    tok.add_special_tokens(specials).map_err(|e| anyhow!("{e}"))?;
     attach_bert_template(&mut tok)?;
     Ok(tok)
+}
+
+/// Reads up to `limit` captions (0 = all) from shards, in order, for vocabulary training.
+pub fn captions_from_shards(shards: &[crate::data::spec::ShardSource], limit: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    for src in shards {
+        crate::data::tar_read::read_shard(src, |ev| {
+            if let crate::data::tar_read::ShardEvent::Sample(s) = ev {
+                if let Ok(caps) = crate::data::sample::captions(&s) {
+                    out.extend(caps);
+                }
+            }
+            limit == 0 || out.len() < limit
+        });
+        if limit > 0 && out.len() >= limit {
+            out.truncate(limit);
+            break;
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -213,11 +191,8 @@ mod tests {
     fn captions_get_cls_and_sep_and_padding_with_a_mask() {
         let tok = small_tokenizer(10);
         let b = tok.encode_batch(&["A red circle", ""]).unwrap();
-        let (cls, sep, pad) = (
-            tok.inner.token_to_id(CLS).unwrap(),
-            tok.inner.token_to_id(SEP).unwrap(),
-            tok.inner.token_to_id(PAD).unwrap(),
-        );
+        let (cls, sep, pad) =
+            (tok.inner.token_to_id(CLS).unwrap(), tok.inner.token_to_id(SEP).unwrap(), tok.inner.token_to_id(PAD).unwrap());
         assert_eq!(b.ids.len(), 20);
         assert_eq!(b.ids[0], cls);
         assert_eq!(b.ids[4], sep);
@@ -231,9 +206,7 @@ mod tests {
     #[test]
     fn long_captions_are_truncated_keeping_sep() {
         let tok = small_tokenizer(6);
-        let b = tok
-            .encode_batch(&["a small red circle on a grey background"])
-            .unwrap();
+        let b = tok.encode_batch(&["a small red circle on a grey background"]).unwrap();
         let sep = tok.inner.token_to_id(SEP).unwrap();
         assert_eq!(b.ids.len(), 6);
         assert_eq!(b.ids[5], sep);
@@ -243,10 +216,7 @@ mod tests {
     #[test]
     fn lowercasing_and_the_person_token() {
         let tok = small_tokenizer(16);
-        assert_eq!(
-            tok.tokens("RED Circle").unwrap(),
-            vec!["[CLS]", "red", "circle", "[SEP]"]
-        );
+        assert_eq!(tok.tokens("RED Circle").unwrap(), vec!["[CLS]", "red", "circle", "[SEP]"]);
         let toks = tok.tokens("<PERSON> holding a cup").unwrap();
         assert_eq!(toks[1], PERSON, "{toks:?}");
     }
@@ -259,9 +229,6 @@ mod tests {
         tok.save(&path).unwrap();
         let back = TextTokenizer::from_file(&path, 12).unwrap();
         let text = ["grey backdrop with a blue disc"];
-        assert_eq!(
-            tok.encode_batch(&text).unwrap(),
-            back.encode_batch(&text).unwrap()
-        );
+        assert_eq!(tok.encode_batch(&text).unwrap(), back.encode_batch(&text).unwrap());
     }
 }

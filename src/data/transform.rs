@@ -102,25 +102,13 @@ impl ImageConfig {
             return Err("image_size must be positive".into());
         }
         if self.resize < self.image_size {
-            return Err(format!(
-                "resize ({}) must be at least image_size ({})",
-                self.resize, self.image_size
-            ));
+            return Err(format!("resize ({}) must be at least image_size ({})", self.resize, self.image_size));
         }
-        if !(0.0 < self.rrc_scale[0]
-            && self.rrc_scale[0] <= self.rrc_scale[1]
-            && self.rrc_scale[1] <= 1.0)
-        {
-            return Err(format!(
-                "rrc_scale {:?} must satisfy 0 < lo <= hi <= 1",
-                self.rrc_scale
-            ));
+        if !(0.0 < self.rrc_scale[0] && self.rrc_scale[0] <= self.rrc_scale[1] && self.rrc_scale[1] <= 1.0) {
+            return Err(format!("rrc_scale {:?} must satisfy 0 < lo <= hi <= 1", self.rrc_scale));
         }
         if !(0.0 < self.rrc_ratio[0] && self.rrc_ratio[0] <= self.rrc_ratio[1]) {
-            return Err(format!(
-                "rrc_ratio {:?} must satisfy 0 < lo <= hi",
-                self.rrc_ratio
-            ));
+            return Err(format!("rrc_ratio {:?} must satisfy 0 < lo <= hi", self.rrc_ratio));
         }
         if self.std.iter().any(|&s| s <= 0.0) {
             return Err(format!("std {:?} must be positive", self.std));
@@ -144,28 +132,19 @@ pub struct DecodeError {
 /// happens at the smallest DCT scale (1/8 … 1) that still gives at least `min_side` pixels on
 /// both sides, which is several times cheaper for web images far larger than the target.
 pub fn decode(bytes: &[u8], min_side: u32, max_pixels: u64) -> Result<RgbImage, DecodeError> {
-    let corrupt = |detail: String| DecodeError {
-        reason: reason::CORRUPT_IMAGE,
-        detail,
-    };
+    let corrupt = |detail: String| DecodeError { reason: reason::CORRUPT_IMAGE, detail };
     if bytes.starts_with(&[0xff, 0xd8]) {
         if let Some(img) = decode_jpeg_scaled(bytes, min_side, max_pixels)? {
             return Ok(img);
         }
     }
-    let reader = image::ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| corrupt(e.to_string()))?;
+    let reader = image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| corrupt(e.to_string()))?;
     if reader.format().is_none() {
         return Err(corrupt("unrecognised image format".into()));
     }
-    let (w, h) = reader
-        .into_dimensions()
-        .map_err(|e| corrupt(e.to_string()))?;
+    let (w, h) = reader.into_dimensions().map_err(|e| corrupt(e.to_string()))?;
     check_pixels(w, h, max_pixels)?;
-    let mut reader = image::ImageReader::new(Cursor::new(bytes))
-        .with_guessed_format()
-        .map_err(|e| corrupt(e.to_string()))?;
+    let mut reader = image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| corrupt(e.to_string()))?;
     let mut limits = image::Limits::default();
     limits.max_alloc = Some(max_pixels.saturating_mul(16).max(1 << 26));
     reader.limits(limits);
@@ -175,30 +154,17 @@ pub fn decode(bytes: &[u8], min_side: u32, max_pixels: u64) -> Result<RgbImage, 
 
 fn check_pixels(w: u32, h: u32, max_pixels: u64) -> Result<(), DecodeError> {
     if w == 0 || h == 0 {
-        return Err(DecodeError {
-            reason: reason::CORRUPT_IMAGE,
-            detail: format!("empty image {w}x{h}"),
-        });
+        return Err(DecodeError { reason: reason::CORRUPT_IMAGE, detail: format!("empty image {w}x{h}") });
     }
     if w as u64 * h as u64 > max_pixels {
-        return Err(DecodeError {
-            reason: reason::IMAGE_TOO_LARGE,
-            detail: format!("{w}x{h} exceeds max_pixels {max_pixels}"),
-        });
+        return Err(DecodeError { reason: reason::IMAGE_TOO_LARGE, detail: format!("{w}x{h} exceeds max_pixels {max_pixels}") });
     }
     Ok(())
 }
 
 /// Ok(None) means "let the general decoder try" (e.g. CMYK JPEGs).
-fn decode_jpeg_scaled(
-    bytes: &[u8],
-    min_side: u32,
-    max_pixels: u64,
-) -> Result<Option<RgbImage>, DecodeError> {
-    let corrupt = |detail: String| DecodeError {
-        reason: reason::CORRUPT_IMAGE,
-        detail,
-    };
+fn decode_jpeg_scaled(bytes: &[u8], min_side: u32, max_pixels: u64) -> Result<Option<RgbImage>, DecodeError> {
+    let corrupt = |detail: String| DecodeError { reason: reason::CORRUPT_IMAGE, detail };
     let mut dec = jpeg_decoder::Decoder::new(Cursor::new(bytes));
     dec.read_info().map_err(|e| corrupt(e.to_string()))?;
     let info = dec.info().ok_or_else(|| corrupt("no JPEG header".into()))?;
@@ -206,28 +172,18 @@ fn decode_jpeg_scaled(
     // The decoder picks the smallest scale reaching the request on *one* axis; we need both, so
     // choose the scale here and request exactly its output size.
     let (fw, fh) = (info.width as u32, info.height as u32);
-    let denom = [8u32, 4, 2, 1]
-        .into_iter()
-        .find(|d| fw.div_ceil(*d) >= min_side && fh.div_ceil(*d) >= min_side)
-        .unwrap_or(1);
-    let (w, h) = dec
-        .scale(fw.div_ceil(denom) as u16, fh.div_ceil(denom) as u16)
-        .map_err(|e| corrupt(e.to_string()))?;
+    let denom = [8u32, 4, 2, 1].into_iter().find(|d| fw.div_ceil(*d) >= min_side && fh.div_ceil(*d) >= min_side).unwrap_or(1);
+    let (w, h) = dec.scale(fw.div_ceil(denom) as u16, fh.div_ceil(denom) as u16).map_err(|e| corrupt(e.to_string()))?;
     let pixels = dec.decode().map_err(|e| corrupt(e.to_string()))?;
     let info = dec.info().ok_or_else(|| corrupt("no JPEG header".into()))?;
     let (w, h) = (w as u32, h as u32);
     let rgb = match info.pixel_format {
         jpeg_decoder::PixelFormat::RGB24 => pixels,
         jpeg_decoder::PixelFormat::L8 => pixels.iter().flat_map(|&v| [v, v, v]).collect(),
-        jpeg_decoder::PixelFormat::L16 => pixels
-            .chunks_exact(2)
-            .flat_map(|c| [c[0], c[0], c[0]])
-            .collect(),
+        jpeg_decoder::PixelFormat::L16 => pixels.chunks_exact(2).flat_map(|c| [c[0], c[0], c[0]]).collect(),
         jpeg_decoder::PixelFormat::CMYK32 => return Ok(None),
     };
-    RgbImage::from_raw(w, h, rgb)
-        .map(Some)
-        .ok_or_else(|| corrupt(format!("decoded buffer does not match {w}x{h}")))
+    RgbImage::from_raw(w, h, rgb).map(Some).ok_or_else(|| corrupt(format!("decoded buffer does not match {w}x{h}")))
 }
 
 /// A crop rectangle in pixel coordinates of the image it applies to.
@@ -256,35 +212,19 @@ fn resized_dims(w: u32, h: u32, cfg: &ImageConfig) -> (u32, u32) {
 
 /// The center crop of an image of `w`×`h`, as Hugging Face's `center_crop` places it.
 pub fn center_crop(w: u32, h: u32, size: u32) -> Rect {
-    Rect {
-        x: w.saturating_sub(size) / 2,
-        y: h.saturating_sub(size) / 2,
-        w: size.min(w),
-        h: size.min(h),
-    }
+    Rect { x: w.saturating_sub(size) / 2, y: h.saturating_sub(size) / 2, w: size.min(w), h: size.min(h) }
 }
 
 /// A uniformly placed crop, every valid offset equally likely.
 pub fn random_crop(w: u32, h: u32, size: u32, rng: &mut Rng) -> Rect {
     let x = rng.below((w.saturating_sub(size) + 1) as usize) as u32;
     let y = rng.below((h.saturating_sub(size) + 1) as usize) as u32;
-    Rect {
-        x,
-        y,
-        w: size.min(w),
-        h: size.min(h),
-    }
+    Rect { x, y, w: size.min(w), h: size.min(h) }
 }
 
 /// torchvision's RandomResizedCrop box: ten tries at a random area and log-uniform aspect ratio,
 /// then a central crop clamped to the ratio range.
-pub fn random_resized_crop(
-    w: u32,
-    h: u32,
-    scale: [f64; 2],
-    ratio: [f64; 2],
-    rng: &mut Rng,
-) -> Rect {
+pub fn random_resized_crop(w: u32, h: u32, scale: [f64; 2], ratio: [f64; 2], rng: &mut Rng) -> Rect {
     let area = (w as f64) * (h as f64);
     let (lr0, lr1) = (ratio[0].ln(), ratio[1].ln());
     for _ in 0..10 {
@@ -306,30 +246,14 @@ pub fn random_resized_crop(
     } else {
         (w, h)
     };
-    Rect {
-        x: (w - cw) / 2,
-        y: (h - ch) / 2,
-        w: cw,
-        h: ch,
-    }
+    Rect { x: (w - cw) / 2, y: (h - ch) / 2, w: cw, h: ch }
 }
 
 /// Writes `img[rect]` (optionally mirrored) normalised as `(x/255 - mean) / std` into `out`, laid
 /// out channel-major (3 × rect.h × rect.w).
-pub fn write_chw(
-    img: &RgbImage,
-    rect: Rect,
-    flip: bool,
-    mean: [f32; 3],
-    std: [f32; 3],
-    out: &mut [f32],
-) {
+pub fn write_chw(img: &RgbImage, rect: Rect, flip: bool, mean: [f32; 3], std: [f32; 3], out: &mut [f32]) {
     let (cw, ch) = (rect.w as usize, rect.h as usize);
-    assert_eq!(
-        out.len(),
-        3 * cw * ch,
-        "output slice does not match the crop"
-    );
+    assert_eq!(out.len(), 3 * cw * ch, "output slice does not match the crop");
     let plane = cw * ch;
     let scale: [f32; 3] = std::array::from_fn(|c| 1.0 / (255.0 * std[c]));
     let shift: [f32; 3] = std::array::from_fn(|c| -mean[c] / std[c]);
@@ -338,11 +262,7 @@ pub fn write_chw(
     for y in 0..ch {
         let row = &raw[(rect.y as usize + y) * stride..][..stride];
         for x in 0..cw {
-            let sx = if flip {
-                rect.x as usize + cw - 1 - x
-            } else {
-                rect.x as usize + x
-            };
+            let sx = if flip { rect.x as usize + cw - 1 - x } else { rect.x as usize + x };
             let px = &row[sx * 3..sx * 3 + 3];
             for c in 0..3 {
                 out[c * plane + y * cw + x] = px[c] as f32 * scale[c] + shift[c];
@@ -379,24 +299,11 @@ pub fn train_transform(img: &RgbImage, cfg: &ImageConfig, rng: &mut Rng, out: &m
             write_chw(&resized, rect, flip, cfg.mean, cfg.std, out);
         }
         TrainCrop::RandomResizedCrop => {
-            let r =
-                random_resized_crop(img.width(), img.height(), cfg.rrc_scale, cfg.rrc_ratio, rng);
+            let r = random_resized_crop(img.width(), img.height(), cfg.rrc_scale, cfg.rrc_ratio, rng);
             let cropped = image::imageops::crop_imm(img, r.x, r.y, r.w, r.h).to_image();
             let resized = resize(&cropped, s, s, cfg.interpolation);
             let flip = cfg.hflip && rng.bernoulli(0.5);
-            write_chw(
-                &resized,
-                Rect {
-                    x: 0,
-                    y: 0,
-                    w: s,
-                    h: s,
-                },
-                flip,
-                cfg.mean,
-                cfg.std,
-                out,
-            );
+            write_chw(&resized, Rect { x: 0, y: 0, w: s, h: s }, flip, cfg.mean, cfg.std, out);
         }
     }
 }
@@ -420,53 +327,16 @@ mod tests {
 
     #[test]
     fn normalisation_matches_hand_computed_pixels() {
-        let img = RgbImage::from_fn(2, 1, |x, _| {
-            if x == 0 {
-                image::Rgb([0, 127, 255])
-            } else {
-                image::Rgb([51, 102, 204])
-            }
-        });
+        let img = RgbImage::from_fn(2, 1, |x, _| if x == 0 { image::Rgb([0, 127, 255]) } else { image::Rgb([51, 102, 204]) });
         let mut out = vec![0.0; 6];
-        write_chw(
-            &img,
-            Rect {
-                x: 0,
-                y: 0,
-                w: 2,
-                h: 1,
-            },
-            false,
-            [0.5; 3],
-            [0.5; 3],
-            &mut out,
-        );
+        write_chw(&img, Rect { x: 0, y: 0, w: 2, h: 1 }, false, [0.5; 3], [0.5; 3], &mut out);
         // ALIGN scaling x / 127.5 - 1.
-        let want = [
-            -1.0,
-            51.0 / 127.5 - 1.0,
-            127.0 / 127.5 - 1.0,
-            102.0 / 127.5 - 1.0,
-            1.0,
-            204.0 / 127.5 - 1.0,
-        ];
+        let want = [-1.0, 51.0 / 127.5 - 1.0, 127.0 / 127.5 - 1.0, 102.0 / 127.5 - 1.0, 1.0, 204.0 / 127.5 - 1.0];
         for (g, w) in out.iter().zip(want) {
             assert!((g - w).abs() < 1e-6, "{out:?}");
         }
         let mut out = vec![0.0; 3];
-        write_chw(
-            &img,
-            Rect {
-                x: 1,
-                y: 0,
-                w: 1,
-                h: 1,
-            },
-            false,
-            [0.485, 0.456, 0.406],
-            [0.229, 0.224, 0.225],
-            &mut out,
-        );
+        write_chw(&img, Rect { x: 1, y: 0, w: 1, h: 1 }, false, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], &mut out);
         assert!((out[0] - (0.2 - 0.485) / 0.229).abs() < 1e-5);
         assert!((out[2] - (0.8 - 0.406) / 0.225).abs() < 1e-5);
     }
@@ -474,12 +344,7 @@ mod tests {
     #[test]
     fn flip_mirrors_columns_of_the_crop() {
         let img = gradient_image(8, 4);
-        let rect = Rect {
-            x: 2,
-            y: 1,
-            w: 4,
-            h: 2,
-        };
+        let rect = Rect { x: 2, y: 1, w: 4, h: 2 };
         let (mut a, mut b) = (vec![0.0; 24], vec![0.0; 24]);
         write_chw(&img, rect, false, [0.0; 3], [1.0 / 255.0; 3], &mut a);
         write_chw(&img, rect, true, [0.0; 3], [1.0 / 255.0; 3], &mut b);
@@ -520,35 +385,14 @@ mod tests {
 
     #[test]
     fn center_crop_places_the_odd_pixel_like_hugging_face() {
-        assert_eq!(
-            center_crop(346, 346, 289),
-            Rect {
-                x: 28,
-                y: 28,
-                w: 289,
-                h: 289
-            }
-        );
-        assert_eq!(
-            center_crop(300, 289, 289),
-            Rect {
-                x: 5,
-                y: 0,
-                w: 289,
-                h: 289
-            }
-        );
+        assert_eq!(center_crop(346, 346, 289), Rect { x: 28, y: 28, w: 289, h: 289 });
+        assert_eq!(center_crop(300, 289, 289), Rect { x: 5, y: 0, w: 289, h: 289 });
     }
 
     #[test]
     fn eval_transform_of_a_flat_image_is_flat() {
         let img = RgbImage::from_pixel(50, 30, image::Rgb([255, 0, 127]));
-        let cfg = ImageConfig {
-            image_size: 16,
-            resize: 20,
-            resize_mode: ResizeMode::Shorter,
-            ..Default::default()
-        };
+        let cfg = ImageConfig { image_size: 16, resize: 20, resize_mode: ResizeMode::Shorter, ..Default::default() };
         let mut out = vec![0.0; cfg.numel()];
         eval_transform(&img, &cfg, &mut out);
         assert!(out[..256].iter().all(|&v| (v - 1.0).abs() < 1e-6));
@@ -557,15 +401,10 @@ mod tests {
 
     #[test]
     fn decoding_rejects_garbage_and_bombs_and_scales_jpegs() {
-        assert_eq!(
-            decode(b"not an image", 10, 1 << 30).unwrap_err().reason,
-            "corrupt_image"
-        );
+        assert_eq!(decode(b"not an image", 10, 1 << 30).unwrap_err().reason, "corrupt_image");
         let img = gradient_image(200, 120);
         let mut jpg = Vec::new();
-        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpg, 90)
-            .encode_image(&img)
-            .unwrap();
+        image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpg, 90).encode_image(&img).unwrap();
         assert_eq!(decode(&jpg, 10, 100).unwrap_err().reason, "image_too_large");
         // Asking for 40 px lets the decoder work at 1/2 scale: 1/4 would give 50x30, short of 40.
         let small = decode(&jpg, 40, 1 << 30).unwrap();
@@ -576,8 +415,7 @@ mod tests {
         let truncated = &jpg[..jpg.len() / 3];
         assert!(decode(truncated, 500, 1 << 30).is_err());
         let mut png = Vec::new();
-        img.write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png)
-            .unwrap();
+        img.write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png).unwrap();
         assert_eq!(decode(&png, 10, 1 << 30).unwrap().dimensions(), (200, 120));
     }
 }

@@ -1,12 +1,10 @@
 //! BERT text tower with Hugging Face `BertModel` parameter names, pooled by `[CLS]` or the mean.
 
 use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{Embedding, Init, Linear, VarBuilder};
+use candle_nn::{Embedding, Linear, VarBuilder};
 
 use super::config::{BertConfig, TextPooling};
-use super::layers::{attention, linear, LayerNorm};
-
-const STD: Init = Init::Randn { mean: 0.0, stdev: 0.02 };
+use super::layers::{attention, linear, scaled_normal, LayerNorm};
 
 struct Layer {
     query: Linear,
@@ -26,13 +24,13 @@ impl Layer {
         let sa = vb.pp("attention").pp("self");
         let ao = vb.pp("attention").pp("output");
         Ok(Layer {
-            query: linear(h, h, true, STD, sa.pp("query"))?,
-            key: linear(h, h, true, STD, sa.pp("key"))?,
-            value: linear(h, h, true, STD, sa.pp("value"))?,
-            attn_out: linear(h, h, true, STD, ao.pp("dense"))?,
+            query: linear(h, h, true, scaled_normal(h), sa.pp("query"))?,
+            key: linear(h, h, true, scaled_normal(h), sa.pp("key"))?,
+            value: linear(h, h, true, scaled_normal(h), sa.pp("value"))?,
+            attn_out: linear(h, h, true, scaled_normal(h), ao.pp("dense"))?,
             attn_norm: LayerNorm::new(h, c.layer_norm_eps, ao.pp("LayerNorm"))?,
-            intermediate: linear(h, c.intermediate, true, STD, vb.pp("intermediate").pp("dense"))?,
-            output: linear(c.intermediate, h, true, STD, vb.pp("output").pp("dense"))?,
+            intermediate: linear(h, c.intermediate, true, scaled_normal(h), vb.pp("intermediate").pp("dense"))?,
+            output: linear(c.intermediate, h, true, scaled_normal(c.intermediate), vb.pp("output").pp("dense"))?,
             out_norm: LayerNorm::new(h, c.layer_norm_eps, vb.pp("output").pp("LayerNorm"))?,
             heads: c.heads,
         })
@@ -59,7 +57,9 @@ pub struct Bert {
 impl Bert {
     pub fn new(c: &BertConfig, vb: VarBuilder) -> Result<Self> {
         let e = vb.pp("embeddings");
-        let emb = |n: usize, name: &str| -> Result<Embedding> { Ok(Embedding::new(e.get_with_hints((n, c.hidden), &format!("{name}.weight"), STD)?, c.hidden)) };
+        let emb = |n: usize, name: &str| -> Result<Embedding> {
+            Ok(Embedding::new(e.get_with_hints((n, c.hidden), &format!("{name}.weight"), scaled_normal(c.hidden))?, c.hidden))
+        };
         let layers = (0..c.layers).map(|i| Layer::new(c, vb.pp("encoder").pp("layer").pp(i))).collect::<Result<Vec<_>>>()?;
         Ok(Bert {
             word: emb(c.vocab_size, "word_embeddings")?,
@@ -77,7 +77,8 @@ impl Bert {
         let (_b, l) = ids.dims2()?;
         let positions = Tensor::arange(0u32, l as u32, ids.device())?;
         let types = Tensor::zeros(l, DType::U32, ids.device())?;
-        let x = self.word.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?.broadcast_add(&self.token_type.forward(&types)?)?;
+        let x =
+            self.word.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?.broadcast_add(&self.token_type.forward(&types)?)?;
         let mut x = self.emb_norm.forward(&x)?;
         // Padding gets a large negative score so it receives no attention.
         let keep = mask.to_dtype(x.dtype())?;

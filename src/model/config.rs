@@ -79,7 +79,16 @@ impl VitConfig {
             "vit" => (16, 768, 12, 12),
             _ => return None,
         };
-        Some(VitConfig { image_size, patch_size: patch, width, depth, heads, mlp_dim: 4 * width, pool: ImagePooling::Cls, layer_norm_eps: 1e-12 })
+        Some(VitConfig {
+            image_size,
+            patch_size: patch,
+            width,
+            depth,
+            heads,
+            mlp_dim: 4 * width,
+            pool: ImagePooling::Cls,
+            layer_norm_eps: 1e-12,
+        })
     }
 
     pub fn with(mut self, o: &VitOverrides) -> Self {
@@ -113,10 +122,10 @@ impl VitConfig {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if self.patch_size == 0 || self.image_size % self.patch_size != 0 {
+        if self.patch_size == 0 || !self.image_size.is_multiple_of(self.patch_size) {
             return Err(format!("image_size {} is not a multiple of patch_size {}", self.image_size, self.patch_size));
         }
-        if self.heads == 0 || self.width % self.heads != 0 {
+        if self.heads == 0 || !self.width.is_multiple_of(self.heads) {
             return Err(format!("ViT width {} is not divisible by heads {}", self.width, self.heads));
         }
         if self.depth == 0 || self.mlp_dim == 0 {
@@ -150,7 +159,16 @@ impl BertConfig {
             "bert-large" => (24, 1024, 16),
             _ => return None,
         };
-        Some(BertConfig { vocab_size, hidden, layers, heads, intermediate: 4 * hidden, max_position: 512, type_vocab: 2, layer_norm_eps: 1e-12 })
+        Some(BertConfig {
+            vocab_size,
+            hidden,
+            layers,
+            heads,
+            intermediate: 4 * hidden,
+            max_position: 512,
+            type_vocab: 2,
+            layer_norm_eps: 1e-12,
+        })
     }
 
     pub fn with(mut self, o: &BertOverrides) -> Self {
@@ -180,7 +198,7 @@ impl BertConfig {
     }
 
     pub fn validate(&self, max_len: usize) -> Result<(), String> {
-        if self.heads == 0 || self.hidden % self.heads != 0 {
+        if self.heads == 0 || !self.hidden.is_multiple_of(self.heads) {
             return Err(format!("BERT hidden {} is not divisible by heads {}", self.hidden, self.heads));
         }
         if max_len > self.max_position {

@@ -132,8 +132,26 @@ mod tests {
 
     pub fn tiny_spec() -> ModelSpec {
         ModelSpec {
-            image: ImageSpec::Vit(VitConfig { image_size: 8, patch_size: 4, width: 16, depth: 1, heads: 2, mlp_dim: 32, pool: ImagePooling::Cls, layer_norm_eps: 1e-12 }),
-            text: BertConfig { vocab_size: 30, hidden: 16, layers: 1, heads: 2, intermediate: 32, max_position: 16, type_vocab: 2, layer_norm_eps: 1e-12 },
+            image: ImageSpec::Vit(VitConfig {
+                image_size: 8,
+                patch_size: 4,
+                width: 16,
+                depth: 1,
+                heads: 2,
+                mlp_dim: 32,
+                pool: ImagePooling::Cls,
+                layer_norm_eps: 1e-12,
+            }),
+            text: BertConfig {
+                vocab_size: 30,
+                hidden: 16,
+                layers: 1,
+                heads: 2,
+                intermediate: 32,
+                max_position: 16,
+                type_vocab: 2,
+                layer_norm_eps: 1e-12,
+            },
             embed_dim: 8,
             image_projection: true,
             text_pooling: TextPooling::Cls,
@@ -167,13 +185,62 @@ mod tests {
         assert_eq!(data["temperature"].dtype(), DType::F32);
     }
 
+    /// Central finite differences in f64 against backprop for a few entries of every variable of
+    /// a tiny dual encoder under the contrastive loss: catches a wrong gradient anywhere in the
+    /// towers (attention, LayerNorm, GELU, patch embedding, pooling, projections, temperature).
+    #[test]
+    fn gradients_of_every_variable_match_finite_differences() {
+        use crate::train::loss::contrastive_loss;
+        let dev = Device::Cpu;
+        for pool in [ImagePooling::Cls, ImagePooling::Gap] {
+            let mut spec = tiny_spec();
+            let ImageSpec::Vit(v) = &mut spec.image;
+            v.pool = pool;
+            spec.temperature_init = 0.3;
+            let vm = candle_nn::VarMap::new();
+            let model = DualEncoder::new(&spec, SeededVars::builder_dtype(&vm, 5, DType::F64, &dev)).unwrap();
+            let images = Tensor::randn(0f64, 1.0, (3, 3, 8, 8), &dev).unwrap();
+            let ids = Tensor::new(&[[2u32, 7, 9, 3, 0], [2, 5, 3, 0, 0], [2, 11, 12, 13, 3]], &dev).unwrap();
+            let mask = Tensor::new(&[[1u32, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], &dev).unwrap();
+            let loss = || {
+                let i = model.image_embeddings(&images).unwrap();
+                let t = model.text_embeddings(&ids, &mask).unwrap();
+                contrastive_loss(&i, &t, &i, &t, 0, &model.logit_scale().unwrap(), 0.1).unwrap().total
+            };
+            let grads = loss().backward().unwrap();
+            let vars: Vec<(String, candle_core::Var)> = vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let mut rng = crate::util::rng::Rng::new(1);
+            for (name, var) in vars {
+                let g = grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                let base = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                for _ in 0..3 {
+                    let k = rng.below(base.len());
+                    let eval = |delta: f64| {
+                        let mut v = base.clone();
+                        v[k] += delta;
+                        var.set(&Tensor::from_vec(v, var.shape(), &dev).unwrap()).unwrap();
+                        loss().to_scalar::<f64>().unwrap()
+                    };
+                    let h = 1e-5;
+                    let fd = (eval(h) - eval(-h)) / (2.0 * h);
+                    var.set(&Tensor::from_vec(base.clone(), var.shape(), &dev).unwrap()).unwrap();
+                    let tol = 1e-6 + 1e-4 * fd.abs().max(g[k].abs());
+                    assert!((fd - g[k]).abs() < tol, "{pool:?} {name}[{k}]: backprop {} vs finite difference {fd}", g[k]);
+                }
+            }
+        }
+    }
+
     #[test]
     fn padding_does_not_change_the_text_embedding() {
         let dev = Device::Cpu;
         let vm = candle_nn::VarMap::new();
         let model = DualEncoder::new(&tiny_spec(), SeededVars::builder(&vm, 3, &dev)).unwrap();
-        let short = model.text_embeddings(&Tensor::new(&[[2u32, 7, 3]], &dev).unwrap(), &Tensor::new(&[[1u32, 1, 1]], &dev).unwrap()).unwrap();
-        let padded = model.text_embeddings(&Tensor::new(&[[2u32, 7, 3, 0, 0, 0]], &dev).unwrap(), &Tensor::new(&[[1u32, 1, 1, 0, 0, 0]], &dev).unwrap()).unwrap();
+        let short =
+            model.text_embeddings(&Tensor::new(&[[2u32, 7, 3]], &dev).unwrap(), &Tensor::new(&[[1u32, 1, 1]], &dev).unwrap()).unwrap();
+        let padded = model
+            .text_embeddings(&Tensor::new(&[[2u32, 7, 3, 0, 0, 0]], &dev).unwrap(), &Tensor::new(&[[1u32, 1, 1, 0, 0, 0]], &dev).unwrap())
+            .unwrap();
         let d = (short - padded).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(d < 1e-5, "{d}");
     }

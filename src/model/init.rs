@@ -19,7 +19,12 @@ pub struct SeededVars {
 
 impl SeededVars {
     pub fn builder(map: &VarMap, seed: u64, device: &Device) -> VarBuilder<'static> {
-        VarBuilder::from_backend(Box::new(SeededVars { map: map.clone(), seed }), DType::F32, device.clone())
+        Self::builder_dtype(map, seed, DType::F32, device)
+    }
+
+    /// As `builder`, with variables of another dtype (f64 for gradient checks).
+    pub fn builder_dtype(map: &VarMap, seed: u64, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(SeededVars { map: map.clone(), seed }), dtype, device.clone())
     }
 }
 
@@ -80,7 +85,11 @@ impl SimpleBackend for SeededVars {
 }
 
 /// Kaiming-uniform as PyTorch's default for `nn.Linear` weights.
-pub const LINEAR_DEFAULT: Init = Init::Kaiming { dist: NormalOrUniform::Uniform, fan: FanInOut::FanIn, non_linearity: candle_nn::init::NonLinearity::ExplicitGain(0.577_350_269_189_625_8) };
+pub const LINEAR_DEFAULT: Init = Init::Kaiming {
+    dist: NormalOrUniform::Uniform,
+    fan: FanInOut::FanIn,
+    non_linearity: candle_nn::init::NonLinearity::ExplicitGain(0.577_350_269_189_625_8),
+};
 
 #[cfg(test)]
 mod tests {

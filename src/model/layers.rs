@@ -33,6 +33,17 @@ impl Module for LayerNorm {
     }
 }
 
+/// Truncated-normal init whose scale follows the fan-in: std = 0.02·√(768 / fan).
+///
+/// BERT and ViT initialise every weight with std 0.02 (`initializer_range`), a value tuned for
+/// width 768. At demo widths (32–256) that leaves attention and MLP outputs tiny next to the
+/// residual stream, every [CLS] state starts out nearly identical, and contrastive training sits
+/// at the collapsed solution (all embeddings equal, loss = ln N). Scaling by fan-in keeps 0.02 at
+/// width 768 and gives small towers the same signal propagation.
+pub fn scaled_normal(fan: usize) -> Init {
+    Init::Randn { mean: 0.0, stdev: 0.02 * (768.0 / fan.max(1) as f64).sqrt() }
+}
+
 /// A linear layer whose weights follow `init` (PyTorch layout: `[out, in]`).
 pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuilder) -> Result<candle_nn::Linear> {
     let w = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
@@ -72,7 +83,11 @@ mod tests {
     fn layer_norm_matches_hand_computation_and_passes_gradients() {
         let dev = Device::Cpu;
         let x = Var::new(&[[1.0f32, 2.0, 3.0, 6.0]], &dev).unwrap();
-        let ln = LayerNorm { weight: Tensor::new(&[1.0f32, 2.0, 1.0, 1.0], &dev).unwrap(), bias: Tensor::new(&[0.0f32, 0.0, 0.5, 0.0], &dev).unwrap(), eps: 0.0 };
+        let ln = LayerNorm {
+            weight: Tensor::new(&[1.0f32, 2.0, 1.0, 1.0], &dev).unwrap(),
+            bias: Tensor::new(&[0.0f32, 0.0, 0.5, 0.0], &dev).unwrap(),
+            eps: 0.0,
+        };
         let y = ln.forward(x.as_tensor()).unwrap();
         // mean 3, var (4+1+0+9)/4 = 3.5
         let s = 3.5f32.sqrt();

@@ -7,9 +7,7 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::{Init, Linear, VarBuilder};
 
 use super::config::{ImagePooling, VitConfig};
-use super::layers::{attention, linear, LayerNorm};
-
-const STD: Init = Init::Randn { mean: 0.0, stdev: 0.02 };
+use super::layers::{attention, linear, scaled_normal, LayerNorm};
 
 struct Block {
     norm1: LayerNorm,
@@ -29,13 +27,13 @@ impl Block {
         let att = vb.pp("attention").pp("attention");
         Ok(Block {
             norm1: LayerNorm::new(w, c.layer_norm_eps, vb.pp("layernorm_before"))?,
-            query: linear(w, w, true, STD, att.pp("query"))?,
-            key: linear(w, w, true, STD, att.pp("key"))?,
-            value: linear(w, w, true, STD, att.pp("value"))?,
-            proj: linear(w, w, true, STD, vb.pp("attention").pp("output").pp("dense"))?,
+            query: linear(w, w, true, scaled_normal(w), att.pp("query"))?,
+            key: linear(w, w, true, scaled_normal(w), att.pp("key"))?,
+            value: linear(w, w, true, scaled_normal(w), att.pp("value"))?,
+            proj: linear(w, w, true, scaled_normal(w), vb.pp("attention").pp("output").pp("dense"))?,
             norm2: LayerNorm::new(w, c.layer_norm_eps, vb.pp("layernorm_after"))?,
-            fc1: linear(w, c.mlp_dim, true, STD, vb.pp("intermediate").pp("dense"))?,
-            fc2: linear(c.mlp_dim, w, true, STD, vb.pp("output").pp("dense"))?,
+            fc1: linear(w, c.mlp_dim, true, scaled_normal(w), vb.pp("intermediate").pp("dense"))?,
+            fc2: linear(c.mlp_dim, w, true, scaled_normal(c.mlp_dim), vb.pp("output").pp("dense"))?,
             heads: c.heads,
         })
     }
@@ -66,10 +64,10 @@ impl Vit {
         let p = c.patch_size;
         let proj = e.pp("patch_embeddings").pp("projection");
         Ok(Vit {
-            patch_weight: proj.get_with_hints((c.width, 3, p, p), "weight", STD)?,
+            patch_weight: proj.get_with_hints((c.width, 3, p, p), "weight", scaled_normal(3 * p * p))?,
             patch_bias: proj.get_with_hints(c.width, "bias", Init::Const(0.0))?,
-            cls_token: e.get_with_hints((1, 1, c.width), "cls_token", STD)?,
-            pos: e.get_with_hints((1, c.num_patches() + 1, c.width), "position_embeddings", STD)?,
+            cls_token: e.get_with_hints((1, 1, c.width), "cls_token", scaled_normal(c.width))?,
+            pos: e.get_with_hints((1, c.num_patches() + 1, c.width), "position_embeddings", scaled_normal(c.width))?,
             blocks: (0..c.depth).map(|i| Block::new(c, vb.pp("encoder").pp("layer").pp(i))).collect::<Result<_>>()?,
             norm: LayerNorm::new(c.width, c.layer_norm_eps, vb.pp("layernorm"))?,
             config: c.clone(),
@@ -114,7 +112,16 @@ mod tests {
     #[test]
     fn patch_matmul_equals_the_strided_convolution() {
         let dev = Device::Cpu;
-        let cfg = VitConfig { image_size: 8, patch_size: 4, width: 5, depth: 1, heads: 1, mlp_dim: 8, pool: ImagePooling::Cls, layer_norm_eps: 1e-12 };
+        let cfg = VitConfig {
+            image_size: 8,
+            patch_size: 4,
+            width: 5,
+            depth: 1,
+            heads: 1,
+            mlp_dim: 8,
+            pool: ImagePooling::Cls,
+            layer_norm_eps: 1e-12,
+        };
         let vm = candle_nn::VarMap::new();
         let vit = Vit::new(&cfg, crate::model::init::SeededVars::builder(&vm, 1, &dev)).unwrap();
         let x = Tensor::randn(0f32, 1.0, (2, 3, 8, 8), &dev).unwrap();

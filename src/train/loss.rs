@@ -35,7 +35,15 @@ pub fn smoothed_cross_entropy(logits: &Tensor, offset: usize, smoothing: f64) ->
 
 /// The contrastive loss of this rank's rows. Embeddings must be L2-normalised; `logit_scale` is
 /// the 0-d factor 1/σ (or CLIP's exp(s)). Computed in f32 whatever the towers' dtype.
-pub fn contrastive_loss(local_img: &Tensor, local_txt: &Tensor, all_img: &Tensor, all_txt: &Tensor, offset: usize, logit_scale: &Tensor, smoothing: f64) -> Result<LossParts> {
+pub fn contrastive_loss(
+    local_img: &Tensor,
+    local_txt: &Tensor,
+    all_img: &Tensor,
+    all_txt: &Tensor,
+    offset: usize,
+    logit_scale: &Tensor,
+    smoothing: f64,
+) -> Result<LossParts> {
     let f = |t: &Tensor| if t.dtype() == DType::F64 { Ok(t.clone()) } else { t.to_dtype(DType::F32) };
     let (li, lt, ai, at) = (f(local_img)?, f(local_txt)?, f(all_img)?, f(all_txt)?);
     let scale = f(logit_scale)?;
@@ -68,10 +76,12 @@ mod tests {
     }
 
     fn normalized(rows: &[[f64; 3]]) -> Vec<Vec<f64>> {
-        rows.iter().map(|r| {
-            let n = r.iter().map(|v| v * v).sum::<f64>().sqrt();
-            r.iter().map(|v| v / n).collect()
-        }).collect()
+        rows.iter()
+            .map(|r| {
+                let n = r.iter().map(|v| v * v).sum::<f64>().sqrt();
+                r.iter().map(|v| v / n).collect()
+            })
+            .collect()
     }
 
     fn t(rows: &[Vec<f64>]) -> Tensor {
@@ -137,7 +147,9 @@ mod tests {
         };
         let grads = loss_of(img.as_tensor(), txt.as_tensor(), sigma.as_tensor()).backward().unwrap();
         let h = 1e-6;
-        let eval = |i: Vec<Vec<f64>>, x: Vec<Vec<f64>>, sg: f64| loss_of(&t(&i), &t(&x), &Tensor::new(sg, &dev).unwrap()).to_scalar::<f64>().unwrap();
+        let eval = |i: Vec<Vec<f64>>, x: Vec<Vec<f64>>, sg: f64| {
+            loss_of(&t(&i), &t(&x), &Tensor::new(sg, &dev).unwrap()).to_scalar::<f64>().unwrap()
+        };
         let gi = grads.get(img.as_tensor()).unwrap().to_vec2::<f64>().unwrap();
         let gt = grads.get(txt.as_tensor()).unwrap().to_vec2::<f64>().unwrap();
         for r in 0..3 {

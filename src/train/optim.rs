@@ -56,6 +56,43 @@ pub fn decays(name: &str, rank: usize) -> bool {
     rank >= 2 && !name.ends_with("temperature") && !name.ends_with("logit_scale")
 }
 
+/// Gradients aligned with an optimiser's parameters (None where a parameter got none).
+#[derive(Clone)]
+pub struct Grads(pub Vec<Option<Tensor>>);
+
+impl Grads {
+    /// Adds another micro-batch's gradients (gradient accumulation).
+    pub fn accumulate(&mut self, other: Grads) -> Result<()> {
+        for (a, b) in self.0.iter_mut().zip(other.0) {
+            *a = match (a.take(), b) {
+                (Some(x), Some(y)) => Some((x + y)?),
+                (x, y) => x.or(y),
+            };
+        }
+        Ok(())
+    }
+
+    pub fn scale(&mut self, factor: f64) -> Result<()> {
+        for g in self.0.iter_mut().flatten() {
+            *g = (&*g * factor)?;
+        }
+        Ok(())
+    }
+
+    /// Global L2 norm.
+    pub fn norm(&self) -> Result<f64> {
+        let mut sq = 0.0;
+        for g in self.0.iter().flatten() {
+            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+        }
+        Ok(sq.sqrt())
+    }
+
+    pub fn all_finite(&self) -> Result<bool> {
+        Ok(self.norm()?.is_finite())
+    }
+}
+
 pub struct Param {
     pub name: String,
     pub var: Var,
@@ -91,19 +128,13 @@ impl Optimizer {
         &self.params
     }
 
-    /// Global L2 norm of the gradients present in `grads`.
-    pub fn grad_norm(&self, grads: &GradStore) -> Result<f64> {
-        let mut sq = 0.0;
-        for p in &self.params {
-            if let Some(g) = grads.get(p.var.as_tensor()) {
-                sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
-            }
-        }
-        Ok(sq.sqrt())
+    /// This optimiser's gradients out of a backward pass, in parameter order.
+    pub fn gather(&self, store: &GradStore) -> Grads {
+        Grads(self.params.iter().map(|p| store.get(p.var.as_tensor()).cloned()).collect())
     }
 
-    pub fn step(&mut self, grads: &GradStore, lr: f64) -> Result<StepStats> {
-        let grad_norm = self.grad_norm(grads)?;
+    pub fn step(&mut self, grads: &Grads, lr: f64) -> Result<StepStats> {
+        let grad_norm = grads.norm()?;
         let clip = if self.cfg.grad_clip > 0.0 && grad_norm > self.cfg.grad_clip { self.cfg.grad_clip / grad_norm } else { 1.0 };
         self.step += 1;
         let t = self.step as i32;
@@ -111,7 +142,7 @@ impl Optimizer {
         let bc1 = 1.0 - b1.powi(t);
         let bc2 = 1.0 - b2.powi(t);
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = grads.get(p.var.as_tensor()) else { continue };
+            let Some(g) = &grads.0[i] else { continue };
             let g = if clip < 1.0 { (g * clip)? } else { g.clone() };
             let g = g.to_dtype(DType::F32)?;
             self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
@@ -225,8 +256,10 @@ mod tests {
             // loss = sum((w - target)^2 * w), a non-quadratic to vary the gradients.
             let loss = ((w.as_tensor() - &target).unwrap().sqr().unwrap() * w.as_tensor()).unwrap().sum_all().unwrap();
             let grads = loss.backward().unwrap();
-            let g: Vec<f64> = grads.get(w.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|&x| x as f64).collect();
-            opt.step(&grads, lr).unwrap();
+            let g: Vec<f64> =
+                grads.get(w.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|&x| x as f64).collect();
+            let gathered = opt.gather(&grads);
+            opt.step(&gathered, lr).unwrap();
             r.step(&mut p, &g, lr, &cfg, decay);
             let got = w.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             for (a, b) in got.iter().zip(&p) {
@@ -250,7 +283,8 @@ mod tests {
         let cfg = OptimizerConfig { kind: OptimizerKind::Adamw, weight_decay: 0.0, eps: 1e-12, ..Default::default() };
         let mut opt = Optimizer::new(vec![("b".into(), w.clone())], cfg).unwrap();
         let grads = (w.as_tensor() * 3.0).unwrap().sum_all().unwrap().backward().unwrap();
-        opt.step(&grads, 0.1).unwrap();
+        let gathered = opt.gather(&grads);
+        opt.step(&gathered, 0.1).unwrap();
         let got = w.as_tensor().to_vec1::<f32>().unwrap();
         assert!((got[0] - 0.9).abs() < 1e-6 && (got[1] + 2.1).abs() < 1e-6, "{got:?}");
     }
@@ -263,8 +297,10 @@ mod tests {
         let cfg = OptimizerConfig { kind: OptimizerKind::Adamw, weight_decay: 0.0, grad_clip: 1.0, beta1: 0.0, beta2: 0.0, eps: 1e-12 };
         let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], cfg).unwrap();
         // Gradients (3, 4): norm 5.
-        let loss = ((a.as_tensor().sqr().unwrap().sum_all().unwrap() + b.as_tensor().sqr().unwrap().sum_all().unwrap()).unwrap() * 0.5).unwrap();
-        let stats = opt.step(&loss.backward().unwrap(), 1.0).unwrap();
+        let loss =
+            ((a.as_tensor().sqr().unwrap().sum_all().unwrap() + b.as_tensor().sqr().unwrap().sum_all().unwrap()).unwrap() * 0.5).unwrap();
+        let grads = opt.gather(&loss.backward().unwrap());
+        let stats = opt.step(&grads, 1.0).unwrap();
         assert!((stats.grad_norm - 5.0).abs() < 1e-6);
     }
 

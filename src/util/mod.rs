@@ -1,2 +1,3 @@
 pub mod log;
+pub mod progress;
 pub mod rng;

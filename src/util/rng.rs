@@ -19,11 +19,7 @@ pub fn mix64(mut z: u64) -> u64 {
 pub fn derive_seed(seed: u64, parts: &[u64]) -> u64 {
     let mut h = mix64(seed ^ 0x9e37_79b9_7f4a_7c15);
     for &p in parts {
-        h = mix64(
-            h ^ p
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                .wrapping_add(0x632b_e59b_d9b4_e019),
-        );
+        h = mix64(h ^ p.wrapping_mul(0x9e37_79b9_7f4a_7c15).wrapping_add(0x632b_e59b_d9b4_e019));
     }
     h
 }
@@ -127,10 +123,7 @@ mod tests {
         let zs: Vec<f64> = (0..n).map(|_| r.normal()).collect();
         let m = zs.iter().sum::<f64>() / n as f64;
         let v = zs.iter().map(|z| (z - m) * (z - m)).sum::<f64>() / n as f64;
-        assert!(
-            m.abs() < 0.01 && (v - 1.0).abs() < 0.02,
-            "normal mean {m} var {v}"
-        );
+        assert!(m.abs() < 0.01 && (v - 1.0).abs() < 0.02, "normal mean {m} var {v}");
     }
 
     #[test]

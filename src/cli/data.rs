@@ -1,0 +1,114 @@
+use std::path::PathBuf;
+
+use align::data::synth::{write_synth, SynthSpec};
+use align::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
+use align::data::{spec, stats};
+use align::util::progress::Progress;
+use anyhow::{bail, Result};
+use clap::Args;
+
+use super::table::Table;
+
+#[derive(Args)]
+pub struct SynthArgs {
+    /// Output directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 8)]
+    pub train_shards: usize,
+    #[arg(long, default_value_t = 1000)]
+    pub samples_per_shard: usize,
+    #[arg(long, default_value_t = 720)]
+    pub test_samples: usize,
+    #[arg(long, default_value_t = 64)]
+    pub image_size: u32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn synth(a: &SynthArgs) -> Result<()> {
+    let out = write_synth(
+        &a.out,
+        &SynthSpec {
+            train_shards: a.train_shards,
+            samples_per_shard: a.samples_per_shard,
+            test_samples: a.test_samples,
+            image_size: a.image_size,
+            seed: a.seed,
+        },
+    )?;
+    if a.json {
+        return super::print_json(&out);
+    }
+    let mut t = Table::new("Synthetic data");
+    t.row("train shards", out.train.clone()).row("train samples", out.train_samples.to_string());
+    t.row("test shard", out.test.clone()).row("test samples", out.test_samples.to_string());
+    t.row("classes", out.classes.display().to_string()).row("templates", out.templates.display().to_string());
+    t.print();
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct StatsArgs {
+    /// Shard spec.
+    #[arg(long)]
+    pub data: String,
+    /// Skip images whose header claims more pixels than this.
+    #[arg(long, default_value_t = 89_478_485)]
+    pub max_pixels: u64,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn stats(a: &StatsArgs) -> Result<()> {
+    let shards = spec::expand(&a.data)?;
+    let bar = Progress::bar(shards.len() as u64, "reading shards", a.json);
+    let s = stats::compute(&shards, a.max_pixels, || bar.inc(1));
+    bar.finish();
+    if a.json {
+        return super::print_json(&s);
+    }
+    let mut t = Table::new(&format!("Data: {}", a.data));
+    t.row("shards", s.shards.to_string()).row("usable samples", s.samples.to_string()).row("skipped", s.skipped.summary());
+    t.row("labelled samples", s.labels.to_string());
+    t.row("fields", s.fields.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", "));
+    let d = |x: &stats::Distribution| format!("min {} / median {} / p90 {} / max {} (mean {:.1})", x.min, x.p50, x.p90, x.max, x.mean);
+    t.row("caption words", d(&s.caption_words)).row("image width", d(&s.image_width)).row("image height", d(&s.image_height));
+    t.print();
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct TokenizerTrainArgs {
+    /// Shards whose captions to learn from.
+    #[arg(long)]
+    pub data: String,
+    #[arg(long, default_value_t = 30522)]
+    pub vocab_size: usize,
+    /// Output tokenizer.json.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Read at most this many captions (0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub limit: usize,
+    /// Keep case (default: lower-case, as BERT uncased).
+    #[arg(long)]
+    pub cased: bool,
+    /// Tokens must occur this often to enter the vocabulary.
+    #[arg(long, default_value_t = 2)]
+    pub min_frequency: u64,
+}
+
+pub fn tokenizer_train(a: &TokenizerTrainArgs) -> Result<()> {
+    let shards = spec::expand(&a.data)?;
+    let captions = captions_from_shards(&shards, a.limit);
+    if captions.is_empty() {
+        bail!("no caption found in {}", a.data);
+    }
+    let tok = TextTokenizer::new(train_wordpiece(captions.iter(), a.vocab_size, !a.cased, a.min_frequency)?, 64)?;
+    tok.save(&a.out)?;
+    println!("trained a {}-token vocabulary on {} captions: {}", tok.vocab_size(), captions.len(), a.out.display());
+    Ok(())
+}

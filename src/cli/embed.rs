@@ -1,0 +1,226 @@
+//! `align embed` writes embeddings for an index; `align search` queries one with a text, an image,
+//! or an image plus / minus a text (ALIGN §7).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use align::data::eval_reader::{EvalSource, Needs};
+use align::data::spec;
+use align::data::transform::{decode, eval_transform};
+use align::eval::embed::{embed_images, embed_source, embed_texts};
+use align::eval::knn::top_k;
+use align::eval::metrics::Embeddings;
+use align::eval::zeroshot::read_lines;
+use align::train::checkpoint::load_model;
+use align::util::progress::Progress;
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use clap::Args;
+use serde::{Deserialize, Serialize};
+
+#[derive(Args)]
+pub struct EmbedArgs {
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Shards to embed: every image, and every caption it carries.
+    #[arg(long, conflicts_with = "texts")]
+    pub data: Option<String>,
+    /// A text file to embed, one text per line.
+    #[arg(long)]
+    pub texts: Option<PathBuf>,
+    /// Output `.safetensors` (a `.json` sidecar is written beside it).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+}
+
+/// What the sidecar says about the rows of the embedding matrices.
+#[derive(Debug, Serialize, Deserialize, Default)]
+pub struct Sidecar {
+    pub image_keys: Vec<String>,
+    pub texts: Vec<String>,
+    /// For each text, the row of the image it came with (None for texts from a file).
+    pub text_image: Vec<Option<usize>>,
+}
+
+fn sidecar_path(out: &Path) -> PathBuf {
+    out.with_extension("json")
+}
+
+fn to_tensor(e: &Embeddings) -> Result<Tensor> {
+    Ok(Tensor::from_slice(&e.data, (e.rows(), e.dim), &Device::Cpu)?)
+}
+
+pub fn embed(a: &EmbedArgs) -> Result<()> {
+    let device = super::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let mut tensors = HashMap::new();
+    let mut side = Sidecar::default();
+    match (&a.data, &a.texts) {
+        (Some(d), _) => {
+            let images = embed_source(
+                &m.model,
+                EvalSource::Shards(spec::expand(d)?),
+                &m.config.data.image,
+                Needs { image: true, captions: false, label: false },
+                a.batch,
+                &device,
+                false,
+            )?;
+            for (i, caps) in images.captions.iter().enumerate() {
+                for c in caps {
+                    side.texts.push(c.clone());
+                    side.text_image.push(Some(i));
+                }
+            }
+            tensors.insert("image_embeddings".to_string(), to_tensor(&images.embeddings)?);
+            side.image_keys = images.keys;
+            if !images.skipped.is_empty() {
+                eprintln!("skipped: {}", images.skipped.summary());
+            }
+        }
+        (None, Some(path)) => {
+            side.texts = read_lines(path)?;
+            side.text_image = vec![None; side.texts.len()];
+        }
+        (None, None) => bail!("give --data SPEC or --texts FILE"),
+    }
+    if !side.texts.is_empty() {
+        let bar = Progress::bar(side.texts.len() as u64, "embedding texts", false);
+        let t = embed_texts(&m.model, &m.tokenizer, &side.texts, a.batch, &device, |n| bar.inc(n as u64))?;
+        bar.finish();
+        tensors.insert("text_embeddings".to_string(), to_tensor(&t)?);
+    }
+    candle_core::safetensors::save(&tensors, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
+    std::fs::write(sidecar_path(&a.out), serde_json::to_string(&side)?)?;
+    println!("{} images, {} texts → {} (+ {})", side.image_keys.len(), side.texts.len(), a.out.display(), sidecar_path(&a.out).display());
+    Ok(())
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Target {
+    Images,
+    Texts,
+}
+
+#[derive(Args)]
+pub struct SearchArgs {
+    /// An index written by `align embed`.
+    #[arg(long)]
+    pub index: PathBuf,
+    /// The checkpoint the index was embedded with.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// A text query.
+    #[arg(long)]
+    pub text: Option<String>,
+    /// An image query (a file).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// With --image: add this text to the query.
+    #[arg(long)]
+    pub plus: Option<String>,
+    /// With --image: subtract this text from the query.
+    #[arg(long)]
+    pub minus: Option<String>,
+    /// Weight of the text in image ± text queries (ALIGN found 2 best, 1 also works).
+    #[arg(long, default_value_t = 2.0)]
+    pub text_weight: f32,
+    /// What to search (default: images when the index has them).
+    #[arg(long, value_enum)]
+    pub target: Option<Target>,
+    #[arg(short, long, default_value_t = 10)]
+    pub k: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct Hit {
+    rank: usize,
+    score: f32,
+    row: usize,
+    item: String,
+}
+
+fn normalise(v: &mut [f32]) {
+    let n = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+    v.iter_mut().for_each(|x| *x /= n);
+}
+
+/// `normalise(image + w·plus − w·minus)`, each part normalised first (ALIGN §7, footnote 4).
+pub fn combine(image: &[f32], plus: Option<&[f32]>, minus: Option<&[f32]>, w: f32) -> Vec<f32> {
+    let mut q = image.to_vec();
+    normalise(&mut q);
+    for (t, sign) in [(plus, 1.0f32), (minus, -1.0)] {
+        if let Some(t) = t {
+            let mut t = t.to_vec();
+            normalise(&mut t);
+            q.iter_mut().zip(&t).for_each(|(a, b)| *a += sign * w * b);
+        }
+    }
+    normalise(&mut q);
+    q
+}
+
+pub fn search(a: &SearchArgs) -> Result<()> {
+    let device = super::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let index = candle_core::safetensors::load(&a.index, &Device::Cpu).with_context(|| format!("reading {}", a.index.display()))?;
+    let side: Sidecar = serde_json::from_str(
+        &std::fs::read_to_string(sidecar_path(&a.index)).with_context(|| format!("reading {}", sidecar_path(&a.index).display()))?,
+    )?;
+    let text_vec = |t: &str| -> Result<Vec<f32>> { Ok(embed_texts(&m.model, &m.tokenizer, &[t.to_string()], 1, &device, |_| {})?.data) };
+    let query = match (&a.text, &a.image) {
+        (Some(t), None) => text_vec(t)?,
+        (None, Some(path)) => {
+            let cfg = &m.config.data.image;
+            let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            let img = decode(&bytes, cfg.resize as u32, cfg.max_pixels).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.detail))?;
+            let mut pixels = vec![0.0; cfg.numel()];
+            eval_transform(&img, cfg, &mut pixels);
+            let image = embed_images(&m.model, &pixels, cfg.image_size, &device)?.flatten_all()?.to_vec1::<f32>()?;
+            let plus = a.plus.as_deref().map(text_vec).transpose()?;
+            let minus = a.minus.as_deref().map(text_vec).transpose()?;
+            combine(&image, plus.as_deref(), minus.as_deref(), a.text_weight)
+        }
+        _ => bail!("give exactly one of --text or --image"),
+    };
+    let target = a.target.unwrap_or(if index.contains_key("image_embeddings") { Target::Images } else { Target::Texts });
+    let (name, labels): (&str, &Vec<String>) = match target {
+        Target::Images => ("image_embeddings", &side.image_keys),
+        Target::Texts => ("text_embeddings", &side.texts),
+    };
+    let matrix = index.get(name).with_context(|| format!("{} has no {name}", a.index.display()))?;
+    let scores = matrix.matmul(&Tensor::from_slice(&query, (query.len(), 1), &Device::Cpu)?)?.flatten_all()?.to_vec1::<f32>()?;
+    let hits: Vec<Hit> = top_k(&scores, a.k)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, row)| Hit { rank: rank + 1, score: scores[row], row, item: labels.get(row).cloned().unwrap_or_default() })
+        .collect();
+    if a.json {
+        return super::print_json(&hits);
+    }
+    for h in &hits {
+        println!("{:>3}  {:.4}  {}", h.rank, h.score, h.item);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_plus_text_by_hand() {
+        // image [1,0], text [0,3] normalised to [0,1]; weight 2 → [1,2] / √5.
+        let q = combine(&[2.0, 0.0], Some(&[0.0, 3.0]), None, 2.0);
+        let s5 = 5f32.sqrt();
+        assert!((q[0] - 1.0 / s5).abs() < 1e-6 && (q[1] - 2.0 / s5).abs() < 1e-6);
+        let q = combine(&[1.0, 1.0], None, Some(&[0.0, 1.0]), 1.0);
+        // [1,1]/√2 − [0,1] = [0.707, -0.293], renormalised.
+        let n = (0.5f32 + (0.70710677f32 - 1.0).powi(2)).sqrt();
+        assert!((q[0] - 0.70710677 / n).abs() < 1e-5);
+    }
+}

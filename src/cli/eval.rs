@@ -1,0 +1,182 @@
+use std::path::PathBuf;
+
+use align::data::eval_reader::EvalSource;
+use align::data::folders::{self, imagenet, Variant};
+use align::data::spec;
+use align::eval::{retrieval as ret, zeroshot as zs};
+use align::train::checkpoint::load_model;
+use anyhow::{bail, Result};
+use clap::Args;
+
+use super::table::{add_retrieval, add_zeroshot, Table};
+
+#[derive(Args)]
+pub struct RetrievalArgs {
+    /// Checkpoint directory, or a run directory (its latest checkpoint).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Shards with one image and its captions (lines of `txt`, or `captions` in `json`).
+    #[arg(long, conflicts_with = "karpathy")]
+    pub data: Option<String>,
+    /// A Karpathy split file (`dataset_flickr30k.json`, `dataset_coco.json`).
+    #[arg(long, requires = "images")]
+    pub karpathy: Option<PathBuf>,
+    /// The image folder the Karpathy file refers to.
+    #[arg(long)]
+    pub images: Option<PathBuf>,
+    /// Split of the Karpathy file (Flickr30K 1K test and MSCOCO 5K test are `test`).
+    #[arg(long, default_value = "test")]
+    pub split: String,
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
+    let (source, what) = match (&a.data, &a.karpathy, &a.images) {
+        (Some(d), _, _) => (EvalSource::Shards(spec::expand(d)?), d.clone()),
+        (None, Some(k), Some(images)) => {
+            (EvalSource::Files(folders::karpathy(k, images, &a.split)?), format!("{} ({})", k.display(), a.split))
+        }
+        _ => bail!("give --data SPEC, or --karpathy FILE with --images DIR"),
+    };
+    let device = super::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let run = ret::run(&m.model, &m.tokenizer, source, &m.config.data.image, a.batch, &device, a.json)?;
+    if a.json {
+        return super::print_json(&run.report);
+    }
+    let mut t = Table::new(&format!("Retrieval: {what}"));
+    add_retrieval(&mut t, &run.report);
+    t.row("skipped", run.skipped.summary());
+    t.print();
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct ZeroShotArgs {
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Shards with a `cls` label per sample (needs --classes).
+    #[arg(long, conflicts_with = "imagenet")]
+    pub data: Option<String>,
+    /// An ImageNet-style image folder (see --variant).
+    #[arg(long)]
+    pub imagenet: Option<PathBuf>,
+    /// Folder layout for --imagenet.
+    #[arg(long, value_enum, default_value = "val")]
+    pub variant: Variant,
+    /// Class names, one per line, in label order (default with --imagenet: the 1000 shipped ones).
+    #[arg(long)]
+    pub classes: Option<PathBuf>,
+    /// WordNet ids in label order (default: the shipped ImageNet-1k order).
+    #[arg(long)]
+    pub wnids: Option<PathBuf>,
+    /// Prompt templates with `{}`, one per line (default: CLIP's 80). One template gives the
+    /// number without ensembling.
+    #[arg(long)]
+    pub templates: Option<PathBuf>,
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
+    let templates = match &a.templates {
+        Some(p) => zs::read_lines(p)?,
+        None => imagenet::lines(imagenet::TEMPLATES),
+    };
+    let (classes, source, what) = match (&a.data, &a.imagenet) {
+        (Some(d), _) => {
+            let Some(c) = &a.classes else { bail!("--data needs --classes FILE (one class name per line, in label order)") };
+            (zs::read_lines(c)?, EvalSource::Shards(spec::expand(d)?), d.clone())
+        }
+        (None, Some(dir)) => {
+            let classes = match &a.classes {
+                Some(c) => zs::read_lines(c)?,
+                None => imagenet::lines(imagenet::CLASSES),
+            };
+            let wnids = match &a.wnids {
+                Some(w) => zs::read_lines(w)?,
+                None => imagenet::lines(imagenet::WNIDS),
+            };
+            let (names, files) = folders::imagenet_folder(dir, a.variant, &classes, &wnids)?;
+            (names, EvalSource::Files(files), format!("{} ({:?})", dir.display(), a.variant))
+        }
+        (None, None) => bail!("give --data SPEC with --classes, or --imagenet DIR"),
+    };
+    let device = super::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let run = zs::run(&m.model, &m.tokenizer, source, &classes, &templates, &m.config.data.image, a.batch, &device, a.json)?;
+    if a.json {
+        return super::print_json(&run.report);
+    }
+    let mut t = Table::new(&format!("Zero-shot: {what}, {} templates", templates.len()));
+    add_zeroshot(&mut t, &run.report);
+    t.row("skipped", run.skipped.summary());
+    t.print();
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct KnnArgs {
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Labelled shards for the index (`cls` per sample).
+    #[arg(long, conflicts_with = "train_imagenet")]
+    pub train: Option<String>,
+    /// An ImageNet-style train folder (`<wnid>/*.JPEG`) for the index.
+    #[arg(long)]
+    pub train_imagenet: Option<PathBuf>,
+    /// Labelled shards for the queries.
+    #[arg(long, conflicts_with = "val_imagenet")]
+    pub val: Option<String>,
+    /// An ImageNet-style validation folder for the queries.
+    #[arg(long)]
+    pub val_imagenet: Option<PathBuf>,
+    /// Neighbours that vote for the top-1 label.
+    #[arg(long, default_value_t = 20)]
+    pub k: usize,
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn labelled_source(spec_arg: &Option<String>, folder: &Option<PathBuf>, what: &str) -> Result<EvalSource> {
+    match (spec_arg, folder) {
+        (Some(s), _) => Ok(EvalSource::Shards(spec::expand(s)?)),
+        (None, Some(dir)) => {
+            let (_, files) =
+                folders::imagenet_folder(dir, Variant::Val, &imagenet::lines(imagenet::CLASSES), &imagenet::lines(imagenet::WNIDS))?;
+            Ok(EvalSource::Files(files))
+        }
+        (None, None) => bail!("give --{what} SPEC or --{what}-imagenet DIR"),
+    }
+}
+
+pub fn knn(a: &KnnArgs) -> Result<()> {
+    use align::data::eval_reader::Needs;
+    use align::eval::embed::embed_source;
+    let device = super::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let needs = Needs { image: true, captions: false, label: true };
+    let cfg = &m.config.data.image;
+    let index = embed_source(&m.model, labelled_source(&a.train, &a.train_imagenet, "train")?, cfg, needs, a.batch, &device, a.json)?;
+    let queries = embed_source(&m.model, labelled_source(&a.val, &a.val_imagenet, "val")?, cfg, needs, a.batch, &device, a.json)?;
+    let classes = index.labels.iter().chain(&queries.labels).flatten().max().map_or(0, |m| *m as usize + 1);
+    let il = zs::checked_labels(&index.keys, &index.labels, classes)?;
+    let ql = zs::checked_labels(&queries.keys, &queries.labels, classes)?;
+    let rep = align::eval::knn::knn(&index.embeddings, &il, &queries.embeddings, &ql, a.k, 64)?;
+    if a.json {
+        return super::print_json(&rep);
+    }
+    let mut t = Table::new("KNN classification");
+    t.row(format!("top-1 ({}-NN vote)", rep.k), super::table::pct(rep.top1));
+    t.row("Recall@1 / @5 / @10", format!("{} / {} / {}", super::table::pct(rep.r1), super::table::pct(rep.r5), super::table::pct(rep.r10)));
+    t.row("index / queries", format!("{} / {}", rep.index, rep.queries));
+    t.print();
+    Ok(())
+}

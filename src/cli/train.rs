@@ -1,0 +1,38 @@
+use std::path::Path;
+
+use align::config::Config;
+use align::train::trainer::{train, TrainOptions, TrainSummary};
+use anyhow::Result;
+
+use super::table::{add_retrieval, add_zeroshot, Table};
+
+pub fn summary_table(s: &TrainSummary) -> Table {
+    let mut t = Table::new("Training");
+    t.row("steps", s.steps.to_string());
+    t.row("samples seen", s.samples_seen.to_string());
+    t.row("wall time", format!("{:.1} s", s.seconds));
+    t.row("samples/s (this run)", format!("{:.1}", s.samples_per_second));
+    t.row("data wait", format!("{:.1}%", 100.0 * s.data_wait_share));
+    t.row("final loss", s.final_loss.map_or("-".into(), |l| format!("{l:.4}")));
+    t.row("temperature σ", format!("{:.4}", s.temperature));
+    t.row("skipped samples", s.skipped.summary());
+    t.row("checkpoint", s.checkpoint.display().to_string());
+    if let Some(z) = &s.eval.zeroshot {
+        add_zeroshot(&mut t, z);
+    }
+    if let Some(r) = &s.eval.retrieval {
+        add_retrieval(&mut t, r);
+    }
+    t
+}
+
+pub fn run(config: &Path, overrides: &[String], resume: bool, json: bool, quiet: bool, stop_after: Option<u64>) -> Result<()> {
+    let cfg = Config::load(config, overrides)?;
+    let summary = train(&cfg, &TrainOptions { resume, quiet, device: super::default_device(), stop_after })?;
+    if json {
+        super::print_json(&summary)
+    } else {
+        summary_table(&summary).print();
+        Ok(())
+    }
+}

@@ -1,0 +1,8 @@
+//! Evaluation: retrieval, zero-shot classification, and the metrics behind them.
+
+pub mod embed;
+pub mod knn;
+pub mod metrics;
+pub mod retrieval;
+pub mod suite;
+pub mod zeroshot;

@@ -1,0 +1,37 @@
+//! Image-text retrieval on data whose samples carry one image and one or more captions.
+
+use anyhow::Result;
+use candle_core::Device;
+
+use super::embed::{embed_source, embed_texts};
+use super::metrics::{retrieval, RetrievalReport};
+use crate::data::eval_reader::{EvalSource, Needs};
+use crate::data::skips::SkipCounts;
+use crate::data::tokenizer::TextTokenizer;
+use crate::data::transform::ImageConfig;
+use crate::model::dual_encoder::DualEncoder;
+use crate::util::progress::Progress;
+
+pub struct RetrievalRun {
+    pub report: RetrievalReport,
+    pub skipped: SkipCounts,
+}
+
+pub fn run(
+    model: &DualEncoder,
+    tokenizer: &TextTokenizer,
+    source: EvalSource,
+    image_cfg: &ImageConfig,
+    batch: usize,
+    device: &Device,
+    quiet: bool,
+) -> Result<RetrievalRun> {
+    let images = embed_source(model, source, image_cfg, Needs { image: true, captions: true, label: false }, batch, device, quiet)?;
+    let (texts, links): (Vec<String>, Vec<usize>) =
+        images.captions.iter().enumerate().flat_map(|(i, caps)| caps.iter().map(move |c| (c.clone(), i))).unzip();
+    let bar = Progress::bar(texts.len() as u64, "embedding captions", quiet);
+    let text_emb = embed_texts(model, tokenizer, &texts, batch, device, |n| bar.inc(n as u64))?;
+    bar.finish();
+    let report = retrieval(&images.embeddings, &text_emb, &links, 1024)?;
+    Ok(RetrievalRun { report, skipped: images.skipped })
+}

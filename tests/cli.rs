@@ -1,0 +1,143 @@
+//! The `align` binary as a user runs it: JSON output, skip counts, errors, determinism.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use align::data::shard_writer::ShardWriter;
+
+fn align(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_align")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut c = 0xffff_ffffu32;
+    for &b in bytes {
+        c ^= b as u32;
+        for _ in 0..8 {
+            c = if c & 1 != 0 { (c >> 1) ^ 0xedb8_8320 } else { c >> 1 };
+        }
+    }
+    !c
+}
+
+fn png(w: u32, h: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    image::RgbImage::from_pixel(w, h, image::Rgb([9, 9, 9]))
+        .write_to(&mut std::io::Cursor::new(&mut out), image::ImageFormat::Png)
+        .unwrap();
+    out
+}
+
+/// A valid small PNG whose header claims 60000 x 60000 pixels (a decompression bomb's header).
+fn bomb() -> Vec<u8> {
+    let mut b = png(4, 4);
+    // IHDR data starts at byte 16: width, height (big-endian); the CRC covers type + data.
+    b[16..20].copy_from_slice(&60000u32.to_be_bytes());
+    b[20..24].copy_from_slice(&60000u32.to_be_bytes());
+    let crc = crc32(&b[12..29]);
+    b[29..33].copy_from_slice(&crc.to_be_bytes());
+    b
+}
+
+fn planted_shards(dir: &Path) -> String {
+    let mut w = ShardWriter::create(&dir.join("bad-0.tar")).unwrap();
+    w.write_sample("ok1", &[("png", png(8, 6)), ("txt", b"a caption".to_vec())]).unwrap();
+    w.write_sample("corrupt", &[("jpg", b"\xff\xd8 not really".to_vec()), ("txt", b"x".to_vec())]).unwrap();
+    w.write_sample("empty", &[("png", png(8, 6)), ("txt", b"   ".to_vec())]).unwrap();
+    w.write_sample("latin1", &[("png", png(8, 6)), ("txt", b"caf\xe9".to_vec())]).unwrap();
+    w.write_sample("bomb", &[("png", bomb()), ("txt", b"big".to_vec())]).unwrap();
+    w.write_sample("noimage", &[("txt", b"text only".to_vec())]).unwrap();
+    w.finish().unwrap();
+    let mut w = ShardWriter::create(&dir.join("bad-1.tar")).unwrap();
+    w.write_sample("ok2", &[("png", png(10, 6)), ("txt", b"another caption here".to_vec())]).unwrap();
+    w.write_sample("cut", &[("png", png(8, 6)), ("txt", vec![b'y'; 3000])]).unwrap();
+    w.finish().unwrap();
+    let p = dir.join("bad-1.tar");
+    let bytes = std::fs::read(&p).unwrap();
+    let at = bytes.windows(8).position(|x| x == b"yyyyyyyy").unwrap() + 500;
+    std::fs::write(&p, &bytes[..at]).unwrap();
+    format!("{}/bad-{{0..1}}.tar", dir.display())
+}
+
+#[test]
+fn data_stats_counts_every_kind_of_bad_sample_and_carries_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = planted_shards(dir.path());
+    let (ok, out, err) = align(&["data", "stats", "--data", &spec, "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["samples"], 2, "{out}");
+    let skipped = &v["skipped"];
+    for (reason, n) in [
+        ("corrupt_image", 1),
+        ("empty_caption", 1),
+        ("caption_not_utf8", 1),
+        ("image_too_large", 1),
+        ("missing_image", 1),
+        ("incomplete_sample", 1),
+        ("truncated_shard", 1),
+    ] {
+        assert_eq!(skipped[reason], n, "{reason} in {skipped}");
+    }
+    // One warning line names the shard and the key.
+    assert!(err.lines().any(|l| l.contains("bad-0.tar") && l.contains("corrupt")), "{err}");
+}
+
+#[test]
+fn a_spec_matching_no_shard_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!("{}/nothing-{{000..009}}.tar", dir.path().display());
+    let (ok, _, err) = align(&["data", "stats", "--data", &spec]);
+    assert!(!ok);
+    assert!(err.contains("nothing-{000..009}.tar"), "{err}");
+}
+
+#[test]
+fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=4"]);
+    let cfg_path = dir.path().join("tiny.toml");
+    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let (ok, out, err) = align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet", "--json"]);
+    assert!(ok, "{err}");
+    let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(summary["steps"], 4);
+    let run = cfg.run_dir();
+    let run = run.to_str().unwrap();
+    let retrieval = || align(&["eval", "retrieval", "--checkpoint", run, "--data", &data.test, "--json"]);
+    let (ok, a, err) = retrieval();
+    assert!(ok, "{err}");
+    let (_, b, _) = retrieval();
+    assert_eq!(a, b);
+    let r: serde_json::Value = serde_json::from_str(&a).unwrap();
+    assert_eq!((r["images"].as_u64(), r["texts"].as_u64()), (Some(36), Some(180)));
+    for dir in ["i2t", "t2i"] {
+        let r1 = r[dir]["r1"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&r1));
+    }
+    let zs = || {
+        align(&[
+            "eval",
+            "zeroshot",
+            "--checkpoint",
+            run,
+            "--data",
+            &data.test,
+            "--classes",
+            data.classes.to_str().unwrap(),
+            "--templates",
+            data.templates.to_str().unwrap(),
+            "--json",
+        ])
+    };
+    let (ok, a, err) = zs();
+    assert!(ok, "{err}");
+    assert_eq!(a, zs().1);
+    let z: serde_json::Value = serde_json::from_str(&a).unwrap();
+    assert_eq!((z["images"].as_u64(), z["classes"].as_u64()), (Some(36), Some(36)));
+}

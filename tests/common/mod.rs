@@ -1,0 +1,52 @@
+//! Shared helpers for integration tests: tiny synthetic data and a tiny model config.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+
+use align::config::Config;
+use align::data::synth::{write_synth, SynthOutput, SynthSpec};
+use align::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
+
+pub fn tiny_data(dir: &Path) -> SynthOutput {
+    write_synth(dir, &SynthSpec { train_shards: 3, samples_per_shard: 40, test_samples: 36, image_size: 24, seed: 1 }).unwrap()
+}
+
+pub fn tiny_tokenizer(data: &SynthOutput, dir: &Path) -> std::path::PathBuf {
+    let shards = align::data::spec::expand(&data.train).unwrap();
+    let caps = captions_from_shards(&shards, 0);
+    let tok = TextTokenizer::new(train_wordpiece(caps.iter(), 300, true, 1).unwrap(), 20).unwrap();
+    let path = dir.join("tokenizer.json");
+    tok.save(&path).unwrap();
+    path
+}
+
+/// A model small enough that a step takes milliseconds.
+pub fn tiny_config(data: &SynthOutput, tokenizer: &Path, out: &Path, extra: &[&str]) -> Config {
+    let mut o: Vec<String> = vec![
+        format!("data.train={}", data.train),
+        format!("text.tokenizer={}", tokenizer.display()),
+        format!("run.out_dir={}", out.display()),
+        "run.name=tiny".into(),
+        "data.workers=2".into(),
+        "data.shuffle_buffer=16".into(),
+        "data.image.image_size=16".into(),
+        "data.image.resize=20".into(),
+        "text.max_len=20".into(),
+        "model.image_tower=\"vit\"".into(),
+        "model.text_tower=\"bert\"".into(),
+        "model.embed_dim=16".into(),
+        "model.temperature_init=0.1".into(),
+        "model.vit={patch_size = 8, width = 32, depth = 1, heads = 2}".into(),
+        "model.bert={hidden = 32, layers = 1, heads = 2, intermediate = 64, max_position = 32}".into(),
+        "train.batch_size=16".into(),
+        "train.steps=8".into(),
+        "train.warmup_steps=2".into(),
+        "train.lr=3e-3".into(),
+        "train.log_every=1".into(),
+        "train.checkpoint_every=2".into(),
+        "train.keep_last=2".into(),
+    ];
+    o.extend(extra.iter().map(|s| s.to_string()));
+    Config::from_str_with_overrides("", "tiny", &o).unwrap()
+}
