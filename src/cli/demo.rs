@@ -80,7 +80,7 @@ pub fn run(a: &DemoArgs) -> Result<()> {
             "checkpoint": summary.checkpoint,
         }));
     }
-    let mut t = super::train::summary_table(&summary);
+    let mut t = super::train::summary_table(&summary, false);
     t.row("total demo time", format!("{:.1} s", t0.elapsed().as_secs_f64()));
     t.print();
     let mut e = Table::new(&format!("Held-out evaluation ({} images)", z.images));

@@ -6,7 +6,7 @@ use anyhow::Result;
 
 use super::table::{add_retrieval, add_zeroshot, Table};
 
-pub fn summary_table(s: &TrainSummary) -> Table {
+pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
     let mut t = Table::new("Training");
     t.row("steps", s.steps.to_string());
     t.row("samples seen", s.samples_seen.to_string());
@@ -17,11 +17,13 @@ pub fn summary_table(s: &TrainSummary) -> Table {
     t.row("temperature σ", format!("{:.4}", s.temperature));
     t.row("skipped samples", s.skipped.summary());
     t.row("checkpoint", s.checkpoint.display().to_string());
-    if let Some(z) = &s.eval.zeroshot {
-        add_zeroshot(&mut t, z);
-    }
-    if let Some(r) = &s.eval.retrieval {
-        add_retrieval(&mut t, r);
+    if with_eval {
+        if let Some(z) = &s.eval.zeroshot {
+            add_zeroshot(&mut t, z);
+        }
+        if let Some(r) = &s.eval.retrieval {
+            add_retrieval(&mut t, r);
+        }
     }
     t
 }
@@ -32,7 +34,7 @@ pub fn run(config: &Path, overrides: &[String], resume: bool, json: bool, quiet:
     if json {
         super::print_json(&summary)
     } else {
-        summary_table(&summary).print();
+        summary_table(&summary, true).print();
         Ok(())
     }
 }

@@ -4,8 +4,14 @@
 //! a little colour jitter and pixel noise. Captions describe it with varied wording and word order
 //! ("a small red circle on a grey background", "grey backdrop with a red disc", ...), so a model
 //! must learn words, not caption templates. Positions are only top / middle / bottom: the
-//! horizontal flip of training would make "left" captions lie. The zero-shot label is colour ×
-//! shape (36 classes), written as `cls`, with `classes.txt` and `templates.txt` beside the shards.
+//! horizontal flip of training would make "left" captions lie.
+//!
+//! The zero-shot label is shape colour × background colour (36 classes, "red shape on a black
+//! background"), written as `cls`, with `classes.txt` and `templates.txt` beside the shards; the
+//! json field holds every attribute for other labelings. Why not colour × shape: measured on this
+//! data, a small ViT trained from scratch for a few hundred steps (contrastively, and even with a
+//! supervised 36-way head) learns colours perfectly but shape only slightly above chance (27% vs
+//! 17%); patch models need far more data to learn outlines, which a CPU demo cannot afford.
 
 use std::path::{Path, PathBuf};
 
@@ -38,18 +44,18 @@ const POSITIONS: [(&str, &[&str]); 3] = [
     ("middle", &["in the middle", "in the centre", "at the center"]),
     ("bottom", &["at the bottom", "near the bottom", "in the lower part"]),
 ];
-const BACKGROUNDS: [(&str, [u8; 3]); 4] =
-    [("grey", [128, 128, 128]), ("white", [238, 238, 238]), ("black", [22, 22, 22]), ("cream", [232, 222, 190])];
+/// Background colours, disjoint from the shape colours.
+const BACKGROUNDS: [(&str, [u8; 3]); 6] = [
+    ("grey", [128, 128, 128]),
+    ("white", [238, 238, 238]),
+    ("black", [22, 22, 22]),
+    ("cream", [232, 222, 190]),
+    ("brown", [105, 70, 45]),
+    ("pink", [240, 175, 200]),
+];
 
 /// Prompt templates for zero-shot classification of the synthetic classes.
-pub const TEMPLATES: [&str; 6] = [
-    "a {}.",
-    "a picture of a {}.",
-    "an image of a {} on a plain background.",
-    "a drawing of the {}.",
-    "there is a {} in the picture.",
-    "a {} shape.",
-];
+pub const TEMPLATES: [&str; 6] = ["a {}.", "a picture of a {}.", "an image of a {}.", "a drawing of a {}.", "there is a {}.", "a photo of a {}."];
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SynthSpec {
@@ -97,13 +103,14 @@ impl Scene {
         }
     }
 
+    /// The zero-shot label: shape colour × background colour, colour-major.
     pub fn class_index(&self) -> usize {
-        self.color * SHAPES.len() + self.shape
+        self.color * BACKGROUNDS.len() + self.background
     }
 }
 
 pub fn class_names() -> Vec<String> {
-    COLORS.iter().flat_map(|(c, _)| SHAPES.iter().map(move |s| format!("{c} {s}"))).collect()
+    COLORS.iter().flat_map(|(c, _)| BACKGROUNDS.iter().map(move |(b, _)| format!("{c} shape on a {b} background"))).collect()
 }
 
 fn pick<'a>(rng: &mut Rng, xs: &[&'a str]) -> &'a str {
@@ -117,7 +124,7 @@ pub fn caption(scene: &Scene, rng: &mut Rng) -> String {
     let size = pick(rng, SIZES[scene.size].1);
     let pos = pick(rng, POSITIONS[scene.position].1);
     let bg = BACKGROUNDS[scene.background].0;
-    match rng.below(8) {
+    match rng.below(9) {
         0 => format!("a {size} {color} {shape} on a {bg} background"),
         1 => format!("{bg} backdrop with a {color} {shape}"),
         2 => format!("a {color} {shape} {pos}"),
@@ -125,7 +132,8 @@ pub fn caption(scene: &Scene, rng: &mut Rng) -> String {
         4 => format!("there is a {color} {shape} {pos} of a {bg} image"),
         5 => format!("{color} {shape}, {size}, {bg} background"),
         6 => format!("{pos}, a {size} {color} {shape}"),
-        _ => format!("on {bg}: one {color} {shape} of {size} size"),
+        7 => format!("on {bg}: one {color} {shape} of {size} size"),
+        _ => format!("a {color} shape, a {shape}, against a {bg} background"),
     }
 }
 
@@ -259,9 +267,9 @@ mod tests {
     fn every_class_is_named_once_in_colour_major_order() {
         let names = class_names();
         assert_eq!(names.len(), 36);
-        assert_eq!(names[0], "red circle");
-        let s = Scene { color: 2, shape: 3, size: 0, position: 0, background: 0 };
-        assert_eq!(names[s.class_index()], "blue star");
+        assert_eq!(names[0], "red shape on a grey background");
+        let s = Scene { color: 2, shape: 3, size: 0, position: 0, background: 4 };
+        assert_eq!(names[s.class_index()], "blue shape on a brown background");
     }
 
     #[test]
