@@ -55,7 +55,8 @@ const BACKGROUNDS: [(&str, [u8; 3]); 6] = [
 ];
 
 /// Prompt templates for zero-shot classification of the synthetic classes.
-pub const TEMPLATES: [&str; 6] = ["a {}.", "a picture of a {}.", "an image of a {}.", "a drawing of a {}.", "there is a {}.", "a photo of a {}."];
+pub const TEMPLATES: [&str; 6] =
+    ["a {}.", "a picture of a {}.", "an image of a {}.", "a drawing of a {}.", "there is a {}.", "a photo of a {}."];
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SynthSpec {
