@@ -141,3 +141,67 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     let z: serde_json::Value = serde_json::from_str(&a).unwrap();
     assert_eq!((z["images"].as_u64(), z["classes"].as_u64()), (Some(36), Some(36)));
 }
+
+#[test]
+fn embed_then_search_finds_the_captioned_image() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=2"]);
+    let cfg_path = dir.path().join("tiny.toml");
+    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
+    let run = cfg.run_dir();
+    let index = dir.path().join("index.safetensors");
+    let (ok, _, err) = align(&["embed", "--checkpoint", run.to_str().unwrap(), "--data", &data.test, "--out", index.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let side: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("index.json")).unwrap()).unwrap();
+    assert_eq!(side["image_keys"].as_array().unwrap().len(), 36);
+    assert_eq!(side["texts"].as_array().unwrap().len(), 180);
+    assert_eq!(side["text_image"][7], 1, "captions come five per image, in order");
+    let t = candle_core::safetensors::load(&index, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(t["image_embeddings"].dims(), &[36, 16]);
+    assert_eq!(t["text_embeddings"].dims(), &[180, 16]);
+    let (ok, out, err) = align(&[
+        "search",
+        "--index",
+        index.to_str().unwrap(),
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--text",
+        "a red circle",
+        "-k",
+        "3",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let hits: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let hits = hits.as_array().unwrap();
+    assert_eq!(hits.len(), 3);
+    assert!(hits[0]["score"].as_f64().unwrap() >= hits[2]["score"].as_f64().unwrap());
+    // An image query finds itself first among the images.
+    let img_path = dir.path().join("query.png");
+    let events = align::data::tar_read::read_shard_events(&align::data::spec::expand(&data.test).unwrap()[0]);
+    let align::data::tar_read::ShardEvent::Sample(first) = &events[0] else { panic!() };
+    let img = align::data::transform::decode(&first.fields["jpg"], u32::MAX, 1 << 30).unwrap();
+    img.save(&img_path).unwrap();
+    let (ok, out, err) = align(&[
+        "search",
+        "--index",
+        index.to_str().unwrap(),
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--image",
+        img_path.to_str().unwrap(),
+        "--plus",
+        "blue",
+        "--text-weight",
+        "0",
+        "-k",
+        "1",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let hits: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(hits[0]["row"], 0, "{out}");
+}

@@ -305,6 +305,18 @@ mod tests {
     }
 
     #[test]
+    fn accumulated_and_scaled_gradients_are_the_mean_of_the_micro_batches() {
+        let dev = Device::Cpu;
+        let t = |v: &[f32]| Some(Tensor::new(v, &dev).unwrap());
+        let mut acc = Grads(vec![t(&[1.0, 2.0]), None, t(&[5.0])]);
+        acc.accumulate(Grads(vec![t(&[3.0, -2.0]), t(&[7.0]), None])).unwrap();
+        acc.scale(0.5).unwrap();
+        let got: Vec<Option<Vec<f32>>> = acc.0.iter().map(|g| g.as_ref().map(|g| g.to_vec1::<f32>().unwrap())).collect();
+        assert_eq!(got, vec![Some(vec![2.0, 0.0]), Some(vec![3.5]), Some(vec![2.5])]);
+        assert!((acc.norm().unwrap() - (4.0f64 + 12.25 + 6.25).sqrt()).abs() < 1e-9);
+    }
+
+    #[test]
     fn biases_norms_and_temperature_are_not_decayed() {
         assert!(decays("text_model.encoder.layer.0.attention.self.query.weight", 2));
         assert!(decays("text_model.embeddings.word_embeddings.weight", 2));
