@@ -232,6 +232,22 @@ mod tests {
     }
 
     #[test]
+    fn clip_temperature_is_a_log_scale_clamped_at_100() {
+        let dev = Device::Cpu;
+        let mut spec = tiny_spec();
+        spec.temperature = TemperatureKind::Clip;
+        spec.temperature_init = 0.07;
+        let vm = candle_nn::VarMap::new();
+        let model = DualEncoder::new(&spec, SeededVars::builder(&vm, 3, &dev)).unwrap();
+        let s = vm.data().lock().unwrap()["logit_scale"].clone();
+        assert!((s.as_tensor().to_scalar::<f32>().unwrap() - (1.0f32 / 0.07).ln()).abs() < 1e-6);
+        assert!((model.logit_scale().unwrap().to_scalar::<f32>().unwrap() - 1.0 / 0.07).abs() < 1e-3);
+        assert!((model.temperature_value().unwrap() - 0.07).abs() < 1e-6);
+        s.set(&Tensor::new(6.0f32, &dev).unwrap()).unwrap();
+        assert_eq!(model.logit_scale().unwrap().to_scalar::<f32>().unwrap(), 100.0);
+    }
+
+    #[test]
     fn padding_does_not_change_the_text_embedding() {
         let dev = Device::Cpu;
         let vm = candle_nn::VarMap::new();
