@@ -8,8 +8,12 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::data::transform::ImageConfig;
-use crate::model::config::{BertConfig, BertOverrides, TemperatureKind, TextPooling, VitConfig, VitOverrides, BERT_PRESETS, VIT_PRESETS};
+use crate::model::config::{
+    BertConfig, BertOverrides, EfficientNetOverrides, TemperatureKind, TextPooling, VitConfig, VitOverrides, BERT_PRESETS,
+    EFFICIENTNET_PRESETS, VIT_PRESETS,
+};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec};
+use crate::model::efficientnet::EfficientNetConfig;
 use crate::train::optim::OptimizerConfig;
 use crate::train::schedule::ScheduleKind;
 
@@ -98,7 +102,8 @@ impl Default for TextConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// `vit-ti16`, `vit-s16`, `vit-b32`, `vit-b16`, `vit-l14`, or `vit` with sizes in `[model.vit]`.
+    /// `efficientnet-b0` … `efficientnet-b7`, `efficientnet-l2` (ALIGN), or `vit-ti16`, `vit-s16`,
+    /// `vit-b32`, `vit-b16`, `vit-l14`, or `vit` with sizes in `[model.vit]`.
     pub image_tower: String,
     /// `bert-tiny` … `bert-large`, or `bert` with sizes in `[model.bert]`.
     pub text_tower: String,
@@ -111,6 +116,7 @@ pub struct ModelConfig {
     /// σ at initialisation: ALIGN 1.0; CLIP 0.07.
     pub temperature_init: f64,
     pub vit: VitOverrides,
+    pub efficientnet: EfficientNetOverrides,
     pub bert: BertOverrides,
 }
 
@@ -125,6 +131,7 @@ impl Default for ModelConfig {
             temperature: TemperatureKind::Align,
             temperature_init: 1.0,
             vit: VitOverrides::default(),
+            efficientnet: EfficientNetOverrides::default(),
             bert: BertOverrides::default(),
         }
     }
@@ -271,16 +278,32 @@ impl Config {
     pub fn model_spec(&self, vocab_size: usize) -> Result<ModelSpec> {
         let m = &self.model;
         let image_size = self.data.image.image_size;
-        let vit = VitConfig::preset(&m.image_tower, image_size)
-            .with_context(|| format!("model.image_tower {:?} is not one of {:?} or \"vit\"", m.image_tower, VIT_PRESETS))?
-            .with(&m.vit);
-        vit.validate().map_err(|e| anyhow::anyhow!("model.vit: {e}"))?;
+        let image = if let Some(e) = EfficientNetConfig::preset(&m.image_tower, image_size) {
+            let e = e.with(&m.efficientnet);
+            e.validate().map_err(|err| anyhow::anyhow!("model.efficientnet: {err}"))?;
+            ImageSpec::EfficientNet(e)
+        } else {
+            let vit = VitConfig::preset(&m.image_tower, image_size)
+                .with_context(|| {
+                    format!("model.image_tower {:?} is not one of {:?}, {:?} or \"vit\"", m.image_tower, VIT_PRESETS, EFFICIENTNET_PRESETS)
+                })?
+                .with(&m.vit);
+            vit.validate().map_err(|e| anyhow::anyhow!("model.vit: {e}"))?;
+            ImageSpec::Vit(vit)
+        };
+        if !m.image_projection && image.width() != m.embed_dim {
+            bail!(
+                "model.image_projection is off, so model.embed_dim ({}) must equal the image tower's width ({})",
+                m.embed_dim,
+                image.width()
+            );
+        }
         let bert = BertConfig::preset(&m.text_tower, vocab_size)
             .with_context(|| format!("model.text_tower {:?} is not one of {:?} or \"bert\"", m.text_tower, BERT_PRESETS))?
             .with(&m.bert);
         bert.validate(self.text.max_len).map_err(|e| anyhow::anyhow!("model.bert: {e}"))?;
         Ok(ModelSpec {
-            image: ImageSpec::Vit(vit),
+            image,
             text: bert,
             embed_dim: m.embed_dim,
             image_projection: m.image_projection,

@@ -115,3 +115,36 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     assert!(err.contains("step-2"), "{err}");
     assert_eq!(checkpoint::latest(&cfg.run_dir()).unwrap().unwrap(), cfg.run_dir().join("step-2"));
 }
+
+#[test]
+fn a_tiny_efficientnet_and_bert_learn_on_the_demo_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let cfg = common::tiny_config(
+        &data,
+        &tok,
+        &dir.path().join("run"),
+        &[
+            "model.image_tower=\"efficientnet-b0\"",
+            "model.efficientnet={width_coefficient = 0.25, depth_coefficient = 0.3}",
+            "data.image.image_size=32",
+            "data.image.resize=36",
+            "train.steps=80",
+            "train.checkpoint_every=0",
+        ],
+    );
+    let summary = train(&cfg, &opts(false, None)).unwrap();
+    let losses: Vec<f64> = metrics_log::read(&cfg.run_dir().join("metrics.jsonl"))
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.get("loss").and_then(|v| v.as_f64()))
+        .collect();
+    let mean = |xs: &[f64]| xs.iter().sum::<f64>() / xs.len() as f64;
+    let (first, last) = (mean(&losses[..10]), mean(&losses[70..]));
+    assert!(last < first - 0.3, "loss went from {first:.3} to {last:.3}");
+    // BatchNorm running statistics are saved with the weights.
+    let w = weights(&summary.checkpoint);
+    let rv = w["vision_model.embeddings.batchnorm.running_var"].to_vec1::<f32>().unwrap();
+    assert!(rv.iter().any(|&v| (v - 1.0).abs() > 1e-3), "running variance never updated");
+}

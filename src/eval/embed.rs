@@ -16,7 +16,7 @@ pub fn embed_images(model: &DualEncoder, pixels: &[f32], image_size: usize, devi
     let per = 3 * image_size * image_size;
     let n = pixels.len() / per;
     let x = Tensor::from_slice(pixels, (n, 3, image_size, image_size), &Device::Cpu)?.to_device(device)?;
-    Ok(model.image_embeddings(&x)?.to_device(&Device::Cpu)?)
+    Ok(model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?)
 }
 
 /// Embeds texts in batches of `batch`, calling `progress` with the count done.

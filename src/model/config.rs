@@ -43,6 +43,23 @@ pub struct VitOverrides {
     pub layer_norm_eps: Option<f64>,
 }
 
+/// Optional overrides on top of an EfficientNet preset.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EfficientNetOverrides {
+    pub width_coefficient: Option<f64>,
+    pub depth_coefficient: Option<f64>,
+    /// Stochastic-depth rate of the last block.
+    pub drop_path: Option<f64>,
+    /// PyTorch convention: TensorFlow's decay 0.99 is 0.01.
+    pub bn_momentum: Option<f64>,
+    pub bn_eps: Option<f64>,
+    /// Running statistics while training, never updated (ALIGN fine-tuning).
+    pub bn_frozen: Option<bool>,
+    /// Block indices whose stride-2 depthwise convolution pads symmetrically.
+    pub depthwise_padding: Option<Vec<usize>>,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BertOverrides {
@@ -211,5 +228,16 @@ impl BertConfig {
     }
 }
 
+pub const EFFICIENTNET_PRESETS: [&str; 9] = [
+    "efficientnet-b0",
+    "efficientnet-b1",
+    "efficientnet-b2",
+    "efficientnet-b3",
+    "efficientnet-b4",
+    "efficientnet-b5",
+    "efficientnet-b6",
+    "efficientnet-b7",
+    "efficientnet-l2",
+];
 pub const VIT_PRESETS: [&str; 5] = ["vit-ti16", "vit-s16", "vit-b32", "vit-b16", "vit-l14"];
 pub const BERT_PRESETS: [&str; 6] = ["bert-tiny", "bert-mini", "bert-small", "bert-medium", "bert-base", "bert-large"];

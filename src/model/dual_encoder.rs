@@ -7,9 +7,11 @@ use serde::{Deserialize, Serialize};
 
 use super::bert::Bert;
 use super::config::{BertConfig, TemperatureKind, TextPooling, VitConfig};
+use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
 use super::layers::{l2_normalize, linear};
 use super::vit::Vit;
+use super::Ctx;
 
 /// Concrete sizes of everything, resolved from the config, tokenizer and data settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -29,30 +31,35 @@ pub struct ModelSpec {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ImageSpec {
     Vit(VitConfig),
+    EfficientNet(EfficientNetConfig),
 }
 
 impl ImageSpec {
     pub fn width(&self) -> usize {
         match self {
             ImageSpec::Vit(c) => c.width,
+            ImageSpec::EfficientNet(c) => c.width(),
         }
     }
 
     pub fn image_size(&self) -> usize {
         match self {
             ImageSpec::Vit(c) => c.image_size,
+            ImageSpec::EfficientNet(c) => c.image_size,
         }
     }
 }
 
 pub enum ImageTower {
     Vit(Vit),
+    EfficientNet(EfficientNet),
 }
 
 impl ImageTower {
-    pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
+    pub fn pooled(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         match self {
             ImageTower::Vit(v) => v.pooled(images),
+            ImageTower::EfficientNet(e) => e.pooled(images, ctx),
         }
     }
 }
@@ -74,6 +81,7 @@ impl DualEncoder {
     pub fn new(spec: &ModelSpec, vb: VarBuilder) -> Result<Self> {
         let image = match &spec.image {
             ImageSpec::Vit(c) => ImageTower::Vit(Vit::new(c, vb.pp("vision_model"))?),
+            ImageSpec::EfficientNet(c) => ImageTower::EfficientNet(EfficientNet::new(c, vb.pp("vision_model"))?),
         };
         let text = Bert::new(&spec.text, vb.pp("text_model"))?;
         let width = spec.image.width();
@@ -94,8 +102,8 @@ impl DualEncoder {
     }
 
     /// L2-normalised image embeddings `[batch, embed_dim]` for `[batch, 3, S, S]` images.
-    pub fn image_embeddings(&self, images: &Tensor) -> Result<Tensor> {
-        let pooled = self.image.pooled(images)?;
+    pub fn image_embeddings(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let pooled = self.image.pooled(images, ctx)?;
         let x = match &self.visual_projection {
             Some(p) => p.forward(&pooled)?,
             None => pooled,
@@ -168,7 +176,7 @@ mod tests {
         let images = Tensor::randn(0f32, 1.0, (3, 3, 8, 8), &dev).unwrap();
         let ids = Tensor::new(&[[2u32, 7, 9, 3, 0], [2, 5, 3, 0, 0], [2, 11, 12, 13, 3]], &dev).unwrap();
         let mask = Tensor::new(&[[1u32, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], &dev).unwrap();
-        let xi = model.image_embeddings(&images).unwrap();
+        let xi = model.image_embeddings(&images, &Ctx::EVAL).unwrap();
         let xt = model.text_embeddings(&ids, &mask).unwrap();
         for n in xi.sqr().unwrap().sum(1).unwrap().to_vec1::<f32>().unwrap() {
             assert!((n - 1.0).abs() < 1e-5);
@@ -194,8 +202,9 @@ mod tests {
         let dev = Device::Cpu;
         for pool in [ImagePooling::Cls, ImagePooling::Gap] {
             let mut spec = tiny_spec();
-            let ImageSpec::Vit(v) = &mut spec.image;
-            v.pool = pool;
+            if let ImageSpec::Vit(v) = &mut spec.image {
+                v.pool = pool;
+            }
             spec.temperature_init = 0.3;
             let vm = candle_nn::VarMap::new();
             let model = DualEncoder::new(&spec, SeededVars::builder_dtype(&vm, 5, DType::F64, &dev)).unwrap();
@@ -203,7 +212,7 @@ mod tests {
             let ids = Tensor::new(&[[2u32, 7, 9, 3, 0], [2, 5, 3, 0, 0], [2, 11, 12, 13, 3]], &dev).unwrap();
             let mask = Tensor::new(&[[1u32, 1, 1, 1, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], &dev).unwrap();
             let loss = || {
-                let i = model.image_embeddings(&images).unwrap();
+                let i = model.image_embeddings(&images, &Ctx::EVAL).unwrap();
                 let t = model.text_embeddings(&ids, &mask).unwrap();
                 contrastive_loss(&i, &t, &i, &t, 0, &model.logit_scale().unwrap(), 0.1).unwrap().total
             };

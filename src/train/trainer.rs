@@ -22,10 +22,13 @@ use crate::data::skips::SkipCounts;
 use crate::data::spec;
 use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
 use crate::eval::suite::{self, EvalResults};
+use crate::model::batch_norm::is_running_stat;
 use crate::model::dual_encoder::DualEncoder;
 use crate::model::init::SeededVars;
+use crate::model::Ctx;
 use crate::util::log;
 use crate::util::progress::Progress;
+use crate::util::rng::derive_seed;
 
 pub struct TrainOptions {
     pub resume: bool,
@@ -102,7 +105,9 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
     let spec = cfg.model_spec(tokenizer.vocab_size())?;
     let varmap = VarMap::new();
     let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, cfg.run.seed, device))?;
-    let vars: Vec<(String, candle_core::Var)> = varmap.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    // BatchNorm running statistics are model state, not parameters.
+    let vars: Vec<(String, candle_core::Var)> =
+        varmap.data().lock().unwrap().iter().filter(|(k, _)| !is_running_stat(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
     let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
     if let Some(dir) = &resume_dir {
         checkpoint::load_strict(
@@ -177,13 +182,13 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
         let lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
         let mut grads: Option<Grads> = None;
         let (mut loss_sum, mut i2t_sum, mut t2i_sum) = (0.0, 0.0, 0.0);
-        for _ in 0..cfg.train.accum_steps {
+        for micro in 0..cfg.train.accum_steps {
             let t0 = Instant::now();
             let batch = loader.next_batch()?;
             wait += t0.elapsed().as_secs_f64();
             let n = batch.size as u64;
             let (images, ids, mask) = batch_tensors(batch, device)?;
-            let img = model.image_embeddings(&images)?;
+            let img = model.image_embeddings(&images, &Ctx::train(derive_seed(cfg.run.seed, &[0x5354_4550, step, micro as u64])))?;
             let txt = model.text_embeddings(&ids, &mask)?;
             let parts = contrastive_loss(&img, &txt, &img, &txt, 0, &model.logit_scale()?, cfg.loss.label_smoothing)?;
             let loss_value = parts.total.to_scalar::<f32>()? as f64;

@@ -1,0 +1,134 @@
+//! BatchNorm over the channels of NCHW tensors, with the three behaviours training needs:
+//! - training: normalise with the batch's statistics and update the running averages,
+//! - evaluation: normalise with the running averages,
+//! - frozen (ALIGN fine-tunes this way): running averages while training, never updated.
+//!
+//! The running averages are variables of the model (`running_mean`, `running_var`, Hugging Face's
+//! names) so they are saved in checkpoints; the optimiser leaves them alone. `momentum` follows
+//! PyTorch: `running ← (1 − momentum)·running + momentum·batch` (TensorFlow's decay 0.99 is
+//! momentum 0.01), and the running variance takes the unbiased batch variance.
+
+use candle_core::{DType, Result, Tensor, Var};
+use candle_nn::{Init, VarBuilder};
+
+pub struct BatchNorm2d {
+    weight: Tensor,
+    bias: Tensor,
+    running_mean: Var,
+    running_var: Var,
+    eps: f64,
+    momentum: f64,
+    frozen: bool,
+}
+
+/// Statistics are computed in f32 for half precisions and in f64 for f64.
+fn compute_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// Names of the statistics variables: excluded from optimisation.
+pub fn is_running_stat(name: &str) -> bool {
+    name.ends_with("running_mean") || name.ends_with("running_var")
+}
+
+impl BatchNorm2d {
+    pub fn new(channels: usize, eps: f64, momentum: f64, frozen: bool, vb: VarBuilder) -> Result<Self> {
+        Ok(BatchNorm2d {
+            weight: vb.get_with_hints(channels, "weight", Init::Const(1.0))?,
+            bias: vb.get_with_hints(channels, "bias", Init::Const(0.0))?,
+            running_mean: Var::from_tensor(&vb.get_with_hints(channels, "running_mean", Init::Const(0.0))?)?,
+            running_var: Var::from_tensor(&vb.get_with_hints(channels, "running_var", Init::Const(1.0))?)?,
+            eps,
+            momentum,
+            frozen,
+        })
+    }
+
+    fn per_channel(t: &Tensor) -> Result<Tensor> {
+        t.reshape((1, t.elem_count(), 1, 1))
+    }
+
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let (mean, var) = if train && !self.frozen {
+            let (n, _, h, w) = x.dims4()?;
+            let count = (n * h * w) as f64;
+            let xf = x.to_dtype(compute_dtype(x.dtype()))?;
+            let mean = xf.mean_keepdim(3)?.mean_keepdim(2)?.mean_keepdim(0)?;
+            let centered = xf.broadcast_sub(&mean)?;
+            let var = centered.sqr()?.mean_keepdim(3)?.mean_keepdim(2)?.mean_keepdim(0)?;
+            let m = self.momentum;
+            let batch_mean = mean.detach().flatten_all()?;
+            let unbiased = (var.detach().flatten_all()? * (count / (count - 1.0).max(1.0)))?;
+            let dt = self.running_mean.dtype();
+            self.running_mean.set(&((self.running_mean.as_tensor() * (1.0 - m))? + (batch_mean * m)?.to_dtype(dt)?)?)?;
+            self.running_var.set(&((self.running_var.as_tensor() * (1.0 - m))? + (unbiased * m)?.to_dtype(dt)?)?)?;
+            (mean, var)
+        } else {
+            (Self::per_channel(&self.running_mean.as_tensor().detach())?, Self::per_channel(&self.running_var.as_tensor().detach())?)
+        };
+        let dtype = x.dtype();
+        let cd = compute_dtype(dtype);
+        let normed = x.to_dtype(cd)?.broadcast_sub(&mean.to_dtype(cd)?)?.broadcast_div(&(var.to_dtype(cd)? + self.eps)?.sqrt()?)?;
+        normed.to_dtype(dtype)?.broadcast_mul(&Self::per_channel(&self.weight)?)?.broadcast_add(&Self::per_channel(&self.bias)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use candle_nn::VarMap;
+
+    fn bn(vm: &VarMap, frozen: bool) -> BatchNorm2d {
+        BatchNorm2d::new(2, 1e-3, 0.1, frozen, crate::model::init::SeededVars::builder(vm, 0, &Device::Cpu)).unwrap()
+    }
+
+    #[test]
+    fn running_statistics_after_k_steps_match_hand_computation() {
+        let dev = Device::Cpu;
+        let vm = VarMap::new();
+        let layer = bn(&vm, false);
+        // Channel 0 holds 1,2,3,4 and channel 1 holds 10,10,10,30, over a batch of 2 × (1×2).
+        let x = Tensor::new(&[[[[1.0f32, 2.0]], [[10.0, 10.0]]], [[[3.0, 4.0]], [[10.0, 30.0]]]], &dev).unwrap();
+        let (mut rm, mut rv) = ([0.0f64, 0.0], [1.0f64, 1.0]);
+        let stats = [(2.5f64, 5.0 / 3.0), (15.0, 100.0)]; // mean, unbiased variance
+        for _ in 0..3 {
+            let y = layer.forward(&x, true).unwrap();
+            for c in 0..2 {
+                rm[c] = 0.9 * rm[c] + 0.1 * stats[c].0;
+                rv[c] = 0.9 * rv[c] + 0.1 * stats[c].1;
+            }
+            // Training output uses the biased batch variance.
+            let y00 = y.flatten_all().unwrap().to_vec1::<f32>().unwrap()[0] as f64;
+            assert!((y00 - (1.0 - 2.5) / (1.25f64 + 1e-3).sqrt()).abs() < 1e-5);
+        }
+        let got_m = layer.running_mean.as_tensor().to_vec1::<f32>().unwrap();
+        let got_v = layer.running_var.as_tensor().to_vec1::<f32>().unwrap();
+        for c in 0..2 {
+            assert!(
+                (got_m[c] as f64 - rm[c]).abs() < 1e-4 && (got_v[c] as f64 - rv[c]).abs() < 1e-3,
+                "{got_m:?} {got_v:?} vs {rm:?} {rv:?}"
+            );
+        }
+        // Evaluation normalises with the running statistics and leaves them alone.
+        let y = layer.forward(&x, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!((y[0] as f64 - (1.0 - rm[0]) / (rv[0] + 1e-3).sqrt()).abs() < 1e-4);
+        assert_eq!(layer.running_mean.as_tensor().to_vec1::<f32>().unwrap(), got_m);
+    }
+
+    #[test]
+    fn frozen_layers_use_and_keep_the_running_statistics_in_training() {
+        let dev = Device::Cpu;
+        let vm = VarMap::new();
+        let layer = bn(&vm, true);
+        let x = Tensor::new(&[[[[1.0f32, 3.0]], [[2.0, 4.0]]]], &dev).unwrap();
+        let y = layer.forward(&x, true).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let s = (1.0f32 + 1e-3).sqrt();
+        assert!((y[0] - 1.0 / s).abs() < 1e-5 && (y[3] - 4.0 / s).abs() < 1e-5);
+        assert_eq!(layer.running_mean.as_tensor().to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);
+    }
+}

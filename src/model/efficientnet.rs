@@ -1,0 +1,430 @@
+//! EfficientNet image tower (Tan & Le 2019) as ALIGN uses it: MBConv blocks with squeeze-and-
+//! excitation, SiLU, stochastic depth, and the global average of the last block's output as the
+//! image feature (no head, no top convolution). Parameter names are Hugging Face
+//! `AlignVisionModel`'s, so `kakaobrain/align-base`'s vision tower (B7) maps one to one.
+//!
+//! Layout facts that matter for a faithful port (see also `shared/HF-ALIGN-NOTES.md`):
+//! - the stem pads only right and bottom by one, then runs a "valid" 3×3 stride-2 convolution;
+//! - stride-2 depthwise convolutions pad `(k/2 − 1, k/2)` on (top/left, bottom/right) unless the
+//!   block is listed in `depthwise_padding` (then `k/2` on every side); stride 1 pads `k/2`;
+//! - the squeeze-excite width is the block's *input* width × 0.25;
+//! - the residual is added in every block but the first of each stage.
+
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use super::batch_norm::BatchNorm2d;
+use super::ops::depthwise::{depthwise_conv2d, Padding};
+use super::Ctx;
+use crate::util::rng::Rng;
+
+/// Base (B0) stages: kernel, stride, repeats, expand ratio, input and output channels.
+const KERNELS: [usize; 7] = [3, 3, 5, 3, 5, 5, 3];
+const STRIDES: [usize; 7] = [1, 2, 2, 2, 1, 2, 1];
+const REPEATS: [usize; 7] = [1, 2, 2, 3, 3, 4, 1];
+const EXPAND: [usize; 7] = [1, 6, 6, 6, 6, 6, 6];
+const IN_CH: [usize; 7] = [32, 16, 24, 40, 80, 112, 192];
+const OUT_CH: [usize; 7] = [16, 24, 40, 80, 112, 192, 320];
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EfficientNetConfig {
+    pub image_size: usize,
+    pub width_coefficient: f64,
+    pub depth_coefficient: f64,
+    pub depth_divisor: usize,
+    pub se_ratio: f64,
+    pub bn_eps: f64,
+    /// PyTorch convention (TF decay 0.99 = 0.01).
+    pub bn_momentum: f64,
+    /// Use running statistics while training (ALIGN's fine-tuning).
+    pub bn_frozen: bool,
+    /// Stochastic-depth rate of the last block (linearly smaller for earlier blocks).
+    pub drop_path: f64,
+    /// Blocks whose stride-2 depthwise convolution pads symmetrically.
+    pub depthwise_padding: Vec<usize>,
+}
+
+impl EfficientNetConfig {
+    /// `efficientnet-b0` … `efficientnet-b7` and `efficientnet-l2` (width, depth coefficients as
+    /// published; the image size is ALIGN's choice, 289 for every variant, unless configured).
+    pub fn preset(name: &str, image_size: usize) -> Option<Self> {
+        let (w, d) = match name {
+            "efficientnet-b0" => (1.0, 1.0),
+            "efficientnet-b1" => (1.0, 1.1),
+            "efficientnet-b2" => (1.1, 1.2),
+            "efficientnet-b3" => (1.2, 1.4),
+            "efficientnet-b4" => (1.4, 1.8),
+            "efficientnet-b5" => (1.6, 2.2),
+            "efficientnet-b6" => (1.8, 2.6),
+            "efficientnet-b7" => (2.0, 3.1),
+            "efficientnet-l2" => (4.3, 5.3),
+            _ => return None,
+        };
+        Some(EfficientNetConfig {
+            image_size,
+            width_coefficient: w,
+            depth_coefficient: d,
+            depth_divisor: 8,
+            se_ratio: 0.25,
+            bn_eps: 1e-3,
+            bn_momentum: 0.01,
+            bn_frozen: false,
+            drop_path: 0.2,
+            depthwise_padding: Vec::new(),
+        })
+    }
+
+    pub fn with(mut self, o: &super::config::EfficientNetOverrides) -> Self {
+        if let Some(v) = o.width_coefficient {
+            self.width_coefficient = v;
+        }
+        if let Some(v) = o.depth_coefficient {
+            self.depth_coefficient = v;
+        }
+        if let Some(v) = o.drop_path {
+            self.drop_path = v;
+        }
+        if let Some(v) = o.bn_momentum {
+            self.bn_momentum = v;
+        }
+        if let Some(v) = o.bn_eps {
+            self.bn_eps = v;
+        }
+        if let Some(v) = o.bn_frozen {
+            self.bn_frozen = v;
+        }
+        if let Some(v) = &o.depthwise_padding {
+            self.depthwise_padding = v.clone();
+        }
+        self
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.width_coefficient <= 0.0 || self.depth_coefficient <= 0.0 {
+            return Err("EfficientNet width and depth coefficients must be positive".into());
+        }
+        if !(0.0..1.0).contains(&self.drop_path) || !(0.0..=1.0).contains(&self.bn_momentum) {
+            return Err(format!("drop_path {} must be in [0, 1) and bn_momentum {} in [0, 1]", self.drop_path, self.bn_momentum));
+        }
+        if self.image_size < 32 {
+            return Err(format!("EfficientNet needs images of at least 32 px (five stride-2 stages), got {}", self.image_size));
+        }
+        Ok(())
+    }
+
+    /// Channels scaled by the width coefficient, rounded to the divisor, never down by over 10%.
+    pub fn round_filters(&self, c: usize) -> usize {
+        let d = self.depth_divisor as f64;
+        let scaled = c as f64 * self.width_coefficient;
+        let mut out = d.max(((scaled + d / 2.0) / d).floor() * d);
+        if out < 0.9 * scaled {
+            out += d;
+        }
+        out as usize
+    }
+
+    pub fn round_repeats(&self, r: usize) -> usize {
+        (self.depth_coefficient * r as f64).ceil() as usize
+    }
+
+    /// Width of the image feature: the last stage's output channels.
+    pub fn width(&self) -> usize {
+        self.round_filters(OUT_CH[6])
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        REPEATS.iter().map(|&r| self.round_repeats(r)).sum()
+    }
+}
+
+fn conv_weight(vb: &VarBuilder, out: usize, inp: usize, k: usize) -> Result<Tensor> {
+    // He (fan-out) normal, as EfficientNet initialises convolutions.
+    let std = (2.0 / (out * k * k) as f64).sqrt();
+    vb.get_with_hints((out, inp, k, k), "weight", Init::Randn { mean: 0.0, stdev: std })
+}
+
+/// A 1×1 convolution as a batched matmul over `[N, C, H·W]`: no im2col, no transposed-conv
+/// backward.
+fn pointwise(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    let out = w.dim(0)?;
+    let y = w.reshape((out, c))?.broadcast_matmul(&x.reshape((n, c, h * wd))?)?;
+    let y = match bias {
+        Some(b) => y.broadcast_add(&b.reshape((1, out, 1))?)?,
+        None => y,
+    };
+    y.reshape((n, out, h, wd))
+}
+
+struct Block {
+    expand: Option<(Tensor, BatchNorm2d)>,
+    dw_weight: Tensor,
+    dw_norm: BatchNorm2d,
+    stride: usize,
+    pad: Padding,
+    se_reduce: (Tensor, Tensor),
+    se_expand: (Tensor, Tensor),
+    project: Tensor,
+    project_bn: BatchNorm2d,
+    residual: bool,
+    drop_path: f64,
+    index: usize,
+}
+
+impl Block {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        c: &EfficientNetConfig,
+        index: usize,
+        in_dim: usize,
+        out_dim: usize,
+        k: usize,
+        stride: usize,
+        expand_ratio: usize,
+        first: bool,
+        vb: VarBuilder,
+    ) -> Result<Self> {
+        let mid = in_dim * expand_ratio;
+        let bn = |ch: usize, vb: VarBuilder| BatchNorm2d::new(ch, c.bn_eps, c.bn_momentum, c.bn_frozen, vb);
+        let expand = if expand_ratio != 1 {
+            let e = vb.pp("expansion");
+            Some((conv_weight(&e.pp("expand_conv"), mid, in_dim, 1)?, bn(mid, e.pp("expand_bn"))?))
+        } else {
+            None
+        };
+        let dw = vb.pp("depthwise_conv");
+        let pad = if stride == 2 {
+            if c.depthwise_padding.contains(&index) {
+                Padding::same(k)
+            } else {
+                Padding { top: k / 2 - 1, bottom: k / 2, left: k / 2 - 1, right: k / 2 }
+            }
+        } else {
+            Padding::same(k)
+        };
+        let se_dim = ((in_dim as f64 * c.se_ratio) as usize).max(1);
+        let se = vb.pp("squeeze_excite");
+        let se_conv = |name: &str, out: usize, inp: usize| -> Result<(Tensor, Tensor)> {
+            let v = se.pp(name);
+            Ok((conv_weight(&v, out, inp, 1)?, v.get_with_hints(out, "bias", Init::Const(0.0))?))
+        };
+        let p = vb.pp("projection");
+        Ok(Block {
+            expand,
+            dw_weight: conv_weight(&dw.pp("depthwise_conv"), mid, 1, k)?,
+            dw_norm: bn(mid, dw.pp("depthwise_norm"))?,
+            stride,
+            pad,
+            se_reduce: se_conv("reduce", se_dim, mid)?,
+            se_expand: se_conv("expand", mid, se_dim)?,
+            project: conv_weight(&p.pp("project_conv"), out_dim, mid, 1)?,
+            project_bn: bn(out_dim, p.pp("project_bn"))?,
+            residual: !first && stride == 1 && in_dim == out_dim,
+            drop_path: 0.0,
+            index,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let mut h = x.clone();
+        if let Some((w, bn)) = &self.expand {
+            h = bn.forward(&pointwise(&h, w, None)?, ctx.train)?.silu()?;
+        }
+        h = depthwise_conv2d(&h, &self.dw_weight, self.stride, self.pad)?;
+        h = self.dw_norm.forward(&h, ctx.train)?.silu()?;
+        let s = h.mean_keepdim(D::Minus1)?.mean_keepdim(D::Minus2)?;
+        let s = pointwise(&s, &self.se_reduce.0, Some(&self.se_reduce.1))?.silu()?;
+        let s = candle_nn::ops::sigmoid(&pointwise(&s, &self.se_expand.0, Some(&self.se_expand.1))?)?;
+        h = h.broadcast_mul(&s)?;
+        h = self.project_bn.forward(&pointwise(&h, &self.project, None)?, ctx.train)?;
+        if !self.residual {
+            return Ok(h);
+        }
+        if ctx.train && self.drop_path > 0.0 {
+            h = drop_path(&h, self.drop_path, ctx.seed, self.index)?;
+        }
+        h + x
+    }
+}
+
+/// Stochastic depth: each sample's residual branch is dropped with probability `p` and the kept
+/// ones scaled by 1/(1−p). The mask comes from (seed, block), so a resumed run draws the same.
+fn drop_path(h: &Tensor, p: f64, seed: u64, block: usize) -> Result<Tensor> {
+    let n = h.dim(0)?;
+    let mut rng = Rng::derived(seed, &[0x0044_5041_5448, block as u64]);
+    let keep = 1.0 - p;
+    let mask: Vec<f32> = (0..n).map(|_| if rng.bernoulli(keep) { (1.0 / keep) as f32 } else { 0.0 }).collect();
+    let mask = Tensor::from_vec(mask, (n, 1, 1, 1), h.device())?.to_dtype(h.dtype())?;
+    h.broadcast_mul(&mask)
+}
+
+pub struct EfficientNet {
+    stem: Tensor,
+    stem_bn: BatchNorm2d,
+    blocks: Vec<Block>,
+    pub config: EfficientNetConfig,
+}
+
+impl EfficientNet {
+    pub fn new(c: &EfficientNetConfig, vb: VarBuilder) -> Result<Self> {
+        let emb = vb.pp("embeddings");
+        let stem_out = c.round_filters(32);
+        let stem = conv_weight(&emb.pp("convolution"), stem_out, 3, 3)?;
+        let stem_bn = BatchNorm2d::new(stem_out, c.bn_eps, c.bn_momentum, c.bn_frozen, emb.pp("batchnorm"))?;
+        let total = c.num_blocks();
+        let mut blocks = Vec::with_capacity(total);
+        let enc = vb.pp("encoder").pp("blocks");
+        for s in 0..7 {
+            let (in_dim, out_dim) = (c.round_filters(IN_CH[s]), c.round_filters(OUT_CH[s]));
+            for j in 0..c.round_repeats(REPEATS[s]) {
+                let i = blocks.len();
+                let stride = if j == 0 { STRIDES[s] } else { 1 };
+                let bin = if j == 0 { in_dim } else { out_dim };
+                let mut b = Block::new(c, i, bin, out_dim, KERNELS[s], stride, EXPAND[s], j == 0, enc.pp(i))?;
+                b.drop_path = c.drop_path * i as f64 / total as f64;
+                blocks.push(b);
+            }
+        }
+        Ok(EfficientNet { stem, stem_bn, blocks, config: c.clone() })
+    }
+
+    /// Global average of the last block's output: `[batch, width]`.
+    pub fn pooled(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let (_, _, h, w) = images.dims4()?;
+        // Right/bottom padding by one, then a valid 3×3 stride-2 convolution. The unused last
+        // row/column is cut so the stride tiles the input exactly (candle's conv backward needs it).
+        let ho = (h + 1 - 3) / 2 + 1;
+        let wo = (w + 1 - 3) / 2 + 1;
+        let x = images.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?;
+        let x = x.narrow(2, 0, 2 * (ho - 1) + 3)?.narrow(3, 0, 2 * (wo - 1) + 3)?;
+        let mut x = self.stem_bn.forward(&x.conv2d(&self.stem, 0, 2, 1, 1)?, ctx.train)?.silu()?;
+        for b in &self.blocks {
+            x = b.forward(&x, ctx)?;
+        }
+        let x = if x.dtype() == DType::F64 { x } else { x.to_dtype(DType::F32)? };
+        x.mean(D::Minus1)?.mean(D::Minus1)
+    }
+}
+
+impl Module for EfficientNet {
+    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.pooled(xs, &Ctx::EVAL)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::init::SeededVars;
+    use candle_core::Device;
+    use candle_nn::VarMap;
+
+    fn tiny() -> EfficientNetConfig {
+        let mut c = EfficientNetConfig::preset("efficientnet-b0", 32).unwrap();
+        c.width_coefficient = 0.25;
+        c.depth_coefficient = 0.5;
+        c.drop_path = 0.0;
+        c
+    }
+
+    /// Finite differences (f64) against backprop for two entries of every trainable variable,
+    /// in training mode (batch statistics) and in evaluation mode (running statistics).
+    #[test]
+    fn gradients_of_every_variable_match_finite_differences() {
+        let dev = Device::Cpu;
+        let vm = VarMap::new();
+        let net = EfficientNet::new(&tiny(), SeededVars::builder_dtype(&vm, 1, DType::F64, &dev)).unwrap();
+        let x = Tensor::randn(0f64, 1.0, (2, 3, 32, 32), &dev).unwrap();
+        let up = Tensor::randn(0f64, 1.0, (2, tiny().width()), &dev).unwrap();
+        let vars: Vec<(String, candle_core::Var)> = vm
+            .data()
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| !crate::model::batch_norm::is_running_stat(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        for ctx in [Ctx::train(0), Ctx::EVAL] {
+            let loss = || (net.pooled(&x, &ctx).unwrap() * &up).unwrap().sum_all().unwrap();
+            let grads = loss().backward().unwrap();
+            let mut rng = Rng::new(3);
+            for (name, var) in &vars {
+                let g = grads
+                    .get(var.as_tensor())
+                    .unwrap_or_else(|| panic!("{name} has no gradient"))
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap();
+                let base = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+                for _ in 0..2 {
+                    let k = rng.below(base.len());
+                    let eval = |d: f64| {
+                        let mut v = base.clone();
+                        v[k] += d;
+                        var.set(&Tensor::from_vec(v, var.shape(), &dev).unwrap()).unwrap();
+                        loss().to_scalar::<f64>().unwrap()
+                    };
+                    let fd = (eval(1e-6) - eval(-1e-6)) / 2e-6;
+                    var.set(&Tensor::from_vec(base.clone(), var.shape(), &dev).unwrap()).unwrap();
+                    // Roundoff at this step size is about 1e-6 on this loss scale.
+                    let tol = 1e-5 + 1e-4 * fd.abs().max(g[k].abs());
+                    assert!((fd - g[k]).abs() < tol, "{ctx:?} {name}[{k}]: backprop {} vs finite difference {fd}", g[k]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn parameter_names_follow_hugging_face() {
+        let vm = VarMap::new();
+        let c = EfficientNetConfig::preset("efficientnet-b0", 64).unwrap();
+        EfficientNet::new(&c, SeededVars::builder(&vm, 0, &Device::Cpu).pp("vision_model")).unwrap();
+        let names = vm.data().lock().unwrap().keys().cloned().collect::<std::collections::BTreeSet<_>>();
+        for n in [
+            "vision_model.embeddings.convolution.weight",
+            "vision_model.embeddings.batchnorm.running_var",
+            "vision_model.encoder.blocks.0.depthwise_conv.depthwise_conv.weight",
+            "vision_model.encoder.blocks.0.squeeze_excite.reduce.bias",
+            "vision_model.encoder.blocks.1.expansion.expand_conv.weight",
+            "vision_model.encoder.blocks.1.expansion.expand_bn.weight",
+            "vision_model.encoder.blocks.15.projection.project_bn.running_mean",
+            "vision_model.encoder.blocks.15.projection.project_conv.weight",
+        ] {
+            assert!(names.contains(n), "missing {n}");
+        }
+        // The first block has expand ratio 1: no expansion layer.
+        assert!(!names.iter().any(|n| n.starts_with("vision_model.encoder.blocks.0.expansion")));
+        assert!(!names.iter().any(|n| n.starts_with("vision_model.encoder.blocks.16.")));
+        // Squeeze-excite width comes from the block's input width: block 1 has 16 in, 96 expanded.
+        let data = vm.data().lock().unwrap();
+        assert_eq!(data["vision_model.encoder.blocks.1.squeeze_excite.reduce.weight"].dims(), &[4, 96, 1, 1]);
+    }
+
+    #[test]
+    fn stochastic_depth_is_reproducible_and_keeps_the_expectation() {
+        let dev = Device::Cpu;
+        let h = Tensor::ones((4000, 1, 1, 1), DType::F32, &dev).unwrap();
+        let a = drop_path(&h, 0.25, 7, 3).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = drop_path(&h, 0.25, 7, 3).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(a, b);
+        let mean = a.iter().sum::<f32>() / a.len() as f32;
+        assert!((mean - 1.0).abs() < 0.05, "{mean}");
+        assert!(a.iter().all(|&v| v == 0.0 || (v - 4.0 / 3.0).abs() < 1e-6));
+    }
+
+    #[test]
+    fn compound_scaling_matches_the_published_widths_and_depths() {
+        let b0 = EfficientNetConfig::preset("efficientnet-b0", 224).unwrap();
+        assert_eq!((b0.width(), b0.num_blocks(), b0.round_filters(32)), (320, 16, 32));
+        let b7 = EfficientNetConfig::preset("efficientnet-b7", 289).unwrap();
+        // kakaobrain/align-base: 55 blocks, 640-wide features, a 64-channel stem.
+        assert_eq!((b7.width(), b7.num_blocks(), b7.round_filters(32)), (640, 55, 64));
+        let l2 = EfficientNetConfig::preset("efficientnet-l2", 289).unwrap();
+        // ALIGN §6: "L2 uses 1376".
+        assert_eq!(l2.width(), 1376);
+        let b3 = EfficientNetConfig::preset("efficientnet-b3", 300).unwrap();
+        assert_eq!(b3.width(), 384);
+    }
+}

@@ -1,0 +1,384 @@
+//! Depthwise 2-D convolution (one k×k filter per channel) as a single candle op with its own
+//! backward pass.
+//!
+//! candle runs a grouped convolution as one small convolution per group and concatenates the
+//! results, in the forward pass and again in the backward pass: for EfficientNet's depthwise
+//! layers (up to thousands of channels) that is hundreds of tiny kernels per layer. Here each
+//! (image, channel) plane is one task on the thread pool, and the inner loops run over contiguous
+//! rows so the compiler vectorises them. Padding is explicit per side, so TF / EfficientNet
+//! "same" padding at stride 2 (more on the bottom/right) needs no separate pad op.
+//!
+//! Results are deterministic: every output element is accumulated by one thread in a fixed order.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+/// Padding in pixels: top, bottom, left, right.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Padding {
+    pub top: usize,
+    pub bottom: usize,
+    pub left: usize,
+    pub right: usize,
+}
+
+impl Padding {
+    pub fn same(k: usize) -> Self {
+        Padding { top: k / 2, bottom: k / 2, left: k / 2, right: k / 2 }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    k: usize,
+    stride: usize,
+    pad: Padding,
+    ho: usize,
+    wo: usize,
+}
+
+impl Geometry {
+    fn new(x: &[usize], kernel: &[usize], stride: usize, pad: Padding) -> Result<Self> {
+        let [n, c, h, w] = x else { candle_core::bail!("depthwise conv: input must be NCHW, got {x:?}") };
+        let [kc, one, k, k2] = kernel else { candle_core::bail!("depthwise conv: kernel must be [C, 1, k, k], got {kernel:?}") };
+        if kc != c || *one != 1 || k != k2 {
+            candle_core::bail!("depthwise conv: kernel {kernel:?} does not fit input {x:?}");
+        }
+        let (hp, wp) = (h + pad.top + pad.bottom, w + pad.left + pad.right);
+        if stride == 0 || hp < *k || wp < *k {
+            candle_core::bail!("depthwise conv: {k}x{k} kernel, stride {stride} does not fit a padded {hp}x{wp} input");
+        }
+        Ok(Geometry { n: *n, c: *c, h: *h, w: *w, k: *k, stride, pad, ho: (hp - k) / stride + 1, wo: (wp - k) / stride + 1 })
+    }
+
+    /// Output columns `ox` whose input column `ox·s + kx − left` lies inside the image.
+    fn cols(&self, kx: usize) -> (usize, usize) {
+        let (s, l) = (self.stride as isize, self.pad.left as isize);
+        let lo = (l - kx as isize).max(0);
+        let lo = ((lo + s - 1) / s) as usize;
+        let hi = ((self.w as isize - 1 + l - kx as isize).div_euclid(s) + 1).clamp(0, self.wo as isize) as usize;
+        (lo.min(hi), hi)
+    }
+
+    /// Input row for output row `oy` and kernel row `ky`, if inside the image.
+    fn row(&self, oy: usize, ky: usize) -> Option<usize> {
+        let iy = (oy * self.stride + ky) as isize - self.pad.top as isize;
+        (0..self.h as isize).contains(&iy).then_some(iy as usize)
+    }
+
+    fn in_col(&self, ox: usize, kx: usize) -> usize {
+        ox * self.stride + kx - self.pad.left
+    }
+}
+
+trait Elem: Copy + Send + Sync + Default + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + std::ops::AddAssign {}
+impl Elem for f32 {}
+impl Elem for f64 {}
+
+fn forward<T: Elem>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
+    let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
+    let mut out = vec![T::default(); g.n * g.c * plane_out];
+    out.par_chunks_mut(plane_out).enumerate().for_each(|(p, o)| {
+        let xp = &x[p * plane_in..(p + 1) * plane_in];
+        let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
+        for ky in 0..g.k {
+            for kx in 0..g.k {
+                let wv = kp[ky * g.k + kx];
+                let (lo, hi) = g.cols(kx);
+                if lo >= hi {
+                    continue;
+                }
+                for oy in 0..g.ho {
+                    let Some(iy) = g.row(oy, ky) else { continue };
+                    let orow = &mut o[oy * g.wo + lo..oy * g.wo + hi];
+                    let xrow = &xp[iy * g.w..(iy + 1) * g.w];
+                    if g.stride == 1 {
+                        let start = g.in_col(lo, kx);
+                        for (ov, xv) in orow.iter_mut().zip(&xrow[start..start + (hi - lo)]) {
+                            *ov += wv * *xv;
+                        }
+                    } else {
+                        for (j, ov) in orow.iter_mut().enumerate() {
+                            *ov += wv * xrow[g.in_col(lo + j, kx)];
+                        }
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
+fn grad_input<T: Elem>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
+    let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
+    let mut gx = vec![T::default(); g.n * g.c * plane_in];
+    gx.par_chunks_mut(plane_in).enumerate().for_each(|(p, gxp)| {
+        let gp = &grad[p * plane_out..(p + 1) * plane_out];
+        let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
+        for ky in 0..g.k {
+            for kx in 0..g.k {
+                let wv = kp[ky * g.k + kx];
+                let (lo, hi) = g.cols(kx);
+                if lo >= hi {
+                    continue;
+                }
+                for oy in 0..g.ho {
+                    let Some(iy) = g.row(oy, ky) else { continue };
+                    let grow = &gp[oy * g.wo + lo..oy * g.wo + hi];
+                    let xrow = &mut gxp[iy * g.w..(iy + 1) * g.w];
+                    if g.stride == 1 {
+                        let start = g.in_col(lo, kx);
+                        for (xv, gv) in xrow[start..start + (hi - lo)].iter_mut().zip(grow) {
+                            *xv += wv * *gv;
+                        }
+                    } else {
+                        for (j, gv) in grow.iter().enumerate() {
+                            xrow[g.in_col(lo + j, kx)] += wv * *gv;
+                        }
+                    }
+                }
+            }
+        }
+    });
+    gx
+}
+
+fn grad_kernel<T: Elem>(g: &Geometry, x: &[T], grad: &[T]) -> Vec<T> {
+    let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
+    let mut gw = vec![T::default(); g.c * kk];
+    gw.par_chunks_mut(kk).enumerate().for_each(|(c, gwc)| {
+        for n in 0..g.n {
+            let p = n * g.c + c;
+            let xp = &x[p * plane_in..(p + 1) * plane_in];
+            let gp = &grad[p * plane_out..(p + 1) * plane_out];
+            for ky in 0..g.k {
+                for kx in 0..g.k {
+                    let (lo, hi) = g.cols(kx);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let mut acc = T::default();
+                    for oy in 0..g.ho {
+                        let Some(iy) = g.row(oy, ky) else { continue };
+                        let grow = &gp[oy * g.wo + lo..oy * g.wo + hi];
+                        let xrow = &xp[iy * g.w..(iy + 1) * g.w];
+                        if g.stride == 1 {
+                            let start = g.in_col(lo, kx);
+                            for (gv, xv) in grow.iter().zip(&xrow[start..start + (hi - lo)]) {
+                                acc += *gv * *xv;
+                            }
+                        } else {
+                            for (j, gv) in grow.iter().enumerate() {
+                                acc += *gv * xrow[g.in_col(lo + j, kx)];
+                            }
+                        }
+                    }
+                    gwc[ky * g.k + kx] += acc;
+                }
+            }
+        }
+    });
+    gw
+}
+
+fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("depthwise conv: {what} must be contiguous"),
+    }
+}
+
+/// Dispatches a kernel over matching f32 / f64 storages.
+macro_rules! dispatch {
+    ($s1:expr, $l1:expr, $s2:expr, $l2:expr, $f:expr) => {
+        match ($s1, $s2) {
+            (CpuStorage::F32(a), CpuStorage::F32(b)) => CpuStorage::F32($f(slice(a, $l1, "lhs")?, slice(b, $l2, "rhs")?)),
+            (CpuStorage::F64(a), CpuStorage::F64(b)) => CpuStorage::F64($f(slice(a, $l1, "lhs")?, slice(b, $l2, "rhs")?)),
+            _ => candle_core::bail!("depthwise conv supports f32 and f64 with matching dtypes"),
+        }
+    };
+}
+
+struct Forward {
+    stride: usize,
+    pad: Padding,
+}
+
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        "depthwise-conv2d"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(l1.dims(), l2.dims(), self.stride, self.pad)?;
+        let out = dispatch!(s1, l1, s2, l2, |x, k| forward(&g, x, k));
+        Ok((out, Shape::from((g.n, g.c, g.ho, g.wo))))
+    }
+
+    fn bwd(&self, x: &Tensor, kernel: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let gx = grad.apply_op2_no_bwd(kernel, &GradInput { stride: self.stride, pad: self.pad, input: x.dims().to_vec() })?;
+        let gk = x.apply_op2_no_bwd(&grad, &GradKernel { stride: self.stride, pad: self.pad, kernel: kernel.dims().to_vec() })?;
+        Ok((Some(gx), Some(gk)))
+    }
+}
+
+struct GradInput {
+    stride: usize,
+    pad: Padding,
+    input: Vec<usize>,
+}
+
+impl CustomOp2 for GradInput {
+    fn name(&self) -> &'static str {
+        "depthwise-conv2d-grad-input"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(&self.input, l2.dims(), self.stride, self.pad)?;
+        if l1.dims() != [g.n, g.c, g.ho, g.wo] {
+            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l1.dims(), [g.n, g.c, g.ho, g.wo]);
+        }
+        let out = dispatch!(s1, l1, s2, l2, |gr, k| grad_input(&g, gr, k));
+        Ok((out, Shape::from(self.input.clone())))
+    }
+}
+
+struct GradKernel {
+    stride: usize,
+    pad: Padding,
+    kernel: Vec<usize>,
+}
+
+impl CustomOp2 for GradKernel {
+    fn name(&self) -> &'static str {
+        "depthwise-conv2d-grad-kernel"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(l1.dims(), &self.kernel, self.stride, self.pad)?;
+        if l2.dims() != [g.n, g.c, g.ho, g.wo] {
+            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l2.dims(), [g.n, g.c, g.ho, g.wo]);
+        }
+        let out = dispatch!(s1, l1, s2, l2, |x, gr| grad_kernel(&g, x, gr));
+        Ok((out, Shape::from(self.kernel.clone())))
+    }
+}
+
+/// Depthwise convolution of `x` (`[N, C, H, W]`) with `kernel` (`[C, 1, k, k]`, PyTorch's grouped
+/// layout), explicit zero padding per side and a stride. Differentiable in both arguments.
+pub fn depthwise_conv2d(x: &Tensor, kernel: &Tensor, stride: usize, pad: Padding) -> Result<Tensor> {
+    let dtype = x.dtype();
+    if dtype != DType::F32 && dtype != DType::F64 {
+        // Lower precisions compute in f32.
+        let y = depthwise_conv2d(&x.to_dtype(DType::F32)?, &kernel.to_dtype(DType::F32)?, stride, pad)?;
+        return y.to_dtype(dtype);
+    }
+    x.contiguous()?.apply_op2(&kernel.contiguous()?, Forward { stride, pad })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// candle's own grouped convolution with explicit asymmetric padding: the reference.
+    fn reference(x: &Tensor, k: &Tensor, stride: usize, pad: Padding) -> Tensor {
+        let c = x.dim(1).unwrap();
+        let x = x.pad_with_zeros(2, pad.top, pad.bottom).unwrap().pad_with_zeros(3, pad.left, pad.right).unwrap();
+        x.conv2d(k, 0, stride, 1, c).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
+    }
+
+    const CASES: [(usize, usize, usize, usize, usize, usize, Padding); 6] = [
+        // n, c, h, w, k, stride, padding
+        (2, 3, 7, 9, 3, 1, Padding { top: 1, bottom: 1, left: 1, right: 1 }),
+        (1, 4, 8, 8, 3, 2, Padding { top: 0, bottom: 1, left: 0, right: 1 }),
+        (2, 2, 9, 7, 5, 2, Padding { top: 1, bottom: 2, left: 1, right: 2 }),
+        (1, 5, 6, 6, 5, 1, Padding { top: 2, bottom: 2, left: 2, right: 2 }),
+        (3, 2, 11, 10, 3, 2, Padding { top: 1, bottom: 1, left: 1, right: 1 }),
+        (1, 1, 4, 5, 3, 1, Padding { top: 0, bottom: 0, left: 0, right: 0 }),
+    ];
+
+    #[test]
+    fn forward_and_backward_match_candles_grouped_convolution() {
+        let dev = Device::Cpu;
+        for (n, c, h, w, k, stride, pad) in CASES {
+            let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, c, h, w), &dev).unwrap()).unwrap();
+            let kern = Var::from_tensor(&Tensor::randn(0f32, 1.0, (c, 1, k, k), &dev).unwrap()).unwrap();
+            let ours = depthwise_conv2d(x.as_tensor(), kern.as_tensor(), stride, pad).unwrap();
+            let theirs = reference(x.as_tensor(), kern.as_tensor(), stride, pad);
+            assert_eq!(ours.dims(), theirs.dims());
+            assert!(max_diff(&ours, &theirs) < 1e-5, "forward {:?}", (n, c, h, w, k, stride, pad));
+            // candle's conv backward fails on shapes the stride does not tile exactly (it would
+            // need an output padding); those cases are covered by the finite-difference test.
+            if (h + pad.top + pad.bottom - k) % stride != 0 || (w + pad.left + pad.right - k) % stride != 0 {
+                continue;
+            }
+            // A non-uniform upstream gradient.
+            let up = Tensor::randn(0f32, 1.0, ours.dims(), &dev).unwrap();
+            let g1 = (&ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (&theirs * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&x, &kern] {
+                let d = max_diff(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap());
+                assert!(d < 1e-4, "backward {:?}: {d}", (n, c, h, w, k, stride, pad));
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_central_finite_differences_in_f64() {
+        let dev = Device::Cpu;
+        let mut rng = crate::util::rng::Rng::new(2);
+        for (n, c, h, w, k, stride, pad) in CASES {
+            let xv: Vec<f64> = (0..n * c * h * w).map(|_| rng.normal()).collect();
+            let kv: Vec<f64> = (0..c * k * k).map(|_| rng.normal()).collect();
+            let x = Var::from_tensor(&Tensor::from_vec(xv.clone(), (n, c, h, w), &dev).unwrap()).unwrap();
+            let kern = Var::from_tensor(&Tensor::from_vec(kv.clone(), (c, 1, k, k), &dev).unwrap()).unwrap();
+            let y = depthwise_conv2d(x.as_tensor(), kern.as_tensor(), stride, pad).unwrap();
+            let up = Tensor::randn(0f64, 1.0, y.dims(), &dev).unwrap();
+            let loss = |x: &Tensor, k: &Tensor| {
+                (depthwise_conv2d(x, k, stride, pad).unwrap() * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+            };
+            let grads = (y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let gx = grads.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let gk = grads.get(kern.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            let h_ = 1e-6;
+            let kt = Tensor::from_vec(kv.clone(), (c, 1, k, k), &dev).unwrap();
+            let xt = Tensor::from_vec(xv.clone(), (n, c, h, w), &dev).unwrap();
+            for _ in 0..5 {
+                let i = rng.below(xv.len());
+                let (mut p, mut m) = (xv.clone(), xv.clone());
+                p[i] += h_;
+                m[i] -= h_;
+                let fd = (loss(&Tensor::from_vec(p, (n, c, h, w), &dev).unwrap(), &kt)
+                    - loss(&Tensor::from_vec(m, (n, c, h, w), &dev).unwrap(), &kt))
+                    / (2.0 * h_);
+                assert!((fd - gx[i]).abs() < 1e-6, "d/dx[{i}] {fd} vs {}", gx[i]);
+                let j = rng.below(kv.len());
+                let (mut p, mut m) = (kv.clone(), kv.clone());
+                p[j] += h_;
+                m[j] -= h_;
+                let fd = (loss(&xt, &Tensor::from_vec(p, (c, 1, k, k), &dev).unwrap())
+                    - loss(&xt, &Tensor::from_vec(m, (c, 1, k, k), &dev).unwrap()))
+                    / (2.0 * h_);
+                assert!((fd - gk[j]).abs() < 1e-6, "d/dk[{j}] {fd} vs {}", gk[j]);
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_errors() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((1, 2, 4, 4), DType::F32, &dev).unwrap();
+        assert!(depthwise_conv2d(&x, &Tensor::zeros((3, 1, 3, 3), DType::F32, &dev).unwrap(), 1, Padding::same(3)).is_err());
+        assert!(depthwise_conv2d(&x, &Tensor::zeros((2, 1, 7, 7), DType::F32, &dev).unwrap(), 1, Padding::same(1)).is_err());
+    }
+}

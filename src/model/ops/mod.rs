@@ -1,0 +1,4 @@
+//! Custom candle ops with their own backward passes, for layers candle makes slow or cannot
+//! differentiate.
+
+pub mod depthwise;
