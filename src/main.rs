@@ -93,6 +93,10 @@ enum EvalCommand {
 enum BenchCommand {
     /// Loader throughput in images per second.
     Loader(cli::bench::LoaderArgs),
+    /// Training-step time (forward, backward, optimiser) and peak memory of a model.
+    Model(cli::bench::ModelArgs),
+    /// EfficientNet's depthwise layers: our op against candle's grouped convolution.
+    Depthwise(cli::bench::DepthwiseArgs),
 }
 
 fn main() -> Result<()> {
@@ -109,5 +113,7 @@ fn main() -> Result<()> {
         Command::Embed(a) => cli::embed::embed(&a),
         Command::Search(a) => cli::embed::search(&a),
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
+        Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
+        Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),
     }
 }

@@ -91,3 +91,233 @@ pub fn loader(a: &LoaderArgs) -> Result<()> {
     t.print();
     Ok(())
 }
+
+#[derive(Args)]
+pub struct ModelArgs {
+    /// Image tower preset (e.g. efficientnet-b0, vit-ti16).
+    #[arg(long, default_value = "efficientnet-b0")]
+    pub image_tower: String,
+    /// Text tower preset (e.g. bert-mini).
+    #[arg(long, default_value = "bert-mini")]
+    pub text_tower: String,
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 224)]
+    pub image_size: usize,
+    #[arg(long, default_value_t = 64)]
+    pub text_len: usize,
+    /// Timed steps (after `--warmup` untimed ones).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// EfficientNet depthwise convolution: our fused op or candle's grouped conv2d.
+    #[arg(long, value_enum, default_value = "fused")]
+    pub depthwise: align::model::efficientnet::DepthwiseImpl,
+    /// Further config overrides (`--set optimizer.kind="adamw"`).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct ModelBench {
+    image_tower: String,
+    text_tower: String,
+    batch: usize,
+    image_size: usize,
+    parameters: usize,
+    forward_ms: f64,
+    backward_ms: f64,
+    optimizer_ms: f64,
+    step_ms: f64,
+    samples_per_second: f64,
+    peak_rss_mib: Option<f64>,
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`).
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+pub fn model(a: &ModelArgs) -> Result<()> {
+    use align::model::dual_encoder::{DualEncoder, ImageSpec};
+    use align::model::init::SeededVars;
+    use align::model::Ctx;
+    use align::train::loss::contrastive_loss;
+    use align::train::optim::Optimizer;
+    use candle_core::Tensor;
+
+    let mut overrides = vec![
+        format!("model.image_tower={:?}", a.image_tower),
+        format!("model.text_tower={:?}", a.text_tower),
+        format!("data.image.image_size={}", a.image_size),
+        format!("data.image.resize={}", a.image_size),
+        format!("text.max_len={}", a.text_len),
+    ];
+    overrides.extend(a.overrides.iter().cloned());
+    let cfg = Config::from_str_with_overrides("", "bench", &overrides)?;
+    let mut spec = cfg.model_spec(30522)?;
+    if let ImageSpec::EfficientNet(e) = &mut spec.image {
+        e.depthwise = a.depthwise;
+    }
+    let device = super::default_device();
+    let vm = candle_nn::VarMap::new();
+    let model = DualEncoder::new(&spec, SeededVars::builder(&vm, 0, &device))?;
+    let vars: Vec<(String, candle_core::Var)> = vm
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| !align::model::batch_norm::is_running_stat(k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let parameters = vars.iter().map(|(_, v)| v.elem_count()).sum();
+    let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
+    let images = Tensor::randn(0f32, 1.0, (a.batch, 3, a.image_size, a.image_size), &device)?;
+    let ids: Vec<u32> = (0..a.batch * a.text_len).map(|i| 1000 + (i as u32 * 7919) % 20000).collect();
+    let ids = Tensor::from_vec(ids, (a.batch, a.text_len), &device)?;
+    let mask = Tensor::ones((a.batch, a.text_len), candle_core::DType::U32, &device)?;
+    let (mut fwd, mut bwd, mut opt_t) = (0.0, 0.0, 0.0);
+    let bar = Progress::bar((a.warmup + a.steps) as u64, "steps", a.json);
+    for step in 0..a.warmup + a.steps {
+        let t0 = Instant::now();
+        let img = model.image_embeddings(&images, &Ctx::train(step as u64))?;
+        let txt = model.text_embeddings(&ids, &mask)?;
+        let loss = contrastive_loss(&img, &txt, &img, &txt, 0, &model.logit_scale()?, 0.1)?.total;
+        loss.to_scalar::<f32>()?;
+        let t1 = Instant::now();
+        let grads = opt.gather(&loss.backward()?);
+        let t2 = Instant::now();
+        opt.step(&grads, 1e-4)?;
+        let t3 = Instant::now();
+        if step >= a.warmup {
+            fwd += (t1 - t0).as_secs_f64();
+            bwd += (t2 - t1).as_secs_f64();
+            opt_t += (t3 - t2).as_secs_f64();
+        }
+        bar.inc(1);
+    }
+    bar.finish();
+    let n = a.steps.max(1) as f64;
+    let step_ms = 1000.0 * (fwd + bwd + opt_t) / n;
+    let r = ModelBench {
+        image_tower: a.image_tower.clone(),
+        text_tower: a.text_tower.clone(),
+        batch: a.batch,
+        image_size: a.image_size,
+        parameters,
+        forward_ms: 1000.0 * fwd / n,
+        backward_ms: 1000.0 * bwd / n,
+        optimizer_ms: 1000.0 * opt_t / n,
+        step_ms,
+        samples_per_second: a.batch as f64 * 1000.0 / step_ms,
+        peak_rss_mib: peak_rss_mib(),
+    };
+    if a.json {
+        return super::print_json(&r);
+    }
+    let mut t = Table::new(&format!("Model step: {} + {}, batch {}, {} px", r.image_tower, r.text_tower, r.batch, r.image_size));
+    t.row("parameters", format!("{:.2} M", r.parameters as f64 / 1e6));
+    t.row("forward", format!("{:.1} ms", r.forward_ms))
+        .row("backward", format!("{:.1} ms", r.backward_ms))
+        .row("optimizer", format!("{:.1} ms", r.optimizer_ms));
+    t.row("samples/s", format!("{:.2}", r.samples_per_second));
+    t.row("peak RSS", r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.0} MiB")));
+    t.print();
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct DepthwiseArgs {
+    #[arg(long, default_value = "efficientnet-b0")]
+    pub image_tower: String,
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 224)]
+    pub image_size: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct DepthwiseRow {
+    block: usize,
+    channels: usize,
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    fused_ms: f64,
+    candle_ms: f64,
+}
+
+/// Forward + backward of every depthwise layer of a network, our op against candle's grouped conv.
+pub fn depthwise(a: &DepthwiseArgs) -> Result<()> {
+    use align::model::efficientnet::{candle_depthwise, EfficientNet, EfficientNetConfig};
+    use align::model::init::SeededVars;
+    use align::model::ops::depthwise::depthwise_conv2d;
+    use candle_core::{Tensor, Var};
+
+    let Some(cfg) = EfficientNetConfig::preset(&a.image_tower, a.image_size) else {
+        anyhow::bail!("{} is not an EfficientNet preset", a.image_tower)
+    };
+    let device = super::default_device();
+    let net = EfficientNet::new(&cfg, SeededVars::builder(&candle_nn::VarMap::new(), 0, &device))?;
+    let layers = net.depthwise_layers();
+    let bar = Progress::bar(layers.len() as u64, "layers", a.json);
+    let mut rows = Vec::new();
+    for (block, l) in layers.iter().enumerate() {
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (a.batch, l.channels, l.input, l.input), &device)?)?;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 0.1, (l.channels, 1, l.kernel, l.kernel), &device)?)?;
+        let time = |fused: bool| -> Result<f64> {
+            let t0 = Instant::now();
+            let y = if fused {
+                depthwise_conv2d(x.as_tensor(), w.as_tensor(), l.stride, l.pad)?
+            } else {
+                candle_depthwise(x.as_tensor(), w.as_tensor(), l.stride, l.pad)?
+            };
+            let g = y.sum_all()?.backward()?;
+            g.get(x.as_tensor()).map(|t| t.dims().len()).unwrap_or(0);
+            Ok(1000.0 * t0.elapsed().as_secs_f64())
+        };
+        time(true)?;
+        rows.push(DepthwiseRow {
+            block,
+            channels: l.channels,
+            input: l.input,
+            kernel: l.kernel,
+            stride: l.stride,
+            fused_ms: time(true)?,
+            candle_ms: time(false)?,
+        });
+        bar.inc(1);
+    }
+    bar.finish();
+    let (f, c): (f64, f64) = rows.iter().fold((0.0, 0.0), |(f, c), r| (f + r.fused_ms, c + r.candle_ms));
+    if a.json {
+        return super::print_json(&serde_json::json!({"layers": rows, "fused_ms": f, "candle_ms": c, "speedup": c / f}));
+    }
+    println!(
+        "{:>5} {:>8} {:>6} {:>3} {:>3} {:>10} {:>10} {:>8}",
+        "block", "channels", "input", "k", "s", "fused ms", "candle ms", "speedup"
+    );
+    for r in &rows {
+        println!(
+            "{:>5} {:>8} {:>6} {:>3} {:>3} {:>10.1} {:>10.1} {:>7.1}x",
+            r.block,
+            r.channels,
+            r.input,
+            r.kernel,
+            r.stride,
+            r.fused_ms,
+            r.candle_ms,
+            r.candle_ms / r.fused_ms
+        );
+    }
+    println!("total: fused {f:.0} ms, candle {c:.0} ms, {:.1}x (forward + backward, batch {})", c / f, a.batch);
+    Ok(())
+}

@@ -9,6 +9,8 @@
 //! momentum 0.01), and the running variance takes the unbiased batch variance.
 
 use candle_core::{DType, Result, Tensor, Var};
+
+use super::ops::channel::{batch_norm_act, channel_moments, Statistics};
 use candle_nn::{Init, VarBuilder};
 
 pub struct BatchNorm2d {
@@ -19,15 +21,6 @@ pub struct BatchNorm2d {
     eps: f64,
     momentum: f64,
     frozen: bool,
-}
-
-/// Statistics are computed in f32 for half precisions and in f64 for f64.
-fn compute_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 /// Names of the statistics variables: excluded from optimisation.
@@ -48,32 +41,30 @@ impl BatchNorm2d {
         })
     }
 
-    fn per_channel(t: &Tensor) -> Result<Tensor> {
-        t.reshape((1, t.elem_count(), 1, 1))
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.forward_act(x, train, false)
     }
 
-    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let (mean, var) = if train && !self.frozen {
+    /// BatchNorm followed by SiLU when `silu`, as one fused op.
+    pub fn forward_act(&self, x: &Tensor, train: bool, silu: bool) -> Result<Tensor> {
+        let batch_stats = train && !self.frozen;
+        let (mean, var) = if batch_stats {
             let (n, _, h, w) = x.dims4()?;
             let count = (n * h * w) as f64;
-            let xf = x.to_dtype(compute_dtype(x.dtype()))?;
-            let mean = xf.mean_keepdim(3)?.mean_keepdim(2)?.mean_keepdim(0)?;
-            let centered = xf.broadcast_sub(&mean)?;
-            let var = centered.sqr()?.mean_keepdim(3)?.mean_keepdim(2)?.mean_keepdim(0)?;
-            let m = self.momentum;
-            let batch_mean = mean.detach().flatten_all()?;
-            let unbiased = (var.detach().flatten_all()? * (count / (count - 1.0).max(1.0)))?;
-            let dt = self.running_mean.dtype();
-            self.running_mean.set(&((self.running_mean.as_tensor() * (1.0 - m))? + (batch_mean * m)?.to_dtype(dt)?)?)?;
-            self.running_var.set(&((self.running_var.as_tensor() * (1.0 - m))? + (unbiased * m)?.to_dtype(dt)?)?)?;
-            (mean, var)
+            let m: Vec<Vec<f64>> = channel_moments(x)?.to_dtype(DType::F64)?.to_vec2()?;
+            let mo = self.momentum;
+            let blend = |running: &Var, batch: Vec<f64>| -> Result<()> {
+                let old: Vec<f64> = running.as_tensor().to_dtype(DType::F64)?.to_vec1()?;
+                let new: Vec<f64> = old.iter().zip(&batch).map(|(o, b)| (1.0 - mo) * o + mo * b).collect();
+                running.set(&Tensor::from_vec(new, old.len(), running.device())?.to_dtype(running.dtype())?)
+            };
+            blend(&self.running_mean, m[0].clone())?;
+            blend(&self.running_var, m[1].iter().map(|v| v * count / (count - 1.0).max(1.0)).collect())?;
+            (m[0].clone(), m[1].clone())
         } else {
-            (Self::per_channel(&self.running_mean.as_tensor().detach())?, Self::per_channel(&self.running_var.as_tensor().detach())?)
+            (self.running_mean.as_tensor().to_dtype(DType::F64)?.to_vec1()?, self.running_var.as_tensor().to_dtype(DType::F64)?.to_vec1()?)
         };
-        let dtype = x.dtype();
-        let cd = compute_dtype(dtype);
-        let normed = x.to_dtype(cd)?.broadcast_sub(&mean.to_dtype(cd)?)?.broadcast_div(&(var.to_dtype(cd)? + self.eps)?.sqrt()?)?;
-        normed.to_dtype(dtype)?.broadcast_mul(&Self::per_channel(&self.weight)?)?.broadcast_add(&Self::per_channel(&self.bias)?)
+        batch_norm_act(x, &Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats }, &self.weight, &self.bias, silu)
     }
 }
 

@@ -10,11 +10,12 @@
 //! - the squeeze-excite width is the block's *input* width × 0.25;
 //! - the residual is added in every block but the first of each stage.
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::batch_norm::BatchNorm2d;
+use super::ops::channel::{channel_scale, spatial_mean};
 use super::ops::depthwise::{depthwise_conv2d, Padding};
 use super::Ctx;
 use crate::util::rng::Rng;
@@ -43,6 +44,19 @@ pub struct EfficientNetConfig {
     pub drop_path: f64,
     /// Blocks whose stride-2 depthwise convolution pads symmetrically.
     pub depthwise_padding: Vec<usize>,
+    /// Which depthwise convolution runs (benchmarks compare them).
+    #[serde(default)]
+    pub depthwise: DepthwiseImpl,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DepthwiseImpl {
+    /// Our single custom op (`ops::depthwise`).
+    #[default]
+    Fused,
+    /// candle's grouped `conv2d`: one small convolution per channel.
+    Candle,
 }
 
 impl EfficientNetConfig {
@@ -72,6 +86,7 @@ impl EfficientNetConfig {
             bn_frozen: false,
             drop_path: 0.2,
             depthwise_padding: Vec::new(),
+            depthwise: DepthwiseImpl::Fused,
         })
     }
 
@@ -170,6 +185,7 @@ struct Block {
     residual: bool,
     drop_path: f64,
     index: usize,
+    depthwise: DepthwiseImpl,
 }
 
 impl Block {
@@ -223,20 +239,25 @@ impl Block {
             residual: !first && stride == 1 && in_dim == out_dim,
             drop_path: 0.0,
             index,
+            depthwise: c.depthwise,
         })
     }
 
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut h = x.clone();
         if let Some((w, bn)) = &self.expand {
-            h = bn.forward(&pointwise(&h, w, None)?, ctx.train)?.silu()?;
+            h = bn.forward_act(&pointwise(&h, w, None)?, ctx.train, true)?;
         }
-        h = depthwise_conv2d(&h, &self.dw_weight, self.stride, self.pad)?;
-        h = self.dw_norm.forward(&h, ctx.train)?.silu()?;
-        let s = h.mean_keepdim(D::Minus1)?.mean_keepdim(D::Minus2)?;
-        let s = pointwise(&s, &self.se_reduce.0, Some(&self.se_reduce.1))?.silu()?;
-        let s = candle_nn::ops::sigmoid(&pointwise(&s, &self.se_expand.0, Some(&self.se_expand.1))?)?;
-        h = h.broadcast_mul(&s)?;
+        h = match self.depthwise {
+            DepthwiseImpl::Fused => depthwise_conv2d(&h, &self.dw_weight, self.stride, self.pad)?,
+            DepthwiseImpl::Candle => candle_depthwise(&h, &self.dw_weight, self.stride, self.pad)?,
+        };
+        h = self.dw_norm.forward_act(&h, ctx.train, true)?;
+        // Squeeze-and-excitation on [N, C] vectors: the 1×1 convolutions are plain matmuls.
+        let fc = |s: &Tensor, (w, b): &(Tensor, Tensor)| s.matmul(&w.flatten_from(1)?.t()?)?.broadcast_add(b);
+        let s = fc(&spatial_mean(&h)?, &self.se_reduce)?.silu()?;
+        let s = candle_nn::ops::sigmoid(&fc(&s, &self.se_expand)?)?;
+        h = channel_scale(&h, &s)?;
         h = self.project_bn.forward(&pointwise(&h, &self.project, None)?, ctx.train)?;
         if !self.residual {
             return Ok(h);
@@ -246,6 +267,17 @@ impl Block {
         }
         h + x
     }
+}
+
+/// candle's grouped convolution, padded explicitly and cut to a size the stride tiles exactly
+/// (its backward fails otherwise).
+pub fn candle_depthwise(x: &Tensor, w: &Tensor, stride: usize, pad: Padding) -> Result<Tensor> {
+    let (_, c, h, wd) = x.dims4()?;
+    let k = w.dim(2)?;
+    let x = x.pad_with_zeros(2, pad.top, pad.bottom)?.pad_with_zeros(3, pad.left, pad.right)?;
+    let (hp, wp) = (h + pad.top + pad.bottom, wd + pad.left + pad.right);
+    let x = x.narrow(2, 0, (hp - k) / stride * stride + k)?.narrow(3, 0, (wp - k) / stride * stride + k)?;
+    x.conv2d(w, 0, stride, 1, c)
 }
 
 /// Stochastic depth: each sample's residual branch is dropped with probability `p` and the kept
@@ -266,7 +298,36 @@ pub struct EfficientNet {
     pub config: EfficientNetConfig,
 }
 
+/// One depthwise layer of the network: channels, input side, kernel, stride, padding.
+#[derive(Debug, Clone, Copy)]
+pub struct DepthwiseLayer {
+    pub channels: usize,
+    pub input: usize,
+    pub kernel: usize,
+    pub stride: usize,
+    pub pad: Padding,
+}
+
 impl EfficientNet {
+    /// The depthwise layers in order, for benchmarks.
+    pub fn depthwise_layers(&self) -> Vec<DepthwiseLayer> {
+        let mut side = (self.config.image_size + 1 - 3) / 2 + 1;
+        self.blocks
+            .iter()
+            .map(|b| {
+                let l = DepthwiseLayer {
+                    channels: b.dw_weight.dim(0).unwrap_or(0),
+                    input: side,
+                    kernel: b.dw_weight.dim(2).unwrap_or(0),
+                    stride: b.stride,
+                    pad: b.pad,
+                };
+                side = (side + b.pad.top + b.pad.bottom - l.kernel) / b.stride + 1;
+                l
+            })
+            .collect()
+    }
+
     pub fn new(c: &EfficientNetConfig, vb: VarBuilder) -> Result<Self> {
         let emb = vb.pp("embeddings");
         let stem_out = c.round_filters(32);
@@ -298,12 +359,12 @@ impl EfficientNet {
         let wo = (w + 1 - 3) / 2 + 1;
         let x = images.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?;
         let x = x.narrow(2, 0, 2 * (ho - 1) + 3)?.narrow(3, 0, 2 * (wo - 1) + 3)?;
-        let mut x = self.stem_bn.forward(&x.conv2d(&self.stem, 0, 2, 1, 1)?, ctx.train)?.silu()?;
+        let mut x = self.stem_bn.forward_act(&x.conv2d(&self.stem, 0, 2, 1, 1)?, ctx.train, true)?;
         for b in &self.blocks {
             x = b.forward(&x, ctx)?;
         }
         let x = if x.dtype() == DType::F64 { x } else { x.to_dtype(DType::F32)? };
-        x.mean(D::Minus1)?.mean(D::Minus1)
+        spatial_mean(&x)
     }
 }
 

@@ -79,30 +79,31 @@ trait Elem: Copy + Send + Sync + Default + std::ops::Add<Output = Self> + std::o
 impl Elem for f32 {}
 impl Elem for f64 {}
 
+// Loop order: output row outermost, so the row being accumulated stays in L1 while the k×k
+// taps stream over at most k input rows.
 fn forward<T: Elem>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
+    let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
     let mut out = vec![T::default(); g.n * g.c * plane_out];
     out.par_chunks_mut(plane_out).enumerate().for_each(|(p, o)| {
         let xp = &x[p * plane_in..(p + 1) * plane_in];
         let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
-        for ky in 0..g.k {
-            for kx in 0..g.k {
-                let wv = kp[ky * g.k + kx];
-                let (lo, hi) = g.cols(kx);
-                if lo >= hi {
-                    continue;
-                }
-                for oy in 0..g.ho {
-                    let Some(iy) = g.row(oy, ky) else { continue };
-                    let orow = &mut o[oy * g.wo + lo..oy * g.wo + hi];
-                    let xrow = &xp[iy * g.w..(iy + 1) * g.w];
+        for (oy, orow) in o.chunks_exact_mut(g.wo).enumerate() {
+            for ky in 0..g.k {
+                let Some(iy) = g.row(oy, ky) else { continue };
+                let xrow = &xp[iy * g.w..(iy + 1) * g.w];
+                for (kx, &(lo, hi)) in cols.iter().enumerate() {
+                    if lo >= hi {
+                        continue;
+                    }
+                    let wv = kp[ky * g.k + kx];
                     if g.stride == 1 {
                         let start = g.in_col(lo, kx);
-                        for (ov, xv) in orow.iter_mut().zip(&xrow[start..start + (hi - lo)]) {
+                        for (ov, xv) in orow[lo..hi].iter_mut().zip(&xrow[start..start + (hi - lo)]) {
                             *ov += wv * *xv;
                         }
                     } else {
-                        for (j, ov) in orow.iter_mut().enumerate() {
+                        for (j, ov) in orow[lo..hi].iter_mut().enumerate() {
                             *ov += wv * xrow[g.in_col(lo + j, kx)];
                         }
                     }
@@ -115,28 +116,27 @@ fn forward<T: Elem>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
 
 fn grad_input<T: Elem>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
+    let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
     let mut gx = vec![T::default(); g.n * g.c * plane_in];
     gx.par_chunks_mut(plane_in).enumerate().for_each(|(p, gxp)| {
         let gp = &grad[p * plane_out..(p + 1) * plane_out];
         let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
-        for ky in 0..g.k {
-            for kx in 0..g.k {
-                let wv = kp[ky * g.k + kx];
-                let (lo, hi) = g.cols(kx);
-                if lo >= hi {
-                    continue;
-                }
-                for oy in 0..g.ho {
-                    let Some(iy) = g.row(oy, ky) else { continue };
-                    let grow = &gp[oy * g.wo + lo..oy * g.wo + hi];
-                    let xrow = &mut gxp[iy * g.w..(iy + 1) * g.w];
+        for (oy, grow) in gp.chunks_exact(g.wo).enumerate() {
+            for ky in 0..g.k {
+                let Some(iy) = g.row(oy, ky) else { continue };
+                let xrow = &mut gxp[iy * g.w..(iy + 1) * g.w];
+                for (kx, &(lo, hi)) in cols.iter().enumerate() {
+                    if lo >= hi {
+                        continue;
+                    }
+                    let wv = kp[ky * g.k + kx];
                     if g.stride == 1 {
                         let start = g.in_col(lo, kx);
-                        for (xv, gv) in xrow[start..start + (hi - lo)].iter_mut().zip(grow) {
+                        for (xv, gv) in xrow[start..start + (hi - lo)].iter_mut().zip(&grow[lo..hi]) {
                             *xv += wv * *gv;
                         }
                     } else {
-                        for (j, gv) in grow.iter().enumerate() {
+                        for (j, gv) in grow[lo..hi].iter().enumerate() {
                             xrow[g.in_col(lo + j, kx)] += wv * *gv;
                         }
                     }

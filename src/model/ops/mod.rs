@@ -1,4 +1,5 @@
 //! Custom candle ops with their own backward passes, for layers candle makes slow or cannot
 //! differentiate.
 
+pub mod channel;
 pub mod depthwise;
