@@ -1,6 +1,8 @@
 //! Training: the loss, optimisers and schedules, checkpoints, and the loop.
 
 pub mod checkpoint;
+pub mod collective;
+pub mod gather;
 pub mod loss;
 pub mod metrics_log;
 pub mod optim;

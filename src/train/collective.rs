@@ -1,0 +1,355 @@
+//! Collectives between data-parallel ranks: all-gather, all-reduce, broadcast, barrier.
+//!
+//! Three implementations share one trait: [`SingleProcess`] (identity), [`ThreadGroup`] (ranks as
+//! threads of one process: the tests and `align train --nproc N` on the CPU), and NCCL for GPUs
+//! (behind `--features nccl`; see the CUDA issue). Tensors cross as host vectors in the thread
+//! group; every call blocks until all ranks have made the same call, or fails after the timeout,
+//! or as soon as any rank aborts (a failing rank takes the others down with its error).
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device, Tensor};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("collective {op} timed out after {secs:.0} s on rank {rank}: waiting for ranks {missing:?}")]
+    Timeout { op: &'static str, secs: f64, rank: usize, missing: Vec<usize> },
+    #[error("rank {rank} failed: {message}")]
+    Aborted { rank: usize, message: String },
+    #[error("collective {op}: rank {rank} sent {got} values, rank 0 sent {want}")]
+    Mismatch { op: &'static str, rank: usize, got: usize, want: usize },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, CollectiveError>;
+
+pub trait Collective: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Concatenates every rank's tensor along dimension 0, in rank order (equal shapes).
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor>;
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
+    /// Every rank's bytes, in rank order (lengths may differ).
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
+    fn barrier(&self) -> Result<()>;
+    /// Tells the other ranks this one failed, so their pending and future calls return an error.
+    fn abort(&self, message: &str);
+
+    fn all_reduce_mean(&self, t: &Tensor) -> Result<Tensor> {
+        Ok((self.all_reduce_sum(t)? / self.world_size() as f64)?)
+    }
+}
+
+/// One rank: every collective is the identity.
+pub struct SingleProcess;
+
+impl Collective for SingleProcess {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.clone())
+    }
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.clone())
+    }
+    fn broadcast(&self, t: &Tensor, _root: usize) -> Result<Tensor> {
+        Ok(t.clone())
+    }
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        Ok(vec![bytes.to_vec()])
+    }
+    fn barrier(&self) -> Result<()> {
+        Ok(())
+    }
+    fn abort(&self, _message: &str) {}
+}
+
+enum Payload {
+    F64(Vec<f64>),
+    Bytes(Vec<u8>),
+}
+
+struct Round {
+    slots: Vec<Option<Payload>>,
+    /// Ranks that have read the completed round; the last one clears it.
+    read: usize,
+    generation: u64,
+}
+
+struct Shared {
+    world: usize,
+    state: Mutex<(Round, Option<(usize, String)>)>,
+    changed: Condvar,
+    timeout: Duration,
+}
+
+/// Ranks as threads of one process. `ThreadGroup::new(w, timeout)` returns one handle per rank.
+pub struct ThreadGroup {
+    rank: usize,
+    shared: Arc<Shared>,
+}
+
+impl ThreadGroup {
+    pub fn new(world: usize, timeout: Duration) -> Vec<ThreadGroup> {
+        let shared = Arc::new(Shared {
+            world,
+            state: Mutex::new((Round { slots: (0..world).map(|_| None).collect(), read: 0, generation: 0 }, None)),
+            changed: Condvar::new(),
+            timeout,
+        });
+        (0..world).map(|rank| ThreadGroup { rank, shared: shared.clone() }).collect()
+    }
+
+    /// Deposits this rank's payload and returns everyone's once all have deposited.
+    fn exchange(&self, op: &'static str, mine: Payload) -> Result<Vec<Payload>> {
+        let s = &*self.shared;
+        let deadline = Instant::now() + s.timeout;
+        let mut guard = s.state.lock().unwrap();
+        // Wait until the previous round has been read by everyone and our slot is free.
+        loop {
+            if let Some((rank, message)) = &guard.1 {
+                return Err(CollectiveError::Aborted { rank: *rank, message: message.clone() });
+            }
+            if guard.0.slots[self.rank].is_none() && guard.0.read == 0 {
+                break;
+            }
+            guard = self.wait(guard, deadline, op)?;
+        }
+        guard.0.slots[self.rank] = Some(mine);
+        let generation = guard.0.generation;
+        s.changed.notify_all();
+        loop {
+            if let Some((rank, message)) = &guard.1 {
+                return Err(CollectiveError::Aborted { rank: *rank, message: message.clone() });
+            }
+            if guard.0.generation != generation || guard.0.slots.iter().all(Option::is_some) {
+                break;
+            }
+            guard = self.wait(guard, deadline, op)?;
+        }
+        let out: Vec<Payload> = guard
+            .0
+            .slots
+            .iter()
+            .map(|p| match p.as_ref().expect("complete round") {
+                Payload::F64(v) => Payload::F64(v.clone()),
+                Payload::Bytes(b) => Payload::Bytes(b.clone()),
+            })
+            .collect();
+        guard.0.read += 1;
+        if guard.0.read == s.world {
+            guard.0.read = 0;
+            guard.0.generation += 1;
+            guard.0.slots.iter_mut().for_each(|p| *p = None);
+            s.changed.notify_all();
+        } else {
+            // Hold the round until everyone has read it.
+            while guard.0.generation == generation {
+                if let Some((rank, message)) = &guard.1 {
+                    return Err(CollectiveError::Aborted { rank: *rank, message: message.clone() });
+                }
+                guard = self.wait(guard, deadline, op)?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn wait<'a>(&self, guard: std::sync::MutexGuard<'a, (Round, Option<(usize, String)>)>, deadline: Instant, op: &'static str) -> Result<std::sync::MutexGuard<'a, (Round, Option<(usize, String)>)>> {
+        let now = Instant::now();
+        if now >= deadline {
+            let missing = guard.0.slots.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(r, _)| r).collect();
+            return Err(CollectiveError::Timeout { op, secs: self.shared.timeout.as_secs_f64(), rank: self.rank, missing });
+        }
+        Ok(self.shared.changed.wait_timeout(guard, deadline - now).unwrap().0)
+    }
+
+    fn values(t: &Tensor) -> Result<Vec<f64>> {
+        Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)
+    }
+
+    fn floats(&self, op: &'static str, t: &Tensor) -> Result<Vec<Vec<f64>>> {
+        let all = self.exchange(op, Payload::F64(Self::values(t)?))?;
+        let out: Vec<Vec<f64>> = all.into_iter().map(|p| if let Payload::F64(v) = p { v } else { Vec::new() }).collect();
+        for (r, v) in out.iter().enumerate() {
+            if v.len() != out[0].len() {
+                return Err(CollectiveError::Mismatch { op, rank: r, got: v.len(), want: out[0].len() });
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn rebuild(values: Vec<f64>, dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    Ok(Tensor::from_vec(values, dims, &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?)
+}
+
+impl Collective for ThreadGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+        let parts = self.floats("all_gather", t)?;
+        let mut dims = t.dims().to_vec();
+        dims[0] *= self.shared.world;
+        rebuild(parts.concat(), &dims, t.dtype(), t.device())
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let parts = self.floats("all_reduce", t)?;
+        // Summed in rank order on every rank: every rank gets bit-identical results.
+        let mut sum = vec![0.0f64; parts[0].len()];
+        for p in &parts {
+            sum.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+        }
+        rebuild(sum, t.dims(), t.dtype(), t.device())
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        let mut parts = self.floats("broadcast", t)?;
+        rebuild(parts.swap_remove(root), t.dims(), t.dtype(), t.device())
+    }
+
+    fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let all = self.exchange("all_gather_bytes", Payload::Bytes(bytes.to_vec()))?;
+        Ok(all.into_iter().map(|p| if let Payload::Bytes(b) = p { b } else { Vec::new() }).collect())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.exchange("barrier", Payload::Bytes(Vec::new())).map(|_| ())
+    }
+
+    fn abort(&self, message: &str) {
+        let mut guard = self.shared.state.lock().unwrap();
+        if guard.1.is_none() {
+            guard.1 = Some((self.rank, message.to_string()));
+        }
+        self.shared.changed.notify_all();
+    }
+}
+
+/// Where this process sits in a job, from torchrun's or SLURM's environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DistEnv {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub master: Option<(String, u16)>,
+}
+
+impl DistEnv {
+    /// Reads `RANK`/`WORLD_SIZE`/`LOCAL_RANK`/`LOCAL_WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`
+    /// (torchrun), else `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`/`SLURM_NTASKS_PER_NODE`;
+    /// a single process when neither is set.
+    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> std::result::Result<Self, String> {
+        let num = |k: &str| -> std::result::Result<Option<usize>, String> {
+            match get(k) {
+                None => Ok(None),
+                Some(v) => v.trim().split('(').next().unwrap_or("").parse::<usize>().map(Some).map_err(|_| format!("{k}={v:?} is not a number")),
+            }
+        };
+        let (rank, world, local, local_world) = if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
+            (r, w, num("LOCAL_RANK")?.unwrap_or(r), num("LOCAL_WORLD_SIZE")?.unwrap_or(w))
+        } else if let (Some(r), Some(w)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
+            (r, w, num("SLURM_LOCALID")?.unwrap_or(r), num("SLURM_NTASKS_PER_NODE")?.unwrap_or(w))
+        } else {
+            (0, 1, 0, 1)
+        };
+        if world == 0 || rank >= world || local >= local_world.max(1) {
+            return Err(format!("inconsistent ranks: rank {rank} of {world}, local rank {local} of {local_world}"));
+        }
+        let master = match (get("MASTER_ADDR"), num("MASTER_PORT")?) {
+            (Some(a), Some(p)) if p <= u16::MAX as usize => Some((a, p as u16)),
+            (Some(_), Some(p)) => return Err(format!("MASTER_PORT {p} is not a port")),
+            _ => None,
+        };
+        Ok(DistEnv { rank, world_size: world, local_rank: local, local_world_size: local_world.max(1), master })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<T: Send + 'static>(world: usize, f: impl Fn(ThreadGroup) -> T + Send + Sync + 'static) -> Vec<T> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(10))
+            .into_iter()
+            .map(|g| {
+                let f = f.clone();
+                std::thread::spawn(move || f(g))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn gather_reduce_and_broadcast_across_thread_ranks() {
+        let out = run(3, |g| {
+            let r = g.rank() as f32;
+            let t = Tensor::new(&[[r, 10.0 * r]], &Device::Cpu).unwrap();
+            let mut results = Vec::new();
+            // Many rounds in a row exercise the round hand-over.
+            for _ in 0..20 {
+                let gathered = g.all_gather(&t).unwrap().to_vec2::<f32>().unwrap();
+                let sum = g.all_reduce_sum(&t).unwrap().to_vec2::<f32>().unwrap();
+                let b = g.broadcast(&t, 2).unwrap().to_vec2::<f32>().unwrap();
+                results.push((gathered, sum, b));
+            }
+            let bytes = g.all_gather_bytes(format!("rank{}", g.rank()).as_bytes()).unwrap();
+            g.barrier().unwrap();
+            (results, bytes)
+        });
+        for (results, bytes) in out {
+            for (gathered, sum, b) in results {
+                assert_eq!(gathered, vec![vec![0.0, 0.0], vec![1.0, 10.0], vec![2.0, 20.0]]);
+                assert_eq!(sum, vec![vec![3.0, 30.0]]);
+                assert_eq!(b, vec![vec![2.0, 20.0]]);
+            }
+            assert_eq!(bytes, vec![b"rank0".to_vec(), b"rank1".to_vec(), b"rank2".to_vec()]);
+        }
+    }
+
+    #[test]
+    fn a_failing_rank_releases_the_others_with_its_error() {
+        let out = run(3, |g| {
+            if g.rank() == 1 {
+                g.abort("out of memory");
+                return String::new();
+            }
+            g.barrier().unwrap_err().to_string()
+        });
+        assert!(out[0].contains("rank 1 failed: out of memory"), "{out:?}");
+        assert!(out[2].contains("rank 1 failed"), "{out:?}");
+    }
+
+    #[test]
+    fn a_missing_rank_times_out_naming_it() {
+        let groups = ThreadGroup::new(2, Duration::from_millis(200));
+        let err = groups[0].barrier().unwrap_err().to_string();
+        assert!(err.contains("timed out") && err.contains("[1]"), "{err}");
+    }
+
+    #[test]
+    fn torchrun_and_slurm_variables_give_the_rank() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(a, _)| *a == k).map(|(_, v)| v.to_string());
+        let t = DistEnv::from_env(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")])).unwrap();
+        assert_eq!(t, DistEnv { rank: 3, world_size: 8, local_rank: 1, local_world_size: 2, master: Some(("node0".into(), 29500)) });
+        let s = DistEnv::from_env(env(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "16"), ("SLURM_LOCALID", "1"), ("SLURM_NTASKS_PER_NODE", "4(x4)")])).unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_world_size), (5, 16, 1, 4));
+        assert_eq!(DistEnv::from_env(|_| None).unwrap().world_size, 1);
+        assert!(DistEnv::from_env(env(&[("RANK", "4"), ("WORLD_SIZE", "4")])).is_err());
+    }
+}
