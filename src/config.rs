@@ -171,6 +171,20 @@ pub struct TrainConfig {
     pub keep_last: usize,
     /// Evaluate every N steps when eval data is configured; 0 = only at the end.
     pub eval_every: u64,
+    /// All-gather embeddings with gradient (exact global-batch gradients); open_clip's
+    /// `--gather-with-grad`.
+    pub gather_with_grad: bool,
+    /// Each rank computes the loss of its own rows against the global batch (logits memory linear
+    /// in the global batch); open_clip's `--local-loss`.
+    pub local_loss: bool,
+    /// Seconds a rank waits in a collective (or rendezvous) before giving up.
+    pub collective_timeout_s: f64,
+}
+
+impl TrainConfig {
+    pub fn gather_options(&self) -> crate::train::gather::GatherOptions {
+        crate::train::gather::GatherOptions { gather_with_grad: self.gather_with_grad, local_loss: self.local_loss }
+    }
 }
 
 impl Default for TrainConfig {
@@ -186,6 +200,9 @@ impl Default for TrainConfig {
             checkpoint_every: 5000,
             keep_last: 3,
             eval_every: 0,
+            gather_with_grad: true,
+            local_loss: true,
+            collective_timeout_s: 1800.0,
         }
     }
 }
@@ -265,6 +282,9 @@ impl Config {
         }
         if self.text.max_len < 2 {
             bail!("text.max_len must leave room for [CLS] and [SEP]");
+        }
+        if self.train.collective_timeout_s <= 0.0 || self.train.collective_timeout_s.is_nan() {
+            bail!("train.collective_timeout_s must be positive");
         }
         if self.eval.batch_size == 0 {
             bail!("eval.batch_size must be positive");

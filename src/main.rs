@@ -63,6 +63,10 @@ pub struct TrainArgs {
     /// Stop after this many steps (the schedule still follows train.steps).
     #[arg(long)]
     stop_after: Option<u64>,
+    /// Data-parallel ranks as threads of this process (CPU); the global batch is split over them
+    /// and negatives are gathered from all.
+    #[arg(long, default_value_t = 1)]
+    nproc: usize,
 }
 
 #[derive(Subcommand)]
@@ -103,7 +107,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Demo(a) => cli::demo::run(&a),
-        Command::Train(a) => cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after),
+        Command::Train(a) => cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after, a.nproc),
         Command::Data(DataCommand::Synth(a)) => cli::data::synth(&a),
         Command::Data(DataCommand::Stats(a)) => cli::data::stats(&a),
         Command::Tokenizer(TokenizerCommand::Train(a)) => cli::data::tokenizer_train(&a),

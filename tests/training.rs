@@ -10,7 +10,7 @@ use align::train::trainer::{train, TrainOptions};
 use candle_core::{Device, Tensor};
 
 fn opts(resume: bool, stop_after: Option<u64>) -> TrainOptions {
-    TrainOptions { resume, quiet: true, device: Device::Cpu, stop_after }
+    TrainOptions { resume, quiet: true, device: Device::Cpu, stop_after, nproc: 1 }
 }
 
 fn weights(dir: &std::path::Path) -> HashMap<String, Tensor> {
@@ -147,4 +147,66 @@ fn a_tiny_efficientnet_and_bert_learn_on_the_demo_data() {
     let w = weights(&summary.checkpoint);
     let rv = w["vision_model.embeddings.batchnorm.running_var"].to_vec1::<f32>().unwrap();
     assert!(rv.iter().any(|&v| (v - 1.0).abs() > 1e-3), "running variance never updated");
+}
+
+/// Two data-parallel ranks (threads) with one loader worker each read exactly what one rank with
+/// two workers reads, and one rank accumulating its two workers' micro-batches (keeping all
+/// negatives) computes the same global batch: the runs must agree step for step. (Within an
+/// epoch: the 3 shards deal 2 + 1, and once the lighter worker runs dry the single rank keeps
+/// taking batches from the other while the second rank starts its next epoch.)
+#[test]
+fn two_ranks_follow_one_rank_with_the_same_global_batch_step_for_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let ranks = common::tiny_config(&data, &tok, &dir.path().join("ranks"), &["data.workers=1", "train.steps=5"]);
+    let mut o = opts(false, None);
+    o.nproc = 2;
+    let a = train(&ranks, &o).unwrap();
+    let single = common::tiny_config(&data, &tok, &dir.path().join("single"), &["data.workers=2", "train.accum_steps=2", "train.steps=5"]);
+    let b = train(&single, &opts(false, None)).unwrap();
+    assert_eq!(a.samples_seen, b.samples_seen);
+    let losses = |cfg: &align::config::Config| -> Vec<f64> {
+        metrics_log::read(&cfg.run_dir().join("metrics.jsonl"))
+            .unwrap()
+            .iter()
+            .filter_map(|r| r.get("loss").and_then(|v| v.as_f64()))
+            .collect()
+    };
+    let (la, lb) = (losses(&ranks), losses(&single));
+    assert_eq!(la.len(), 5);
+    for (x, y) in la.iter().zip(&lb) {
+        assert!((x - y).abs() < 1e-4 * y.abs(), "step losses differ: {la:?} vs {lb:?}");
+    }
+    let (wa, wb) = (weights(&a.checkpoint), weights(&b.checkpoint));
+    for (name, t) in &wa {
+        let d = (t - &wb[name]).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-4, "{name} differs by {d}");
+    }
+}
+
+#[test]
+fn a_two_rank_run_resumes_on_both_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("run"), &["data.workers=1", "train.steps=6"]);
+    let mut o = opts(false, None);
+    o.nproc = 2;
+    let straight = train(&cfg, &o).unwrap();
+    let cfg2 = common::tiny_config(&data, &tok, &dir.path().join("run2"), &["data.workers=1", "train.steps=6"]);
+    let mut first = opts(false, Some(2));
+    first.nproc = 2;
+    train(&cfg2, &first).unwrap();
+    let state = checkpoint::read_state(&checkpoint::latest(&cfg2.run_dir()).unwrap().unwrap()).unwrap();
+    assert_eq!(state.loaders.len(), 2, "a position per rank");
+    let mut again = opts(true, None);
+    again.nproc = 2;
+    let resumed = train(&cfg2, &again).unwrap();
+    assert_identical(&weights(&straight.checkpoint), &weights(&resumed.checkpoint));
+    // Resuming with another rank count is refused, naming both.
+    let mut wrong = opts(true, None);
+    wrong.nproc = 3;
+    let err = format!("{:#}", train(&cfg2, &wrong).unwrap_err());
+    assert!(err.contains("2 ranks") && err.contains("3"), "{err}");
 }

@@ -68,7 +68,7 @@ pub fn run(a: &DemoArgs) -> Result<()> {
             cfg.model.bert.layers.unwrap_or(0)
         ));
     }
-    let summary = train(&cfg, &TrainOptions { resume: false, quiet, device: super::default_device(), stop_after: None })?;
+    let summary = train(&cfg, &TrainOptions { resume: false, quiet, device: super::default_device(), stop_after: None, nproc: 1 })?;
     let z = summary.eval.zeroshot.clone().context("the demo evaluates zero-shot classification")?;
     let r = summary.eval.retrieval.clone().context("the demo evaluates retrieval")?;
     if a.json {

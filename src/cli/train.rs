@@ -28,9 +28,17 @@ pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
     t
 }
 
-pub fn run(config: &Path, overrides: &[String], resume: bool, json: bool, quiet: bool, stop_after: Option<u64>) -> Result<()> {
+pub fn run(
+    config: &Path,
+    overrides: &[String],
+    resume: bool,
+    json: bool,
+    quiet: bool,
+    stop_after: Option<u64>,
+    nproc: usize,
+) -> Result<()> {
     let cfg = Config::load(config, overrides)?;
-    let summary = train(&cfg, &TrainOptions { resume, quiet, device: super::default_device(), stop_after })?;
+    let summary = train(&cfg, &TrainOptions { resume, quiet, device: super::default_device(), stop_after, nproc })?;
     if json {
         super::print_json(&summary)
     } else {

@@ -31,6 +31,14 @@ impl Placement {
     pub fn with_worker(self, worker: usize) -> Self {
         Placement { worker, ..self }
     }
+
+    /// The worker's index among all workers of all ranks: shard `k` of an epoch's deal goes to
+    /// global worker `k mod (world · workers)`. Random streams are keyed by it, so a job's data
+    /// depends only on the total worker count: 2 ranks × 1 worker read exactly what 1 rank × 2
+    /// workers reads.
+    pub fn global_worker(&self) -> u64 {
+        (self.rank + self.world_size * self.worker) as u64
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -62,7 +70,7 @@ impl ShardPlan {
     /// The shard at position `cursor` of a worker's stream in `epoch`, or None past its end.
     pub fn shard_at(&self, epoch: u64, at: Placement, cursor: usize, cached: &mut Option<(u64, Vec<usize>)>) -> Option<usize> {
         if self.resampled {
-            let mut rng = Rng::derived(self.seed, &[RESAMPLE, at.rank as u64, at.worker as u64, cursor as u64]);
+            let mut rng = Rng::derived(self.seed, &[RESAMPLE, at.global_worker(), cursor as u64]);
             return Some(rng.below(self.shards.len()));
         }
         if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
@@ -106,6 +114,19 @@ mod tests {
                     }
                 }
                 assert!(seen.iter().all(|&c| c == 1), "n={n} world={world} workers={workers}: {seen:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_deal_depends_only_on_the_global_worker() {
+        let p = plan(13, true);
+        for epoch in 0..2 {
+            for g in 0..4 {
+                let two_ranks = Placement { rank: g % 2, world_size: 2, worker: g / 2, workers: 2 };
+                let four_workers = Placement { rank: 0, world_size: 1, worker: g, workers: 4 };
+                assert_eq!(two_ranks.global_worker(), four_workers.global_worker());
+                assert_eq!(p.worker_shards(epoch, two_ranks), p.worker_shards(epoch, four_workers), "epoch {epoch} worker {g}");
             }
         }
     }

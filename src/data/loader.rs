@@ -348,8 +348,7 @@ impl Worker {
     }
 
     fn pop_and_process(&mut self) -> Result<(), Closed> {
-        let mut rng =
-            Rng::derived(self.settings.seed, &[BUFFER, self.at.rank as u64, self.at.worker as u64, self.state.epoch, self.state.pops]);
+        let mut rng = Rng::derived(self.settings.seed, &[BUFFER, self.at.global_worker(), self.state.epoch, self.state.pops]);
         self.state.pops += 1;
         let k = rng.below(self.buffer.len());
         let (cursor, index, sample) = self.buffer.swap_remove(k);
@@ -357,10 +356,7 @@ impl Worker {
     }
 
     fn process(&mut self, cursor: usize, index: u64, s: RawSample) -> Result<(), Closed> {
-        let mut rng = Rng::derived(
-            self.settings.seed,
-            &[AUGMENT, self.at.rank as u64, self.at.worker as u64, self.state.epoch, cursor as u64, index],
-        );
+        let mut rng = Rng::derived(self.settings.seed, &[AUGMENT, self.at.global_worker(), self.state.epoch, cursor as u64, index]);
         let cfg = &self.settings.image;
         let numel = cfg.numel();
         let outcome = (|| -> Result<(), sample::Rejected> {

@@ -11,6 +11,7 @@
 use candle_core::{DType, Result, Tensor, Var};
 
 use super::ops::channel::{batch_norm_act, channel_moments, Statistics};
+use super::Ctx;
 use candle_nn::{Init, VarBuilder};
 
 pub struct BatchNorm2d {
@@ -41,13 +42,13 @@ impl BatchNorm2d {
         })
     }
 
-    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        self.forward_act(x, train, false)
+    pub fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        self.forward_act(x, ctx, false)
     }
 
     /// BatchNorm followed by SiLU when `silu`, as one fused op.
-    pub fn forward_act(&self, x: &Tensor, train: bool, silu: bool) -> Result<Tensor> {
-        let batch_stats = train && !self.frozen;
+    pub fn forward_act(&self, x: &Tensor, ctx: &Ctx, silu: bool) -> Result<Tensor> {
+        let batch_stats = ctx.train && !self.frozen;
         let (mean, var) = if batch_stats {
             let (n, _, h, w) = x.dims4()?;
             let count = (n * h * w) as f64;
@@ -58,8 +59,10 @@ impl BatchNorm2d {
                 let new: Vec<f64> = old.iter().zip(&batch).map(|(o, b)| (1.0 - mo) * o + mo * b).collect();
                 running.set(&Tensor::from_vec(new, old.len(), running.device())?.to_dtype(running.dtype())?)
             };
-            blend(&self.running_mean, m[0].clone())?;
-            blend(&self.running_var, m[1].iter().map(|v| v * count / (count - 1.0).max(1.0)).collect())?;
+            if ctx.update_stats {
+                blend(&self.running_mean, m[0].clone())?;
+                blend(&self.running_var, m[1].iter().map(|v| v * count / (count - 1.0).max(1.0)).collect())?;
+            }
             (m[0].clone(), m[1].clone())
         } else {
             (self.running_mean.as_tensor().to_dtype(DType::F64)?.to_vec1()?, self.running_var.as_tensor().to_dtype(DType::F64)?.to_vec1()?)
@@ -88,7 +91,7 @@ mod tests {
         let (mut rm, mut rv) = ([0.0f64, 0.0], [1.0f64, 1.0]);
         let stats = [(2.5f64, 5.0 / 3.0), (15.0, 100.0)]; // mean, unbiased variance
         for _ in 0..3 {
-            let y = layer.forward(&x, true).unwrap();
+            let y = layer.forward(&x, &Ctx::train(0)).unwrap();
             for c in 0..2 {
                 rm[c] = 0.9 * rm[c] + 0.1 * stats[c].0;
                 rv[c] = 0.9 * rv[c] + 0.1 * stats[c].1;
@@ -106,7 +109,7 @@ mod tests {
             );
         }
         // Evaluation normalises with the running statistics and leaves them alone.
-        let y = layer.forward(&x, false).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let y = layer.forward(&x, &Ctx::EVAL).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert!((y[0] as f64 - (1.0 - rm[0]) / (rv[0] + 1e-3).sqrt()).abs() < 1e-4);
         assert_eq!(layer.running_mean.as_tensor().to_vec1::<f32>().unwrap(), got_m);
     }
@@ -117,7 +120,7 @@ mod tests {
         let vm = VarMap::new();
         let layer = bn(&vm, true);
         let x = Tensor::new(&[[[[1.0f32, 3.0]], [[2.0, 4.0]]]], &dev).unwrap();
-        let y = layer.forward(&x, true).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let y = layer.forward(&x, &Ctx::train(0)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let s = (1.0f32 + 1e-3).sqrt();
         assert!((y[0] - 1.0 / s).abs() < 1e-5 && (y[3] - 4.0 / s).abs() < 1e-5);
         assert_eq!(layer.running_mean.as_tensor().to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);

@@ -132,7 +132,7 @@ impl DualEncoder {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::config::ImagePooling;
     use crate::model::init::SeededVars;

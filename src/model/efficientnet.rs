@@ -246,19 +246,19 @@ impl Block {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut h = x.clone();
         if let Some((w, bn)) = &self.expand {
-            h = bn.forward_act(&pointwise(&h, w, None)?, ctx.train, true)?;
+            h = bn.forward_act(&pointwise(&h, w, None)?, ctx, true)?;
         }
         h = match self.depthwise {
             DepthwiseImpl::Fused => depthwise_conv2d(&h, &self.dw_weight, self.stride, self.pad)?,
             DepthwiseImpl::Candle => candle_depthwise(&h, &self.dw_weight, self.stride, self.pad)?,
         };
-        h = self.dw_norm.forward_act(&h, ctx.train, true)?;
+        h = self.dw_norm.forward_act(&h, ctx, true)?;
         // Squeeze-and-excitation on [N, C] vectors: the 1×1 convolutions are plain matmuls.
         let fc = |s: &Tensor, (w, b): &(Tensor, Tensor)| s.matmul(&w.flatten_from(1)?.t()?)?.broadcast_add(b);
         let s = fc(&spatial_mean(&h)?, &self.se_reduce)?.silu()?;
         let s = candle_nn::ops::sigmoid(&fc(&s, &self.se_expand)?)?;
         h = channel_scale(&h, &s)?;
-        h = self.project_bn.forward(&pointwise(&h, &self.project, None)?, ctx.train)?;
+        h = self.project_bn.forward(&pointwise(&h, &self.project, None)?, ctx)?;
         if !self.residual {
             return Ok(h);
         }
@@ -359,7 +359,7 @@ impl EfficientNet {
         let wo = (w + 1 - 3) / 2 + 1;
         let x = images.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?;
         let x = x.narrow(2, 0, 2 * (ho - 1) + 3)?.narrow(3, 0, 2 * (wo - 1) + 3)?;
-        let mut x = self.stem_bn.forward_act(&x.conv2d(&self.stem, 0, 2, 1, 1)?, ctx.train, true)?;
+        let mut x = self.stem_bn.forward_act(&x.conv2d(&self.stem, 0, 2, 1, 1)?, ctx, true)?;
         for b in &self.blocks {
             x = b.forward(&x, ctx)?;
         }

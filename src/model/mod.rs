@@ -17,12 +17,15 @@ pub mod vit;
 pub struct Ctx {
     pub train: bool,
     pub seed: u64,
+    /// Whether training-mode BatchNorm updates its running statistics. Off for the embedding-only
+    /// pass of cached-gradient accumulation, which runs every micro-batch twice.
+    pub update_stats: bool,
 }
 
 impl Ctx {
-    pub const EVAL: Ctx = Ctx { train: false, seed: 0 };
+    pub const EVAL: Ctx = Ctx { train: false, seed: 0, update_stats: false };
 
     pub fn train(seed: u64) -> Self {
-        Ctx { train: true, seed }
+        Ctx { train: true, seed, update_stats: true }
     }
 }

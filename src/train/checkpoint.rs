@@ -27,7 +27,8 @@ use crate::data::loader::LoaderPosition;
 pub struct TrainState {
     pub step: u64,
     pub samples_seen: u64,
-    pub loader: Option<LoaderPosition>,
+    /// Each rank's loader position, by rank.
+    pub loaders: Vec<LoaderPosition>,
     /// Wall-clock seconds of training so far, over all resumptions.
     pub seconds: f64,
     pub last_loss: Option<f64>,

@@ -83,9 +83,12 @@ struct Round {
     generation: u64,
 }
 
+/// The current round and, once a rank has failed, its rank and message.
+type State = (Round, Option<(usize, String)>);
+
 struct Shared {
     world: usize,
-    state: Mutex<(Round, Option<(usize, String)>)>,
+    state: Mutex<State>,
     changed: Condvar,
     timeout: Duration,
 }
@@ -161,7 +164,12 @@ impl ThreadGroup {
         Ok(out)
     }
 
-    fn wait<'a>(&self, guard: std::sync::MutexGuard<'a, (Round, Option<(usize, String)>)>, deadline: Instant, op: &'static str) -> Result<std::sync::MutexGuard<'a, (Round, Option<(usize, String)>)>> {
+    fn wait<'a>(
+        &self,
+        guard: std::sync::MutexGuard<'a, State>,
+        deadline: Instant,
+        op: &'static str,
+    ) -> Result<std::sync::MutexGuard<'a, State>> {
         let now = Instant::now();
         if now >= deadline {
             let missing = guard.0.slots.iter().enumerate().filter(|(_, p)| p.is_none()).map(|(r, _)| r).collect();
@@ -257,7 +265,9 @@ impl DistEnv {
         let num = |k: &str| -> std::result::Result<Option<usize>, String> {
             match get(k) {
                 None => Ok(None),
-                Some(v) => v.trim().split('(').next().unwrap_or("").parse::<usize>().map(Some).map_err(|_| format!("{k}={v:?} is not a number")),
+                Some(v) => {
+                    v.trim().split('(').next().unwrap_or("").parse::<usize>().map(Some).map_err(|_| format!("{k}={v:?} is not a number"))
+                }
             }
         };
         let (rank, world, local, local_world) = if let (Some(r), Some(w)) = (num("RANK")?, num("WORLD_SIZE")?) {
@@ -344,10 +354,25 @@ mod tests {
 
     #[test]
     fn torchrun_and_slurm_variables_give_the_rank() {
-        let env = |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(a, _)| *a == k).map(|(_, v)| v.to_string());
-        let t = DistEnv::from_env(env(&[("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29500")])).unwrap();
+        let env =
+            |pairs: &'static [(&'static str, &'static str)]| move |k: &str| pairs.iter().find(|(a, _)| *a == k).map(|(_, v)| v.to_string());
+        let t = DistEnv::from_env(env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap();
         assert_eq!(t, DistEnv { rank: 3, world_size: 8, local_rank: 1, local_world_size: 2, master: Some(("node0".into(), 29500)) });
-        let s = DistEnv::from_env(env(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "16"), ("SLURM_LOCALID", "1"), ("SLURM_NTASKS_PER_NODE", "4(x4)")])).unwrap();
+        let s = DistEnv::from_env(env(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4(x4)"),
+        ]))
+        .unwrap();
         assert_eq!((s.rank, s.world_size, s.local_rank, s.local_world_size), (5, 16, 1, 4));
         assert_eq!(DistEnv::from_env(|_| None).unwrap().world_size, 1);
         assert!(DistEnv::from_env(env(&[("RANK", "4"), ("WORLD_SIZE", "4")])).is_err());

@@ -110,7 +110,14 @@ pub fn gather(local: &Tensor, group: &Arc<dyn Collective>, with_grad: bool) -> R
 
 /// The contrastive loss of the global batch as seen from this rank. With `local_loss` the value is
 /// this rank's share (the mean over ranks is the global loss); without it, the global loss itself.
-pub fn distributed_loss(img: &Tensor, txt: &Tensor, logit_scale: &Tensor, smoothing: f64, group: &Arc<dyn Collective>, opts: GatherOptions) -> Result<LossParts> {
+pub fn distributed_loss(
+    img: &Tensor,
+    txt: &Tensor,
+    logit_scale: &Tensor,
+    smoothing: f64,
+    group: &Arc<dyn Collective>,
+    opts: GatherOptions,
+) -> Result<LossParts> {
     let all_img = gather(img, group, opts.gather_with_grad)?;
     let all_txt = gather(txt, group, opts.gather_with_grad)?;
     if opts.local_loss {
@@ -163,7 +170,11 @@ mod tests {
             let want_loss = whole.total.to_scalar::<f64>().unwrap();
             let want_gi = g.get(iv.as_tensor()).unwrap().to_vec2::<f64>().unwrap();
             let want_gt = g.get(tv.as_tensor()).unwrap().to_vec2::<f64>().unwrap();
-            for opts in [GatherOptions { gather_with_grad: true, local_loss: true }, GatherOptions { gather_with_grad: true, local_loss: false }, GatherOptions { gather_with_grad: false, local_loss: false }] {
+            for opts in [
+                GatherOptions { gather_with_grad: true, local_loss: true },
+                GatherOptions { gather_with_grad: true, local_loss: false },
+                GatherOptions { gather_with_grad: false, local_loss: false },
+            ] {
                 let groups = ThreadGroup::new(world, Duration::from_secs(20));
                 let handles: Vec<_> = groups
                     .into_iter()

@@ -7,4 +7,5 @@ pub mod loss;
 pub mod metrics_log;
 pub mod optim;
 pub mod schedule;
+pub mod step;
 pub mod trainer;

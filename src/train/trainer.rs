@@ -11,10 +11,11 @@ use candle_nn::VarMap;
 use serde::Serialize;
 
 use super::checkpoint::{self, CheckpointContents, TrainState};
-use super::loss::contrastive_loss;
+use super::collective::{Collective, DistEnv, SingleProcess, ThreadGroup};
 use super::metrics_log::MetricsLog;
-use super::optim::{Grads, Optimizer};
+use super::optim::Optimizer;
 use super::schedule::lr_at;
+use super::step::{self, MicroBatch};
 use crate::config::Config;
 use crate::data::distribute::{Placement, ShardPlan};
 use crate::data::loader::{Batch, LoaderSettings, TrainLoader};
@@ -25,7 +26,6 @@ use crate::eval::suite::{self, EvalResults};
 use crate::model::batch_norm::is_running_stat;
 use crate::model::dual_encoder::DualEncoder;
 use crate::model::init::SeededVars;
-use crate::model::Ctx;
 use crate::util::log;
 use crate::util::progress::Progress;
 use crate::util::rng::derive_seed;
@@ -37,6 +37,8 @@ pub struct TrainOptions {
     /// Stop after this many steps of this invocation (tests, benchmarks); the schedule still
     /// follows `train.steps`.
     pub stop_after: Option<u64>,
+    /// Data-parallel ranks as threads of this process (`--nproc`); 1 = a single rank.
+    pub nproc: usize,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -55,12 +57,12 @@ pub struct TrainSummary {
     pub eval: EvalResults,
 }
 
-fn batch_tensors(b: Batch, device: &Device) -> Result<(Tensor, Tensor, Tensor)> {
+fn batch_tensors(b: Batch, device: &Device) -> Result<MicroBatch> {
     let s = b.image_size;
     let images = Tensor::from_vec(b.images, (b.size, 3, s, s), device)?;
     let ids = Tensor::from_vec(b.ids, (b.size, b.max_len), device)?;
     let mask = Tensor::from_vec(b.mask, (b.size, b.max_len), device)?;
-    Ok((images, ids, mask))
+    Ok(MicroBatch { images, ids, mask })
 }
 
 fn resolve_tokenizer(cfg: &Config, resume_dir: Option<&PathBuf>, quiet: bool) -> Result<TextTokenizer> {
@@ -89,19 +91,107 @@ fn resolve_tokenizer(cfg: &Config, resume_dir: Option<&PathBuf>, quiet: bool) ->
     TextTokenizer::new(tok, cfg.text.max_len)
 }
 
+/// Trains per `cfg`: one rank, `opts.nproc` ranks on threads, or (from torchrun / SLURM variables)
+/// one rank of a multi-process job. Returns rank 0's summary.
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
+    let env = DistEnv::from_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    if env.world_size > 1 {
+        bail!(
+            "this process is rank {} of {} (from RANK/WORLD_SIZE or SLURM): multi-process training runs over NCCL, which this build does not include (build with --features nccl)",
+            env.rank,
+            env.world_size
+        );
+    }
+    if opts.nproc <= 1 {
+        return train_rank(cfg, opts, Arc::new(SingleProcess));
+    }
+    let timeout = std::time::Duration::from_secs_f64(cfg.train.collective_timeout_s);
+    let groups = ThreadGroup::new(opts.nproc, timeout);
+    let results: Vec<Result<TrainSummary>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                let rank = g.rank();
+                let opts = TrainOptions {
+                    resume: opts.resume,
+                    quiet: opts.quiet || rank > 0,
+                    device: opts.device.clone(),
+                    stop_after: opts.stop_after,
+                    nproc: opts.nproc,
+                };
+                scope.spawn(move || {
+                    let group: Arc<dyn Collective> = Arc::new(g);
+                    let out = train_rank(cfg, &opts, group.clone());
+                    if let Err(e) = &out {
+                        group.abort(&format!("{e:#}"));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a training rank panicked")))).collect()
+    });
+    // Report the failing rank's own error rather than the others' "rank N failed" echoes.
+    let mut first_err = None;
+    let mut summary = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(s) if rank == 0 => summary = Some(s),
+            Ok(_) => {}
+            Err(e) => {
+                let echo = e.to_string().contains("failed:") && e.to_string().starts_with("rank ");
+                if first_err.is_none() || !echo {
+                    first_err = Some(e.context(format!("rank {rank}")));
+                }
+            }
+        }
+    }
+    match (first_err, summary) {
+        (Some(e), _) => Err(e),
+        (None, Some(s)) => Ok(s),
+        (None, None) => bail!("rank 0 produced no summary"),
+    }
+}
+
+fn coll(e: super::collective::CollectiveError) -> anyhow::Error {
+    anyhow::Error::new(e)
+}
+
+/// One rank's training loop.
+fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> Result<TrainSummary> {
     let device = &opts.device;
+    let (rank, world) = (group.rank(), group.world_size());
+    let lead = rank == 0;
     let run_dir = cfg.run_dir();
-    std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    if lead {
+        std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    }
+    group.barrier().map_err(coll)?;
     let resume_dir = if opts.resume { checkpoint::latest(&run_dir)? } else { None };
     if opts.resume && resume_dir.is_none() && !opts.quiet {
         log::info(format!("no checkpoint in {} yet: starting from scratch", run_dir.display()));
     }
     let state = match &resume_dir {
         Some(dir) => checkpoint::read_state(dir)?,
-        None => TrainState { step: 0, samples_seen: 0, loader: None, seconds: 0.0, last_loss: None },
+        None => TrainState { step: 0, samples_seen: 0, loaders: Vec::new(), seconds: 0.0, last_loss: None },
     };
-    let tokenizer = Arc::new(resolve_tokenizer(cfg, resume_dir.as_ref(), opts.quiet)?);
+    if resume_dir.is_some() && state.loaders.len() != world {
+        bail!("the checkpoint was written by {} ranks but this run has {world}: resume with the same number of ranks", state.loaders.len());
+    }
+    // Rank 0 settles the vocabulary (training one if needed, which is not reproducible run to run)
+    // and the others read what it wrote.
+    let tokenizer = if lead || resume_dir.is_some() || !cfg.text.tokenizer.as_os_str().is_empty() {
+        let t = resolve_tokenizer(cfg, resume_dir.as_ref(), opts.quiet)?;
+        if lead && resume_dir.is_none() && cfg.text.tokenizer.as_os_str().is_empty() {
+            t.save(&run_dir.join(checkpoint::TOKENIZER_FILE))?;
+        }
+        group.barrier().map_err(coll)?;
+        t
+    } else {
+        group.barrier().map_err(coll)?;
+        TextTokenizer::from_file(&run_dir.join(checkpoint::TOKENIZER_FILE), cfg.text.max_len)?
+    };
+    let tokenizer = Arc::new(tokenizer);
     let spec = cfg.model_spec(tokenizer.vocab_size())?;
     let varmap = VarMap::new();
     let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, cfg.run.seed, device))?;
@@ -120,11 +210,20 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
             log::info(format!("resumed from {} (step {})", dir.display(), state.step));
         }
     }
+    if world > 1 {
+        // Identical starting weights on every rank, whatever each built.
+        let mut names: Vec<String> = varmap.data().lock().unwrap().keys().cloned().collect();
+        names.sort();
+        let data = varmap.data().lock().unwrap();
+        for name in names {
+            let var = &data[&name];
+            var.set(&group.broadcast(var.as_tensor(), 0).map_err(coll)?)?;
+        }
+    }
 
-    let world = 1usize;
     let micro = cfg.train.batch_size / (world * cfg.train.accum_steps);
-    if micro == 0 {
-        bail!("train.batch_size {} is too small for {} ranks × {} accumulation steps", cfg.train.batch_size, world, cfg.train.accum_steps);
+    if micro == 0 || !cfg.train.batch_size.is_multiple_of(world * cfg.train.accum_steps) {
+        bail!("train.batch_size {} does not split over {world} ranks × {} accumulation steps", cfg.train.batch_size, cfg.train.accum_steps);
     }
     let plan = ShardPlan {
         shards: spec::expand(&cfg.data.train)?,
@@ -139,13 +238,16 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
         seed: cfg.run.seed,
         prefetch: cfg.data.prefetch,
     };
-    let placement = Placement { rank: 0, world_size: world, worker: 0, workers: cfg.data.workers };
-    let mut loader = TrainLoader::start(plan, placement, settings, tokenizer.clone(), state.loader.clone())?;
+    let placement = Placement { rank, world_size: world, worker: 0, workers: cfg.data.workers };
+    let mut loader = TrainLoader::start(plan, placement, settings, tokenizer.clone(), state.loaders.get(rank).cloned())?;
 
-    let mut metrics = MetricsLog::open(&run_dir.join("metrics.jsonl"), Some(state.step))?;
-    std::fs::write(run_dir.join("config.toml"), cfg.to_toml()?)?;
+    let mut metrics = if lead { Some(MetricsLog::open(&run_dir.join("metrics.jsonl"), Some(state.step))?) } else { None };
     let config_toml = cfg.to_toml()?;
+    if lead {
+        std::fs::write(run_dir.join("config.toml"), &config_toml)?;
+    }
     let spec_json = serde_json::to_string_pretty(&spec)?;
+    let gather = cfg.train.gather_options();
 
     let total = cfg.train.steps;
     let end = opts.stop_after.map_or(total, |n| (state.step + n).min(total));
@@ -159,14 +261,16 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
     let mut window = (Instant::now(), 0u64);
     let mut last_checkpoint: Option<PathBuf> = resume_dir.clone();
     let mut eval_results = EvalResults::default();
+    // Every rank contributes its loader position; rank 0 writes the checkpoint. Every rank gets
+    // the same path back, so all of them agree on whether a final save is still due.
     let save = |step: u64, samples: u64, loss: Option<f64>, loader: &TrainLoader, opt: &Optimizer, elapsed: f64| -> Result<PathBuf> {
-        let st = TrainState {
-            step,
-            samples_seen: samples,
-            loader: Some(loader.position().clone()),
-            seconds: state.seconds + elapsed,
-            last_loss: loss,
-        };
+        let mine = serde_json::to_vec(loader.position())?;
+        let all = group.all_gather_bytes(&mine).map_err(coll)?;
+        if !lead {
+            return Ok(run_dir.join(format!("step-{step}")));
+        }
+        let loaders = all.iter().map(|b| serde_json::from_slice(b)).collect::<std::result::Result<Vec<_>, _>>()?;
+        let st = TrainState { step, samples_seen: samples, loaders, seconds: state.seconds + elapsed, last_loss: loss };
         let contents = CheckpointContents {
             weights: checkpoint::var_tensors(&varmap),
             optimizer: opt.state_tensors(),
@@ -180,45 +284,29 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
 
     while step < end {
         let lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
-        let mut grads: Option<Grads> = None;
-        let (mut loss_sum, mut i2t_sum, mut t2i_sum) = (0.0, 0.0, 0.0);
-        for micro in 0..cfg.train.accum_steps {
+        let mut micro_batches = Vec::with_capacity(cfg.train.accum_steps);
+        for _ in 0..cfg.train.accum_steps {
             let t0 = Instant::now();
             let batch = loader.next_batch()?;
             wait += t0.elapsed().as_secs_f64();
-            let n = batch.size as u64;
-            let (images, ids, mask) = batch_tensors(batch, device)?;
-            let img = model.image_embeddings(&images, &Ctx::train(derive_seed(cfg.run.seed, &[0x5354_4550, step, micro as u64])))?;
-            let txt = model.text_embeddings(&ids, &mask)?;
-            let parts = contrastive_loss(&img, &txt, &img, &txt, 0, &model.logit_scale()?, cfg.loss.label_smoothing)?;
-            let loss_value = parts.total.to_scalar::<f32>()? as f64;
-            if !loss_value.is_finite() {
-                let keep = last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
-                bail!("non-finite loss ({loss_value}) at step {}; stopping without saving. Last good checkpoint: {keep}", step + 1);
-            }
-            loss_sum += loss_value;
-            i2t_sum += parts.i2t.to_scalar::<f32>()? as f64;
-            t2i_sum += parts.t2i.to_scalar::<f32>()? as f64;
-            let g = opt.gather(&parts.total.backward()?);
-            match grads.as_mut() {
-                None => grads = Some(g),
-                Some(acc) => acc.accumulate(g)?,
-            }
-            samples_seen += n;
-            window.1 += n;
+            micro_batches.push(batch_tensors(batch, device)?);
         }
-        let mut grads = grads.expect("accum_steps >= 1");
-        let k = cfg.train.accum_steps as f64;
-        if cfg.train.accum_steps > 1 {
-            grads.scale(1.0 / k)?;
+        let local: u64 = micro_batches.iter().map(|m| m.images.dim(0).unwrap_or(0) as u64).sum();
+        let seed = derive_seed(cfg.run.seed, &[0x5354_4550, step]);
+        let out = step::compute(&model, &opt, &micro_batches, &group, gather, cfg.loss.label_smoothing, seed)?;
+        drop(micro_batches);
+        if !out.loss.is_finite() {
+            let keep = last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
+            bail!("non-finite loss ({}) at step {}; stopping without saving. Last good checkpoint: {keep}", out.loss, step + 1);
         }
-        let stats = opt.step(&grads, lr)?;
+        let stats = opt.step(&out.grads, lr)?;
         if !stats.grad_norm.is_finite() {
             bail!("non-finite gradient norm at step {}; stopping without saving", step + 1);
         }
         step += 1;
-        let loss = loss_sum / k;
-        last_loss = Some(loss);
+        samples_seen += local * world as u64;
+        window.1 += local * world as u64;
+        last_loss = Some(out.loss);
         bar.set_position(step);
 
         if step % cfg.train.log_every.max(1) == 0 || step == end {
@@ -226,23 +314,27 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
             let rate = window.1 as f64 / secs;
             window = (Instant::now(), 0);
             let temperature = model.temperature_value()?;
-            bar.set_message(format!("loss {loss:.3} σ {temperature:.4} lr {lr:.2e} {rate:.0} img/s"));
-            metrics.write(&serde_json::json!({
-                "step": step, "loss": loss, "i2t": i2t_sum / k, "t2i": t2i_sum / k, "temperature": temperature,
-                "lr": lr, "grad_norm": stats.grad_norm, "samples_per_s": rate, "samples_seen": samples_seen,
-                "data_wait_s": wait, "skipped": loader.skips().total(), "elapsed_s": state.seconds + started.elapsed().as_secs_f64(),
-            }))?;
+            bar.set_message(format!("loss {:.3} σ {temperature:.4} lr {lr:.2e} {rate:.0} img/s", out.loss));
+            if let Some(m) = metrics.as_mut() {
+                m.write(&serde_json::json!({
+                    "step": step, "loss": out.loss, "i2t": out.i2t, "t2i": out.t2i, "temperature": temperature,
+                    "lr": lr, "grad_norm": stats.grad_norm, "samples_per_s": rate, "samples_seen": samples_seen,
+                    "data_wait_s": wait, "skipped": loader.skips().total(), "elapsed_s": state.seconds + started.elapsed().as_secs_f64(),
+                }))?;
+            }
         }
         let last = step == end;
         if (cfg.train.checkpoint_every > 0 && step % cfg.train.checkpoint_every == 0) || last {
             last_checkpoint = Some(save(step, samples_seen, last_loss, &loader, &opt, started.elapsed().as_secs_f64())?);
         }
-        if suite::configured(cfg) && ((cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0) || (last && step == total)) {
+        if lead && suite::configured(cfg) && ((cfg.train.eval_every > 0 && step % cfg.train.eval_every == 0) || (last && step == total)) {
             eval_results = suite::run(&model, &tokenizer, cfg, device, true)?;
             if !opts.quiet {
                 log::info(format!("step {step}: {}", eval_results.line()));
             }
-            metrics.write(&serde_json::json!({"step": step, "eval": eval_results}))?;
+            if let Some(m) = metrics.as_mut() {
+                m.write(&serde_json::json!({"step": step, "eval": eval_results}))?;
+            }
         }
     }
     bar.finish();
@@ -252,6 +344,15 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
         Some(p) => p,
         None => save(step, samples_seen, last_loss, &loader, &opt, seconds)?,
     };
+    // Skips summed over ranks.
+    let skipped = {
+        let all = group.all_gather_bytes(&serde_json::to_vec(&loader.skips())?).map_err(coll)?;
+        let mut total = SkipCounts::default();
+        for b in all {
+            total.merge(&serde_json::from_slice(&b)?);
+        }
+        total
+    };
     Ok(TrainSummary {
         steps: step,
         samples_seen,
@@ -260,7 +361,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
         data_wait_share: wait / seconds.max(1e-9),
         final_loss: last_loss,
         temperature: model.temperature_value()?,
-        skipped: loader.skips(),
+        skipped,
         checkpoint,
         eval: eval_results,
     })

@@ -1,0 +1,224 @@
+//! One optimisation step's gradients: forward, the gathered loss, backward, and the data-parallel
+//! all-reduce. With several micro-batches it accumulates without losing negatives (GradCache,
+//! Gao et al. 2021; open_clip's `--accum-freq`):
+//! 1. embed every micro-batch without gradient (BatchNorm statistics not updated);
+//! 2. compute the loss over all of them (and over every rank) and its gradient with respect to
+//!    the cached embeddings;
+//! 3. re-run each micro-batch with gradient and back-propagate its cached embedding gradient.
+//!
+//! The parameter gradients equal those of one batch holding every micro-batch; only one
+//! micro-batch's activations are alive at a time.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor, Var};
+
+use super::collective::Collective;
+use super::gather::{distributed_loss, gradient_scale, GatherOptions};
+use super::optim::{Grads, Optimizer};
+use crate::model::dual_encoder::DualEncoder;
+use crate::model::Ctx;
+use crate::util::rng::derive_seed;
+
+pub struct MicroBatch {
+    pub images: Tensor,
+    pub ids: Tensor,
+    pub mask: Tensor,
+}
+
+pub struct StepOutput {
+    /// The global batch's loss and its two halves, identical on every rank.
+    pub loss: f64,
+    pub i2t: f64,
+    pub t2i: f64,
+    /// All-reduced and scaled: the gradient of the global batch's loss.
+    pub grads: Grads,
+}
+
+fn collective(e: super::collective::CollectiveError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// The step's reported loss: with local loss each rank holds its share, so average over ranks.
+fn global_values(parts: &super::loss::LossParts, group: &Arc<dyn Collective>, opts: GatherOptions) -> Result<[f64; 3]> {
+    let v =
+        Tensor::stack(&[parts.total.to_dtype(DType::F64)?, parts.i2t.to_dtype(DType::F64)?, parts.t2i.to_dtype(DType::F64)?], 0)?.detach();
+    let v = if opts.local_loss { group.all_reduce_mean(&v).map_err(collective)? } else { v };
+    let v: Vec<f64> = v.to_vec1()?;
+    Ok([v[0], v[1], v[2]])
+}
+
+/// Sums every parameter gradient over ranks in one flat exchange and scales it.
+fn all_reduce(mut grads: Grads, opt: &Optimizer, group: &Arc<dyn Collective>, scale: f64) -> Result<Grads> {
+    if group.world_size() == 1 && scale == 1.0 {
+        return Ok(grads);
+    }
+    // Missing gradients (a parameter no path reached) count as zeros so every rank sends the same
+    // layout.
+    let flat: Vec<Tensor> = grads
+        .0
+        .iter()
+        .zip(opt.params())
+        .map(|(g, p)| match g {
+            Some(g) => g.to_dtype(DType::F32)?.flatten_all(),
+            None => Tensor::zeros(p.var.elem_count(), DType::F32, p.var.device()),
+        })
+        .collect::<Result<_>>()?;
+    let summed = group.all_reduce_sum(&Tensor::cat(&flat, 0)?).map_err(collective)?;
+    let summed = (summed * scale)?;
+    let mut offset = 0;
+    for (g, p) in grads.0.iter_mut().zip(opt.params()) {
+        let n = p.var.elem_count();
+        *g = Some(summed.narrow(0, offset, n)?.reshape(p.var.shape())?.to_dtype(p.var.dtype())?);
+        offset += n;
+    }
+    Ok(grads)
+}
+
+/// The gradients of one optimisation step over `micro` (this rank's micro-batches), `seed` drawing
+/// the step's stochastic depth.
+pub fn compute(
+    model: &DualEncoder,
+    opt: &Optimizer,
+    micro: &[MicroBatch],
+    group: &Arc<dyn Collective>,
+    opts: GatherOptions,
+    smoothing: f64,
+    seed: u64,
+) -> Result<StepOutput> {
+    let scale = gradient_scale(opts, group.world_size());
+    let ctx = |k: usize| Ctx::train(derive_seed(seed, &[k as u64]));
+    if micro.len() == 1 {
+        let m = &micro[0];
+        let img = model.image_embeddings(&m.images, &ctx(0))?;
+        let txt = model.text_embeddings(&m.ids, &m.mask)?;
+        let parts = distributed_loss(&img, &txt, &model.logit_scale()?, smoothing, group, opts)?;
+        let [loss, i2t, t2i] = global_values(&parts, group, opts)?;
+        let grads = opt.gather(&parts.total.backward()?);
+        return Ok(StepOutput { loss, i2t, t2i, grads: all_reduce(grads, opt, group, scale)? });
+    }
+
+    // 1. Embeddings of every micro-batch, no graph kept.
+    let mut imgs = Vec::with_capacity(micro.len());
+    let mut txts = Vec::with_capacity(micro.len());
+    for (k, m) in micro.iter().enumerate() {
+        let c = Ctx { update_stats: false, ..ctx(k) };
+        imgs.push(model.image_embeddings(&m.images, &c)?.detach());
+        txts.push(model.text_embeddings(&m.ids, &m.mask)?.detach());
+    }
+    // 2. The loss over the accumulated (and gathered) batch, differentiated to the embeddings.
+    let img_all = Var::from_tensor(&Tensor::cat(&imgs, 0)?)?;
+    let txt_all = Var::from_tensor(&Tensor::cat(&txts, 0)?)?;
+    let parts = distributed_loss(img_all.as_tensor(), txt_all.as_tensor(), &model.logit_scale()?, smoothing, group, opts)?;
+    let [loss, i2t, t2i] = global_values(&parts, group, opts)?;
+    let loss_grads = parts.total.backward()?;
+    let mut grads = opt.gather(&loss_grads);
+    let d_img = loss_grads.get(img_all.as_tensor()).cloned();
+    let d_txt = loss_grads.get(txt_all.as_tensor()).cloned();
+    // 3. Each micro-batch again, with gradient, pulled by its cached embedding gradient.
+    let mut row = 0;
+    for (k, m) in micro.iter().enumerate() {
+        let n = m.images.dim(0)?;
+        let img = model.image_embeddings(&m.images, &ctx(k))?;
+        let txt = model.text_embeddings(&m.ids, &m.mask)?;
+        let mut surrogate = Tensor::zeros((), img.dtype(), img.device())?;
+        if let Some(d) = &d_img {
+            surrogate = (surrogate + (img * d.narrow(0, row, n)?)?.sum_all()?)?;
+        }
+        if let Some(d) = &d_txt {
+            surrogate = (surrogate + (txt * d.narrow(0, row, n)?)?.sum_all()?)?;
+        }
+        grads.accumulate(opt.gather(&surrogate.backward()?))?;
+        row += n;
+    }
+    Ok(StepOutput { loss, i2t, t2i, grads: all_reduce(grads, opt, group, scale)? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::dual_encoder::tests::tiny_spec;
+    use crate::model::init::SeededVars;
+    use crate::train::collective::{SingleProcess, ThreadGroup};
+    use crate::train::optim::OptimizerConfig;
+    use candle_core::Device;
+    use std::time::Duration;
+
+    fn model_and_opt(seed: u64) -> (DualEncoder, Optimizer) {
+        let vm = candle_nn::VarMap::new();
+        let model = DualEncoder::new(&tiny_spec(), SeededVars::builder(&vm, seed, &Device::Cpu)).unwrap();
+        let vars = vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        (model, Optimizer::new(vars, OptimizerConfig::default()).unwrap())
+    }
+
+    /// `n` samples: images, token ids and masks, deterministic.
+    fn batch(n: usize, offset: usize) -> MicroBatch {
+        let dev = Device::Cpu;
+        let mut rng = crate::util::rng::Rng::new(77);
+        let all: Vec<f32> = (0..(offset + n) * 3 * 64).map(|_| rng.normal() as f32).collect();
+        let images = Tensor::from_vec(all[offset * 192..].to_vec(), (n, 3, 8, 8), &dev).unwrap();
+        let ids: Vec<u32> =
+            (0..n).flat_map(|i| [2u32, 5 + ((offset + i) * 7 % 20) as u32, 6 + ((offset + i) * 3 % 19) as u32, 3]).collect();
+        MicroBatch { images, ids: Tensor::from_vec(ids, (n, 4), &dev).unwrap(), mask: Tensor::ones((n, 4), DType::U32, &dev).unwrap() }
+    }
+
+    fn concat(parts: &[MicroBatch]) -> MicroBatch {
+        let cat = |f: &dyn Fn(&MicroBatch) -> Tensor| Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap();
+        MicroBatch { images: cat(&|m| m.images.clone()), ids: cat(&|m| m.ids.clone()), mask: cat(&|m| m.mask.clone()) }
+    }
+
+    fn assert_grads_close(a: &Grads, b: &Grads, what: &str) {
+        for (i, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
+            let (x, y) = (
+                x.as_ref().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                y.as_ref().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            let scale = y.iter().map(|v| v.abs()).fold(0.0f32, f32::max).max(1e-6);
+            for (p, q) in x.iter().zip(&y) {
+                assert!((p - q).abs() <= 1e-5 * scale + 1e-7, "{what}: parameter {i}: {p} vs {q} (max |g| {scale})");
+            }
+        }
+    }
+
+    #[test]
+    fn accumulated_micro_batches_give_the_gradient_of_one_big_batch() {
+        let single: Arc<dyn Collective> = Arc::new(SingleProcess);
+        let opts = GatherOptions::default();
+        let parts: Vec<MicroBatch> = (0..3).map(|k| batch(4, 4 * k)).collect();
+        let (model, opt) = model_and_opt(1);
+        let big = compute(&model, &opt, &[concat(&parts)], &single, opts, 0.1, 9).unwrap();
+        let acc = compute(&model, &opt, &parts, &single, opts, 0.1, 9).unwrap();
+        assert!((big.loss - acc.loss).abs() < 1e-5 * big.loss, "{} vs {}", big.loss, acc.loss);
+        assert_grads_close(&acc.grads, &big.grads, "accumulation");
+    }
+
+    #[test]
+    fn data_parallel_ranks_give_the_gradient_of_one_big_batch() {
+        for world in [2usize, 3, 4] {
+            for local_loss in [true, false] {
+                let opts = GatherOptions { gather_with_grad: true, local_loss };
+                let single: Arc<dyn Collective> = Arc::new(SingleProcess);
+                let (model, opt) = model_and_opt(1);
+                let all: Vec<MicroBatch> = (0..world).map(|r| batch(3, 3 * r)).collect();
+                let want = compute(&model, &opt, &[concat(&all)], &single, opts, 0.1, 9).unwrap();
+                let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
+                    .into_iter()
+                    .map(|g| {
+                        std::thread::spawn(move || {
+                            let r = g.rank();
+                            let group: Arc<dyn Collective> = Arc::new(g);
+                            let (model, opt) = model_and_opt(1);
+                            let out = compute(&model, &opt, &[batch(3, 3 * r)], &group, opts, 0.1, 9).unwrap();
+                            (out.loss, out.grads)
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    let (loss, grads) = h.join().unwrap();
+                    assert!((loss - want.loss).abs() < 1e-5 * want.loss, "W={world} local={local_loss}: {loss} vs {}", want.loss);
+                    assert_grads_close(&grads, &want.grads, &format!("W={world} local={local_loss}"));
+                }
+            }
+        }
+    }
+}
