@@ -41,6 +41,8 @@ enum Command {
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Start the local ranks of a multi-process job (torchrun's variables), stopping all if one fails.
+    Launch(cli::launch::LaunchArgs),
 }
 
 #[derive(Args)]
@@ -115,6 +117,7 @@ fn main() -> Result<()> {
         Command::Eval(EvalCommand::Zeroshot(a)) => cli::eval::zeroshot(&a),
         Command::Eval(EvalCommand::Knn(a)) => cli::eval::knn(&a),
         Command::Embed(a) => cli::embed::embed(&a),
+        Command::Launch(a) => cli::launch::run(&a),
         Command::Search(a) => cli::embed::search(&a),
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),

@@ -205,3 +205,18 @@ fn embed_then_search_finds_the_captioned_image() {
     let hits: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(hits[0]["row"], 0, "{out}");
 }
+
+#[test]
+fn launch_starts_ranks_with_torchrun_variables_and_reports_a_failing_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let (ok, _, err) = align(&["launch", "--nproc-per-node", "2", "--", "data", "stats", "--data", &data.test, "--json"]);
+    assert!(ok, "{err}");
+    // Training in a multi-process job needs NCCL; without it each rank says so and launch fails.
+    let cfg = common::tiny_config(&data, &common::tiny_tokenizer(&data, dir.path()), &dir.path().join("runs"), &[]);
+    let cfg_path = dir.path().join("tiny.toml");
+    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let (ok, _, err) = align(&["launch", "--nproc-per-node", "2", "--", "train", "--config", cfg_path.to_str().unwrap(), "--quiet"]);
+    assert!(!ok);
+    assert!(err.contains("NCCL") && err.contains("failed"), "{err}");
+}

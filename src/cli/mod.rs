@@ -5,6 +5,7 @@ pub mod data;
 pub mod demo;
 pub mod embed;
 pub mod eval;
+pub mod launch;
 pub mod table;
 pub mod train;
 
