@@ -118,6 +118,14 @@ pub struct ModelConfig {
     pub vit: VitOverrides,
     pub efficientnet: EfficientNetOverrides,
     pub bert: BertOverrides,
+    /// Start from these weights: an align checkpoint or run, a Hugging Face `AlignModel`
+    /// directory, or `hf:ID[@REV]` (e.g. `hf:kakaobrain/align-base`). The architecture then comes
+    /// from that checkpoint. Empty: random initialisation.
+    pub init: String,
+    /// Text tower from a `BertModel` checkpoint (directory or `hf:bert-base-uncased`).
+    pub init_text: String,
+    /// Image tower from a `ViTModel` checkpoint (directory or `hf:ID`).
+    pub init_image: String,
 }
 
 impl Default for ModelConfig {
@@ -133,6 +141,9 @@ impl Default for ModelConfig {
             vit: VitOverrides::default(),
             efficientnet: EfficientNetOverrides::default(),
             bert: BertOverrides::default(),
+            init: String::new(),
+            init_text: String::new(),
+            init_image: String::new(),
         }
     }
 }

@@ -38,6 +38,8 @@ enum Command {
     Embed(cli::embed::EmbedArgs),
     /// Query an index with a text, an image, or an image plus / minus a text.
     Search(cli::embed::SearchArgs),
+    /// Write an ALIGN-architecture model as a Hugging Face AlignModel directory.
+    Export(cli::embed::ExportArgs),
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -77,6 +79,8 @@ enum DataCommand {
     Synth(cli::data::SynthArgs),
     /// Count samples, skips by reason, caption lengths and image sizes.
     Stats(cli::data::StatsArgs),
+    /// Convert a Karpathy split (Flickr30K, MSCOCO) and its image folder into shards.
+    FromKarpathy(cli::data::FromKarpathyArgs),
 }
 
 #[derive(Subcommand)]
@@ -112,6 +116,7 @@ fn main() -> Result<()> {
         Command::Train(a) => cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after, a.nproc),
         Command::Data(DataCommand::Synth(a)) => cli::data::synth(&a),
         Command::Data(DataCommand::Stats(a)) => cli::data::stats(&a),
+        Command::Data(DataCommand::FromKarpathy(a)) => cli::data::from_karpathy(&a),
         Command::Tokenizer(TokenizerCommand::Train(a)) => cli::data::tokenizer_train(&a),
         Command::Eval(EvalCommand::Retrieval(a)) => cli::eval::retrieval(&a),
         Command::Eval(EvalCommand::Zeroshot(a)) => cli::eval::zeroshot(&a),
@@ -119,6 +124,7 @@ fn main() -> Result<()> {
         Command::Embed(a) => cli::embed::embed(&a),
         Command::Launch(a) => cli::launch::run(&a),
         Command::Search(a) => cli::embed::search(&a),
+        Command::Export(a) => cli::embed::export(&a),
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),

@@ -112,3 +112,69 @@ pub fn tokenizer_train(a: &TokenizerTrainArgs) -> Result<()> {
     println!("trained a {}-token vocabulary on {} captions: {}", tok.vocab_size(), captions.len(), a.out.display());
     Ok(())
 }
+
+#[derive(Args)]
+pub struct FromKarpathyArgs {
+    /// `dataset_flickr30k.json` or `dataset_coco.json`.
+    #[arg(long)]
+    pub karpathy: PathBuf,
+    /// The image folder the file refers to.
+    #[arg(long)]
+    pub images: PathBuf,
+    /// Splits to include, comma separated (ALIGN fine-tunes COCO on `train,restval`).
+    #[arg(long, default_value = "train")]
+    pub split: String,
+    /// Output directory for `{split}-{00000..}.tar`.
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, default_value_t = 2000)]
+    pub samples_per_shard: usize,
+}
+
+/// Writes a Karpathy split as webdataset shards: the image file's bytes under its extension and
+/// every caption as a line of `txt` (the training loader picks one per epoch; evaluation uses all).
+pub fn from_karpathy(a: &FromKarpathyArgs) -> Result<()> {
+    use align::data::folders::karpathy;
+    use align::data::shard_writer::ShardWriter;
+    let mut files = Vec::new();
+    for split in a.split.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        files.extend(karpathy(&a.karpathy, &a.images, split)?);
+    }
+    std::fs::create_dir_all(&a.out)?;
+    let name = a.split.replace(',', "+");
+    let bar = Progress::bar(files.len() as u64, "writing shards", false);
+    let mut written = Vec::new();
+    let mut missing = 0usize;
+    for (s, chunk) in files.chunks(a.samples_per_shard.max(1)).enumerate() {
+        let path = a.out.join(format!("{name}-{s:05}.tar"));
+        let mut w = ShardWriter::create(&path)?;
+        for (i, f) in chunk.iter().enumerate() {
+            bar.inc(1);
+            let bytes = match std::fs::read(&f.path) {
+                Ok(b) => b,
+                Err(e) => {
+                    align::util::log::warn(format!("{}: {e}; skipped", f.path.display()));
+                    missing += 1;
+                    continue;
+                }
+            };
+            let ext = f.path.extension().map(|e| e.to_string_lossy().to_lowercase()).unwrap_or_else(|| "jpg".into());
+            let key = format!("{s:05}{i:05}");
+            let json = serde_json::to_vec(
+                &serde_json::json!({"file": f.path.file_name().map(|n| n.to_string_lossy().to_string()), "captions": f.captions}),
+            )?;
+            w.write_sample(
+                &key,
+                &[(ext.as_str(), bytes.as_slice()), ("txt", f.captions.join("\n").as_bytes()), ("json", json.as_slice())],
+            )?;
+        }
+        written.push(w.finish()?);
+    }
+    bar.finish();
+    if written.is_empty() {
+        bail!("no image in split {}", a.split);
+    }
+    let last = written.len() - 1;
+    println!("{} images ({} missing) → {}/{name}-{{00000..{last:05}}}.tar", files.len() - missing, missing, a.out.display());
+    Ok(())
+}

@@ -224,3 +224,20 @@ mod tests {
         assert!((q[0] - 0.70710677 / n).abs() < 1e-5);
     }
 }
+
+#[derive(Args)]
+pub struct ExportArgs {
+    /// An align checkpoint or run directory (or anything `--checkpoint` accepts).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Output directory in Hugging Face's `AlignModel` layout.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn export(a: &ExportArgs) -> Result<()> {
+    let m = load_model(&a.checkpoint, &Device::Cpu)?;
+    align::train::hf_io::export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &a.out)?;
+    println!("wrote {} (load it with transformers.AlignModel.from_pretrained)", a.out.display());
+    Ok(())
+}

@@ -67,6 +67,16 @@ impl TextTokenizer {
         Ok(Self { inner, max_len, pad_id })
     }
 
+    /// A BERT tokenizer from a WordPiece `vocab.txt` (checkpoints that ship no `tokenizer.json`).
+    pub fn from_bert_vocab(vocab: &Path, lowercase: bool, max_len: usize) -> Result<Self> {
+        let vocab_s = vocab.to_str().ok_or_else(|| anyhow!("{} is not valid UTF-8", vocab.display()))?;
+        let model = WordPiece::from_file(vocab_s).unk_token(UNK.into()).build().map_err(|e| anyhow!("reading {}: {e}", vocab.display()))?;
+        let mut tok = Tokenizer::new(model);
+        tok.with_normalizer(Some(BertNormalizer::new(true, true, Some(lowercase), lowercase))).map_err(|e| anyhow!("{e}"))?;
+        tok.with_pre_tokenizer(Some(BertPreTokenizer));
+        Self::new(tok, max_len).with_context(|| format!("tokenizer from {}", vocab.display()))
+    }
+
     pub fn max_len(&self) -> usize {
         self.max_len
     }

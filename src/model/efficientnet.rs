@@ -20,13 +20,48 @@ use super::ops::depthwise::{depthwise_conv2d, Padding};
 use super::Ctx;
 use crate::util::rng::Rng;
 
-/// Base (B0) stages: kernel, stride, repeats, expand ratio, input and output channels.
-const KERNELS: [usize; 7] = [3, 3, 5, 3, 5, 5, 3];
-const STRIDES: [usize; 7] = [1, 2, 2, 2, 1, 2, 1];
-const REPEATS: [usize; 7] = [1, 2, 2, 3, 3, 4, 1];
-const EXPAND: [usize; 7] = [1, 6, 6, 6, 6, 6, 6];
-const IN_CH: [usize; 7] = [32, 16, 24, 40, 80, 112, 192];
-const OUT_CH: [usize; 7] = [16, 24, 40, 80, 112, 192, 320];
+/// The base (B0) network's stages, which compound scaling widens and deepens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stages {
+    pub kernel_sizes: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub repeats: Vec<usize>,
+    pub expand_ratios: Vec<usize>,
+    pub in_channels: Vec<usize>,
+    pub out_channels: Vec<usize>,
+}
+
+impl Default for Stages {
+    fn default() -> Self {
+        Stages {
+            kernel_sizes: vec![3, 3, 5, 3, 5, 5, 3],
+            strides: vec![1, 2, 2, 2, 1, 2, 1],
+            repeats: vec![1, 2, 2, 3, 3, 4, 1],
+            expand_ratios: vec![1, 6, 6, 6, 6, 6, 6],
+            in_channels: vec![32, 16, 24, 40, 80, 112, 192],
+            out_channels: vec![16, 24, 40, 80, 112, 192, 320],
+        }
+    }
+}
+
+impl Stages {
+    fn validate(&self) -> std::result::Result<(), String> {
+        let n = self.kernel_sizes.len();
+        if n == 0
+            || [self.strides.len(), self.repeats.len(), self.expand_ratios.len(), self.in_channels.len(), self.out_channels.len()]
+                .iter()
+                .any(|&l| l != n)
+        {
+            return Err(
+                "EfficientNet stage lists (kernels, strides, repeats, expand ratios, channels) must have one entry per stage".into()
+            );
+        }
+        if self.strides.iter().any(|s| !matches!(s, 1 | 2)) || self.kernel_sizes.iter().any(|k| k % 2 == 0) {
+            return Err("EfficientNet strides must be 1 or 2 and kernels odd".into());
+        }
+        Ok(())
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EfficientNetConfig {
@@ -47,6 +82,8 @@ pub struct EfficientNetConfig {
     /// Which depthwise convolution runs (benchmarks compare them).
     #[serde(default)]
     pub depthwise: DepthwiseImpl,
+    #[serde(default)]
+    pub stages: Stages,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -87,6 +124,7 @@ impl EfficientNetConfig {
             drop_path: 0.2,
             depthwise_padding: Vec::new(),
             depthwise: DepthwiseImpl::Fused,
+            stages: Stages::default(),
         })
     }
 
@@ -122,6 +160,7 @@ impl EfficientNetConfig {
         if !(0.0..1.0).contains(&self.drop_path) || !(0.0..=1.0).contains(&self.bn_momentum) {
             return Err(format!("drop_path {} must be in [0, 1) and bn_momentum {} in [0, 1]", self.drop_path, self.bn_momentum));
         }
+        self.stages.validate()?;
         if self.image_size < 32 {
             return Err(format!("EfficientNet needs images of at least 32 px (five stride-2 stages), got {}", self.image_size));
         }
@@ -145,11 +184,11 @@ impl EfficientNetConfig {
 
     /// Width of the image feature: the last stage's output channels.
     pub fn width(&self) -> usize {
-        self.round_filters(OUT_CH[6])
+        self.round_filters(*self.stages.out_channels.last().expect("validated stages"))
     }
 
     pub fn num_blocks(&self) -> usize {
-        REPEATS.iter().map(|&r| self.round_repeats(r)).sum()
+        self.stages.repeats.iter().map(|&r| self.round_repeats(r)).sum()
     }
 }
 
@@ -336,13 +375,14 @@ impl EfficientNet {
         let total = c.num_blocks();
         let mut blocks = Vec::with_capacity(total);
         let enc = vb.pp("encoder").pp("blocks");
-        for s in 0..7 {
-            let (in_dim, out_dim) = (c.round_filters(IN_CH[s]), c.round_filters(OUT_CH[s]));
-            for j in 0..c.round_repeats(REPEATS[s]) {
+        let st = &c.stages;
+        for s in 0..st.kernel_sizes.len() {
+            let (in_dim, out_dim) = (c.round_filters(st.in_channels[s]), c.round_filters(st.out_channels[s]));
+            for j in 0..c.round_repeats(st.repeats[s]) {
                 let i = blocks.len();
-                let stride = if j == 0 { STRIDES[s] } else { 1 };
+                let stride = if j == 0 { st.strides[s] } else { 1 };
                 let bin = if j == 0 { in_dim } else { out_dim };
-                let mut b = Block::new(c, i, bin, out_dim, KERNELS[s], stride, EXPAND[s], j == 0, enc.pp(i))?;
+                let mut b = Block::new(c, i, bin, out_dim, st.kernel_sizes[s], stride, st.expand_ratios[s], j == 0, enc.pp(i))?;
                 b.drop_path = c.drop_path * i as f64 / total as f64;
                 blocks.push(b);
             }
@@ -396,8 +436,8 @@ mod tests {
         let dev = Device::Cpu;
         let vm = VarMap::new();
         let net = EfficientNet::new(&tiny(), SeededVars::builder_dtype(&vm, 1, DType::F64, &dev)).unwrap();
-        let x = Tensor::randn(0f64, 1.0, (2, 3, 32, 32), &dev).unwrap();
-        let up = Tensor::randn(0f64, 1.0, (2, tiny().width()), &dev).unwrap();
+        let x = crate::util::rng::randn(102, 0.0, 1.0, (2, 3, 32, 32), candle_core::DType::F64, &dev).unwrap();
+        let up = crate::util::rng::randn(103, 0.0, 1.0, (2, tiny().width()), candle_core::DType::F64, &dev).unwrap();
         let vars: Vec<(String, candle_core::Var)> = vm
             .data()
             .lock()

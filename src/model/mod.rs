@@ -6,6 +6,7 @@ pub mod bert;
 pub mod config;
 pub mod dual_encoder;
 pub mod efficientnet;
+pub mod hf;
 pub mod init;
 pub mod layers;
 pub mod ops;

@@ -83,7 +83,9 @@ impl Vit {
         x.reshape((b, c, gh, p, gw, p))?.permute((0, 2, 4, 1, 3, 5))?.contiguous()?.reshape((b, gh * gw, c * p * p))
     }
 
-    pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
+    /// Final hidden states `[b, 1 + patches, width]` after the last LayerNorm (Hugging Face's
+    /// `last_hidden_state`).
+    pub fn hidden_states(&self, images: &Tensor) -> Result<Tensor> {
         let (b, _, h, w) = images.dims4()?;
         if h != self.config.image_size || w != self.config.image_size {
             candle_core::bail!("ViT expects {}x{} images, got {h}x{w}", self.config.image_size, self.config.image_size);
@@ -96,7 +98,11 @@ impl Vit {
         for block in &self.blocks {
             x = block.forward(&x)?;
         }
-        let x = self.norm.forward(&x)?;
+        self.norm.forward(&x)
+    }
+
+    pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
+        let x = self.hidden_states(images)?;
         match self.config.pool {
             ImagePooling::Cls => x.narrow(1, 0, 1)?.squeeze(1),
             ImagePooling::Gap => x.narrow(1, 1, self.config.num_patches())?.mean(1),
@@ -124,7 +130,7 @@ mod tests {
         };
         let vm = candle_nn::VarMap::new();
         let vit = Vit::new(&cfg, crate::model::init::SeededVars::builder(&vm, 1, &dev)).unwrap();
-        let x = Tensor::randn(0f32, 1.0, (2, 3, 8, 8), &dev).unwrap();
+        let x = crate::util::rng::randn(101, 0.0, 1.0, (2, 3, 8, 8), candle_core::DType::F32, &dev).unwrap();
         let via_matmul = vit.patchify(&x).unwrap().broadcast_matmul(&vit.patch_weight.reshape((5, ())).unwrap().t().unwrap()).unwrap();
         let via_conv = x.conv2d(&vit.patch_weight, 0, 4, 1, 1).unwrap().flatten_from(2).unwrap().transpose(1, 2).unwrap();
         let diff = (via_matmul - via_conv).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();

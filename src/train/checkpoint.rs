@@ -160,7 +160,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     }
     match latest(path)? {
         Some(dir) => Ok(dir),
-        None => bail!("{} is neither a checkpoint (no {MODEL_FILE}) nor a run directory with a `{LATEST}` checkpoint", path.display()),
+        None => bail!(
+            "{} is neither an align checkpoint (no {MODEL_FILE}), a run directory with a `{LATEST}` checkpoint, nor a Hugging Face AlignModel (config.json)",
+            path.display()
+        ),
     }
 }
 
@@ -221,9 +224,14 @@ pub struct LoadedModel {
     pub dir: PathBuf,
 }
 
-/// Loads `dir` (a checkpoint, or a run directory's latest checkpoint) onto `device`.
+/// Loads a model onto `device` from an align checkpoint, a run directory (its latest checkpoint),
+/// a Hugging Face `AlignModel` directory, or `hf:ID[@REVISION]`.
 pub fn load_model(path: &Path, device: &Device) -> Result<LoadedModel> {
-    let dir = resolve(path)?;
+    let located = super::hf_io::resolve_location(&path.to_string_lossy())?;
+    if !located.join(SPEC_FILE).is_file() && super::hf_io::is_hf_model(&located, "align") {
+        return super::hf_io::load_hf_align(&located, device);
+    }
+    let dir = resolve(&located)?;
     let config = crate::config::Config::load(&dir.join(CONFIG_FILE), &[])?;
     let spec_path = dir.join(SPEC_FILE);
     let spec: crate::model::dual_encoder::ModelSpec =

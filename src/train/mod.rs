@@ -3,6 +3,8 @@
 pub mod checkpoint;
 pub mod collective;
 pub mod gather;
+pub mod hf_io;
+pub mod init_from;
 pub mod loss;
 pub mod metrics_log;
 pub mod optim;

@@ -69,6 +69,9 @@ fn resolve_tokenizer(cfg: &Config, resume_dir: Option<&PathBuf>, quiet: bool) ->
     if let Some(dir) = resume_dir {
         return TextTokenizer::from_file(&dir.join(checkpoint::TOKENIZER_FILE), cfg.text.max_len);
     }
+    if let Some(t) = super::init_from::tokenizer(cfg)? {
+        return Ok(t);
+    }
     let path = &cfg.text.tokenizer;
     if !path.as_os_str().is_empty() {
         if !path.is_file() {
@@ -182,7 +185,7 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
     // and the others read what it wrote.
     let tokenizer = if lead || resume_dir.is_some() || !cfg.text.tokenizer.as_os_str().is_empty() {
         let t = resolve_tokenizer(cfg, resume_dir.as_ref(), opts.quiet)?;
-        if lead && resume_dir.is_none() && cfg.text.tokenizer.as_os_str().is_empty() {
+        if lead && resume_dir.is_none() {
             t.save(&run_dir.join(checkpoint::TOKENIZER_FILE))?;
         }
         group.barrier().map_err(coll)?;
@@ -192,9 +195,16 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
         TextTokenizer::from_file(&run_dir.join(checkpoint::TOKENIZER_FILE), cfg.text.max_len)?
     };
     let tokenizer = Arc::new(tokenizer);
-    let spec = cfg.model_spec(tokenizer.vocab_size())?;
+    let spec = super::init_from::spec(cfg, tokenizer.vocab_size())?;
     let varmap = VarMap::new();
     let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, cfg.run.seed, device))?;
+    if resume_dir.is_none() && lead {
+        for line in super::init_from::load_weights(cfg, &varmap, device)? {
+            if !opts.quiet {
+                log::info(format!("initialised {line}"));
+            }
+        }
+    }
     // BatchNorm running statistics are model state, not parameters.
     let vars: Vec<(String, candle_core::Var)> =
         varmap.data().lock().unwrap().iter().filter(|(k, _)| !is_running_stat(k)).map(|(k, v)| (k.clone(), v.clone())).collect();

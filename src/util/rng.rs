@@ -90,6 +90,22 @@ impl Rng {
     }
 }
 
+/// A tensor of normal samples from a seeded stream: candle's own `randn` draws from an unseeded
+/// generator on the CPU, which makes numerical tests flaky.
+pub fn randn<S: Into<candle_core::Shape>>(
+    seed: u64,
+    mean: f64,
+    std: f64,
+    shape: S,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+) -> candle_core::Result<candle_core::Tensor> {
+    let shape = shape.into();
+    let mut rng = Rng::new(seed);
+    let v: Vec<f64> = (0..shape.elem_count()).map(|_| mean + std * rng.normal()).collect();
+    candle_core::Tensor::from_vec(v, shape, device)?.to_dtype(dtype)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

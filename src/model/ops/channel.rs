@@ -454,9 +454,10 @@ mod tests {
     fn batch_norm_act_matches_the_composed_ops_forward_and_backward() {
         let dev = Device::Cpu;
         for (batch_stats, silu) in [(true, true), (true, false), (false, true), (false, false)] {
-            let x = Var::from_tensor(&Tensor::randn(0.5f64, 2.0, (3, 4, 5, 6), &dev).unwrap()).unwrap();
-            let gamma = Var::from_tensor(&Tensor::randn(1f64, 0.3, 4, &dev).unwrap()).unwrap();
-            let beta = Var::from_tensor(&Tensor::randn(0f64, 0.3, 4, &dev).unwrap()).unwrap();
+            let x =
+                Var::from_tensor(&crate::util::rng::randn(104, 0.5, 2.0, (3, 4, 5, 6), candle_core::DType::F64, &dev).unwrap()).unwrap();
+            let gamma = Var::from_tensor(&crate::util::rng::randn(105, 1.0, 0.3, 4, candle_core::DType::F64, &dev).unwrap()).unwrap();
+            let beta = Var::from_tensor(&crate::util::rng::randn(106, 0.0, 0.3, 4, candle_core::DType::F64, &dev).unwrap()).unwrap();
             let run_mean = Tensor::new(&[0.1f64, -0.2, 0.3, 0.0], &dev).unwrap();
             let run_var = Tensor::new(&[1.5f64, 0.5, 2.0, 1.0], &dev).unwrap();
             let (mean, var): (Vec<f64>, Vec<f64>) = if batch_stats {
@@ -469,7 +470,7 @@ mod tests {
             let ours = batch_norm_act(x.as_tensor(), &stats, gamma.as_tensor(), beta.as_tensor(), silu).unwrap();
             let reference = composed(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), 1e-3, batch_stats, &run_mean, &run_var, silu);
             close(&ours, &reference, 1e-10);
-            let up = Tensor::randn(0f64, 1.0, ours.dims(), &dev).unwrap();
+            let up = crate::util::rng::randn(107, 0.0, 1.0, ours.dims(), candle_core::DType::F64, &dev).unwrap();
             let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
             let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
             for v in [&x, &gamma, &beta] {
@@ -481,12 +482,12 @@ mod tests {
     #[test]
     fn channel_scale_and_spatial_mean_match_the_composed_ops() {
         let dev = Device::Cpu;
-        let h = Var::from_tensor(&Tensor::randn(0f64, 1.0, (2, 3, 4, 5), &dev).unwrap()).unwrap();
-        let s = Var::from_tensor(&Tensor::randn(0f64, 1.0, (2, 3), &dev).unwrap()).unwrap();
+        let h = Var::from_tensor(&crate::util::rng::randn(108, 0.0, 1.0, (2, 3, 4, 5), candle_core::DType::F64, &dev).unwrap()).unwrap();
+        let s = Var::from_tensor(&crate::util::rng::randn(109, 0.0, 1.0, (2, 3), candle_core::DType::F64, &dev).unwrap()).unwrap();
         let ours = channel_scale(h.as_tensor(), s.as_tensor()).unwrap();
         let reference = h.as_tensor().broadcast_mul(&s.as_tensor().reshape((2, 3, 1, 1)).unwrap()).unwrap();
         close(&ours, &reference, 1e-12);
-        let up = Tensor::randn(0f64, 1.0, ours.dims(), &dev).unwrap();
+        let up = crate::util::rng::randn(110, 0.0, 1.0, ours.dims(), candle_core::DType::F64, &dev).unwrap();
         let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
         for v in [&h, &s] {
@@ -495,7 +496,7 @@ mod tests {
         let ours = spatial_mean(h.as_tensor()).unwrap();
         let reference = h.as_tensor().mean(D::Minus1).unwrap().mean(D::Minus1).unwrap();
         close(&ours, &reference, 1e-12);
-        let up = Tensor::randn(0f64, 1.0, (2, 3), &dev).unwrap();
+        let up = crate::util::rng::randn(111, 0.0, 1.0, (2, 3), candle_core::DType::F64, &dev).unwrap();
         let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
         close(g1.get(h.as_tensor()).unwrap(), g2.get(h.as_tensor()).unwrap(), 1e-12);

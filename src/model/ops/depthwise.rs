@@ -311,8 +311,10 @@ mod tests {
     fn forward_and_backward_match_candles_grouped_convolution() {
         let dev = Device::Cpu;
         for (n, c, h, w, k, stride, pad) in CASES {
-            let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (n, c, h, w), &dev).unwrap()).unwrap();
-            let kern = Var::from_tensor(&Tensor::randn(0f32, 1.0, (c, 1, k, k), &dev).unwrap()).unwrap();
+            let x =
+                Var::from_tensor(&crate::util::rng::randn(112, 0.0, 1.0, (n, c, h, w), candle_core::DType::F32, &dev).unwrap()).unwrap();
+            let kern =
+                Var::from_tensor(&crate::util::rng::randn(113, 0.0, 1.0, (c, 1, k, k), candle_core::DType::F32, &dev).unwrap()).unwrap();
             let ours = depthwise_conv2d(x.as_tensor(), kern.as_tensor(), stride, pad).unwrap();
             let theirs = reference(x.as_tensor(), kern.as_tensor(), stride, pad);
             assert_eq!(ours.dims(), theirs.dims());
@@ -323,7 +325,7 @@ mod tests {
                 continue;
             }
             // A non-uniform upstream gradient.
-            let up = Tensor::randn(0f32, 1.0, ours.dims(), &dev).unwrap();
+            let up = crate::util::rng::randn(114, 0.0, 1.0, ours.dims(), candle_core::DType::F32, &dev).unwrap();
             let g1 = (&ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
             let g2 = (&theirs * &up).unwrap().sum_all().unwrap().backward().unwrap();
             for v in [&x, &kern] {
@@ -343,7 +345,7 @@ mod tests {
             let x = Var::from_tensor(&Tensor::from_vec(xv.clone(), (n, c, h, w), &dev).unwrap()).unwrap();
             let kern = Var::from_tensor(&Tensor::from_vec(kv.clone(), (c, 1, k, k), &dev).unwrap()).unwrap();
             let y = depthwise_conv2d(x.as_tensor(), kern.as_tensor(), stride, pad).unwrap();
-            let up = Tensor::randn(0f64, 1.0, y.dims(), &dev).unwrap();
+            let up = crate::util::rng::randn(115, 0.0, 1.0, y.dims(), candle_core::DType::F64, &dev).unwrap();
             let loss = |x: &Tensor, k: &Tensor| {
                 (depthwise_conv2d(x, k, stride, pad).unwrap() * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
             };
