@@ -113,7 +113,7 @@ impl Vit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Tensor};
+    use candle_core::Device;
 
     #[test]
     fn patch_matmul_equals_the_strided_convolution() {
