@@ -12,8 +12,9 @@ tests/fixtures/hf/, and saves inputs and reference outputs beside them as safete
 
 The Rust tests (tests/hf_parity.rs) load the checkpoints and inputs and match the outputs to 1e-4.
 
-`--check DIR` loads an AlignModel that align saved (`align export`) with
-`AlignModel.from_pretrained(DIR)` and compares its embeddings of the fixture inputs with align's.
+`--check DIR [--outputs FILE]` loads an AlignModel that align saved (`align export`) with
+`AlignModel.from_pretrained(DIR)` and compares its embeddings of the fixture inputs with the
+fixture's, or with align's own embeddings of them saved in FILE (image_embeds, text_embeds).
 
 Written with: torch 2.15.0, transformers 5.23.0, safetensors 0.8.0 (run by hand, not by CI).
 """
@@ -117,12 +118,12 @@ def make_vit():
               os.path.join(OUT, "vit-tiny-io.safetensors"))
 
 
-def check(directory):
+def check(directory, outputs=None):
     model = AlignModel.from_pretrained(directory).eval()
     pixel_values, input_ids, attention_mask = align_inputs()
     with torch.no_grad():
         out = model(input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values)
-    ref = load_file(os.path.join(OUT, "align-tiny-io.safetensors"))
+    ref = load_file(outputs or os.path.join(OUT, "align-tiny-io.safetensors"))
     for k in ["image_embeds", "text_embeds"]:
         print(k, "max |difference| vs the fixture:", (getattr(out, k) - ref[k]).abs().max().item())
 
@@ -130,9 +131,10 @@ def check(directory):
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--check", help="an AlignModel directory written by align")
+    p.add_argument("--outputs", help="with --check: align's embeddings of the fixture inputs (default: the fixture's)")
     a = p.parse_args()
     if a.check:
-        check(a.check)
+        check(a.check, a.outputs)
     else:
         os.makedirs(OUT, exist_ok=True)
         make_align()

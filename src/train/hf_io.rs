@@ -217,8 +217,8 @@ pub fn load_hf_align(dir: &Path, device: &Device) -> Result<LoadedModel> {
 }
 
 /// Writes an ALIGN-architecture model as a Hugging Face `AlignModel` directory: `config.json`,
-/// `model.safetensors` (with zero BatchNorm batch counters, which transformers expects) and the
-/// tokenizer.
+/// `model.safetensors` (with zero BatchNorm batch counters and an unused zero BERT pooler, which
+/// transformers expects) and the tokenizer.
 pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, out: &Path) -> Result<()> {
     let config = align_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -229,6 +229,11 @@ pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer,
             tensors.insert(format!("{prefix}num_batches_tracked"), Tensor::zeros((), DType::I64, &Device::Cpu)?);
         }
     }
+    // AlignTextModel carries BERT's pooler, which ALIGN never uses; zeros keep transformers from
+    // reporting it as missing.
+    let h = spec.text.hidden;
+    tensors.insert("text_model.pooler.dense.weight".into(), Tensor::zeros((h, h), DType::F32, &Device::Cpu)?);
+    tensors.insert("text_model.pooler.dense.bias".into(), Tensor::zeros(h, DType::F32, &Device::Cpu)?);
     candle_core::safetensors::save(&tensors, out.join(WEIGHTS)).with_context(|| format!("writing {}", out.join(WEIGHTS).display()))?;
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     tokenizer.save(&out.join("tokenizer.json"))?;
