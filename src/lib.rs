@@ -7,5 +7,6 @@ pub mod config;
 pub mod data;
 pub mod eval;
 pub mod model;
+pub mod plot;
 pub mod train;
 pub mod util;

@@ -43,6 +43,8 @@ enum Command {
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Draw a run's curves (loss, temperature, lr, throughput, evaluations) as a PNG; several runs compare.
+    Plot(cli::plot::PlotArgs),
     /// Start the local ranks of a multi-process job (torchrun's variables), stopping all if one fails.
     Launch(cli::launch::LaunchArgs),
 }
@@ -123,6 +125,7 @@ fn main() -> Result<()> {
         Command::Eval(EvalCommand::Knn(a)) => cli::eval::knn(&a),
         Command::Embed(a) => cli::embed::embed(&a),
         Command::Launch(a) => cli::launch::run(&a),
+        Command::Plot(a) => cli::plot::run(&a),
         Command::Search(a) => cli::embed::search(&a),
         Command::Export(a) => cli::embed::export(&a),
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),

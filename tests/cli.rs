@@ -220,3 +220,60 @@ fn launch_starts_ranks_with_torchrun_variables_and_reports_a_failing_rank() {
     assert!(!ok);
     assert!(err.contains("NCCL") && err.contains("failed"), "{err}");
 }
+
+#[test]
+fn ctrl_c_saves_a_checkpoint_that_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    // Far more steps than the test waits for, and no periodic checkpoints: any checkpoint
+    // found afterwards was written because of the interrupt.
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=100000", "train.checkpoint_every=0"]);
+    let cfg_path = dir.path().join("tiny.toml");
+    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_align"))
+        .args(["train", "--config", cfg_path.to_str().unwrap(), "--quiet", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = cfg.run_dir().join("metrics.jsonl");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 3 {
+        assert!(std::time::Instant::now() < deadline, "training did not start");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap().success());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["interrupted"], true);
+    let stopped = summary["steps"].as_u64().unwrap();
+    assert!((3..100000).contains(&stopped));
+    assert!(cfg.run_dir().join(format!("step-{stopped}")).is_dir());
+
+    let (ok, out, err) = align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet", "--json", "--resume", "--stop-after", "2"]);
+    assert!(ok, "{err}");
+    let resumed: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(resumed["steps"].as_u64(), Some(stopped + 2));
+    assert_eq!(resumed["interrupted"], false);
+
+    // The interrupted and resumed run plots as one, from its log or from its event files alone.
+    let run = cfg.run_dir();
+    let png = dir.path().join("curves.png");
+    let plot = || {
+        let (ok, out, err) = align(&["plot", run.to_str().unwrap(), "--out", png.to_str().unwrap(), "--json"]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let img = image::open(&png).unwrap().to_rgb8();
+        assert_eq!((img.width() as u64, img.height() as u64), (v["width"].as_u64().unwrap(), v["height"].as_u64().unwrap()));
+        assert!(img.pixels().filter(|p| p.0 != [255, 255, 255]).count() > 10_000, "the figure is nearly blank");
+        v["runs"][0].clone()
+    };
+    let from_log = plot();
+    std::fs::remove_file(run.join("metrics.jsonl")).unwrap();
+    let from_events = plot();
+    assert_eq!(from_log["last_step"].as_f64(), Some((stopped + 2) as f64));
+    assert_eq!(from_log, from_events);
+    assert!(from_log["curves"].as_array().unwrap().iter().any(|c| c == "train/loss"));
+}

@@ -56,6 +56,43 @@ fn resumed_run_matches_uninterrupted_run_bit_for_bit() {
 }
 
 #[test]
+fn tensorboard_events_carry_the_metrics_log_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("run"), &["train.log_every=2"]);
+    let s = train(&cfg, &opts(false, None)).unwrap();
+    let log = metrics_log::read(&cfg.run_dir().join("metrics.jsonl")).unwrap();
+    let files: Vec<_> = std::fs::read_dir(cfg.run_dir().join("tb")).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let events = align::train::tensorboard::read_scalars(&files[0]).unwrap();
+    let mut compared = 0;
+    for r in &log {
+        let step = r["step"].as_i64().unwrap();
+        for (tag, value) in metrics_log::scalars(r) {
+            let found: Vec<f32> = events.iter().filter(|e| e.step == step && e.tag == tag).map(|e| e.value).collect();
+            assert_eq!(found, vec![value as f32], "{tag} at step {step}");
+            compared += 1;
+        }
+    }
+    for tag in [
+        "train/loss",
+        "train/loss_i2t",
+        "train/loss_t2i",
+        "train/temperature",
+        "train/lr",
+        "train/grad_norm",
+        "train/samples_per_s",
+        "train/data_wait_share",
+        "train/skipped",
+    ] {
+        assert!(events.iter().any(|e| e.tag == tag), "{tag} missing");
+    }
+    assert_eq!(events.iter().filter(|e| e.tag == "train/loss").count(), s.steps as usize / 2);
+    assert!(compared >= 9 * 4);
+}
+
+#[test]
 fn checkpoints_keep_the_last_k_and_latest_points_at_the_newest() {
     let dir = tempfile::tempdir().unwrap();
     let data = common::tiny_data(&dir.path().join("data"));

@@ -69,6 +69,10 @@ pub fn run(a: &DemoArgs) -> Result<()> {
         ));
     }
     let summary = train(&cfg, &TrainOptions { resume: false, quiet, device: super::default_device(), stop_after: None, nproc: 1 })?;
+    let plot = run_dir.join("plot.png");
+    align::plot::figure::render(&[align::plot::runs::load(&run_dir)?], 1500)?
+        .save(&plot)
+        .with_context(|| format!("writing {}", plot.display()))?;
     let z = summary.eval.zeroshot.clone().context("the demo evaluates zero-shot classification")?;
     let r = summary.eval.retrieval.clone().context("the demo evaluates retrieval")?;
     if a.json {
@@ -78,9 +82,11 @@ pub fn run(a: &DemoArgs) -> Result<()> {
             "train": {"steps": summary.steps, "seconds": summary.seconds, "final_loss": summary.final_loss, "temperature": summary.temperature},
             "total_seconds": t0.elapsed().as_secs_f64(),
             "checkpoint": summary.checkpoint,
+            "plot": plot,
         }));
     }
     let mut t = super::train::summary_table(&summary, false);
+    t.row("curves", plot.display().to_string());
     t.row("total demo time", format!("{:.1} s", t0.elapsed().as_secs_f64()));
     t.print();
     let mut e = Table::new(&format!("Held-out evaluation ({} images)", z.images));

@@ -15,8 +15,15 @@ pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
     t.row("data wait", format!("{:.1}%", 100.0 * s.data_wait_share));
     t.row("final loss", s.final_loss.map_or("-".into(), |l| format!("{l:.4}")));
     t.row("temperature σ", format!("{:.4}", s.temperature));
+    t.row("final learning rate", format!("{:.3e}", s.final_lr));
     t.row("skipped samples", s.skipped.summary());
     t.row("checkpoint", s.checkpoint.display().to_string());
+    if s.interrupted {
+        t.row("stopped", "by Ctrl-C (resume with --resume)".to_string());
+    }
+    for b in &s.best_eval {
+        t.row(format!("best {}", b.metric.trim_start_matches("eval/")), format!("{:.4} (step {})", b.value, b.step));
+    }
     if with_eval {
         if let Some(z) = &s.eval.zeroshot {
             add_zeroshot(&mut t, z);
@@ -38,11 +45,16 @@ pub fn run(
     nproc: usize,
 ) -> Result<()> {
     let cfg = Config::load(config, overrides)?;
+    align::util::interrupt::install();
     let summary = train(&cfg, &TrainOptions { resume, quiet, device: super::default_device(), stop_after, nproc })?;
     if json {
-        super::print_json(&summary)
+        super::print_json(&summary)?;
     } else {
         summary_table(&summary, true).print();
-        Ok(())
     }
+    if summary.interrupted {
+        // The conventional status of a run ended by SIGINT, so scripts see it did not finish.
+        std::process::exit(130);
+    }
+    Ok(())
 }

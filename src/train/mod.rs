@@ -10,4 +10,5 @@ pub mod metrics_log;
 pub mod optim;
 pub mod schedule;
 pub mod step;
+pub mod tensorboard;
 pub mod trainer;

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::checkpoint::{self, CheckpointContents, TrainState};
 use super::collective::{Collective, DistEnv, SingleProcess, ThreadGroup};
-use super::metrics_log::MetricsLog;
+use super::metrics_log::{self, MetricsLog};
 use super::optim::Optimizer;
 use super::schedule::lr_at;
 use super::step::{self, MicroBatch};
@@ -51,10 +51,23 @@ pub struct TrainSummary {
     pub data_wait_share: f64,
     pub final_loss: Option<f64>,
     pub temperature: f64,
+    pub final_lr: f64,
     pub skipped: SkipCounts,
     pub checkpoint: PathBuf,
+    /// Stopped early by Ctrl-C (after saving `checkpoint`).
+    pub interrupted: bool,
     #[serde(skip_serializing_if = "EvalResults::is_empty")]
     pub eval: EvalResults,
+    /// The best value of each evaluation metric over the whole run, from its metrics log.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub best_eval: Vec<BestMetric>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BestMetric {
+    pub metric: String,
+    pub value: f64,
+    pub step: u64,
 }
 
 fn batch_tensors(b: Batch, device: &Device) -> Result<MicroBatch> {
@@ -252,9 +265,25 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
     let mut loader = TrainLoader::start(plan, placement, settings, tokenizer.clone(), state.loaders.get(rank).cloned())?;
 
     let mut metrics = if lead { Some(MetricsLog::open(&run_dir.join("metrics.jsonl"), Some(state.step))?) } else { None };
+    // The TensorBoard files are derived from the metrics log's records, so every record goes
+    // through `record` to reach both.
+    let tb = if lead { Some(super::tensorboard::EventWriter::create(&run_dir.join("tb"))?) } else { None };
+    let mut record = |r: serde_json::Value| -> Result<()> {
+        if let Some(m) = metrics.as_mut() {
+            m.write(&r)?;
+        }
+        if let (Some(tb), Some(step)) = (&tb, r.get("step").and_then(serde_json::Value::as_u64)) {
+            let scalars = metrics_log::scalars(&r);
+            tb.scalars(step, &scalars.iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>());
+        }
+        Ok(())
+    };
     let config_toml = cfg.to_toml()?;
     if lead {
         std::fs::write(run_dir.join("config.toml"), &config_toml)?;
+    }
+    if let Some(tb) = &tb {
+        tb.text(state.step, "config", &format!("```toml\n{config_toml}\n```"));
     }
     let spec_json = serde_json::to_string_pretty(&spec)?;
     let gather = cfg.train.gather_options();
@@ -268,7 +297,9 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
     let mut samples_seen = state.samples_seen;
     let mut last_loss = state.last_loss;
     let mut wait = 0.0f64;
-    let mut window = (Instant::now(), 0u64);
+    let mut window = (Instant::now(), 0u64, 0.0f64);
+    let mut lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
+    let mut interrupted = false;
     let mut last_checkpoint: Option<PathBuf> = resume_dir.clone();
     let mut eval_results = EvalResults::default();
     // Every rank contributes its loader position; rank 0 writes the checkpoint. Every rank gets
@@ -293,12 +324,14 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
     };
 
     while step < end {
-        let lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
+        lr = lr_at(step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
         let mut micro_batches = Vec::with_capacity(cfg.train.accum_steps);
         for _ in 0..cfg.train.accum_steps {
             let t0 = Instant::now();
             let batch = loader.next_batch()?;
-            wait += t0.elapsed().as_secs_f64();
+            let waited = t0.elapsed().as_secs_f64();
+            wait += waited;
+            window.2 += waited;
             micro_batches.push(batch_tensors(batch, device)?);
         }
         let local: u64 = micro_batches.iter().map(|m| m.images.dim(0).unwrap_or(0) as u64).sum();
@@ -322,16 +355,16 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
         if step % cfg.train.log_every.max(1) == 0 || step == end {
             let secs = window.0.elapsed().as_secs_f64().max(1e-9);
             let rate = window.1 as f64 / secs;
-            window = (Instant::now(), 0);
+            let wait_share = window.2 / secs;
+            window = (Instant::now(), 0, 0.0);
             let temperature = model.temperature_value()?;
             bar.set_message(format!("loss {:.3} σ {temperature:.4} lr {lr:.2e} {rate:.0} img/s", out.loss));
-            if let Some(m) = metrics.as_mut() {
-                m.write(&serde_json::json!({
-                    "step": step, "loss": out.loss, "i2t": out.i2t, "t2i": out.t2i, "temperature": temperature,
-                    "lr": lr, "grad_norm": stats.grad_norm, "samples_per_s": rate, "samples_seen": samples_seen,
-                    "data_wait_s": wait, "skipped": loader.skips().total(), "elapsed_s": state.seconds + started.elapsed().as_secs_f64(),
-                }))?;
-            }
+            let elapsed = started.elapsed().as_secs_f64();
+            record(serde_json::json!({
+                "step": step, "loss": out.loss, "loss_i2t": out.i2t, "loss_t2i": out.t2i, "temperature": temperature,
+                "lr": lr, "grad_norm": stats.grad_norm, "samples_per_s": rate, "samples_seen": samples_seen,
+                "data_wait_share": wait_share, "skipped": loader.skips().total(), "elapsed_s": state.seconds + elapsed,
+            }))?;
         }
         let last = step == end;
         if (cfg.train.checkpoint_every > 0 && step % cfg.train.checkpoint_every == 0) || last {
@@ -342,12 +375,29 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
             if !opts.quiet {
                 log::info(format!("step {step}: {}", eval_results.line()));
             }
-            if let Some(m) = metrics.as_mut() {
-                m.write(&serde_json::json!({"step": step, "eval": eval_results}))?;
+            record(serde_json::json!({"step": step, "eval": eval_results}))?;
+        }
+        if !last && stop_requested(&*group)? {
+            interrupted = true;
+            if !opts.quiet {
+                log::info(format!("interrupted at step {step}; saving a checkpoint"));
             }
+            last_checkpoint = Some(save(step, samples_seen, last_loss, &loader, &opt, started.elapsed().as_secs_f64())?);
+            break;
         }
     }
     bar.finish();
+    if let Some(tb) = tb {
+        tb.close()?;
+    }
+    let best_eval = if lead {
+        metrics_log::best_eval(&metrics_log::read(&run_dir.join("metrics.jsonl"))?)
+            .into_iter()
+            .map(|(metric, value, step)| BestMetric { metric, value, step })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let seconds = started.elapsed().as_secs_f64();
     let trained = samples_seen - state.samples_seen;
     let checkpoint = match last_checkpoint {
@@ -371,8 +421,22 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
         data_wait_share: wait / seconds.max(1e-9),
         final_loss: last_loss,
         temperature: model.temperature_value()?,
+        final_lr: lr,
         skipped,
         checkpoint,
+        interrupted,
         eval: eval_results,
+        best_eval,
     })
+}
+
+/// Whether to stop for Ctrl-C. Ranks agree, so every rank leaves the loop at the same step
+/// even when the signal reached them between two of their checks.
+fn stop_requested(group: &dyn Collective) -> Result<bool> {
+    let mine = crate::util::interrupt::requested();
+    if group.world_size() == 1 {
+        return Ok(mine);
+    }
+    let all = group.all_gather_bytes(&[mine as u8]).map_err(coll)?;
+    Ok(all.iter().any(|b| b.first() == Some(&1)))
 }
