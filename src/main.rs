@@ -81,6 +81,8 @@ enum DataCommand {
     Synth(cli::data::SynthArgs),
     /// Count samples, skips by reason, caption lengths and image sizes.
     Stats(cli::data::StatsArgs),
+    /// Filter raw image/alt-text pairs into clean training shards (CC3M / CC12M / ALIGN presets).
+    Build(cli::data::BuildArgs),
     /// Convert a Karpathy split (Flickr30K, MSCOCO) and its image folder into shards.
     FromKarpathy(cli::data::FromKarpathyArgs),
 }
@@ -119,6 +121,7 @@ fn main() -> Result<()> {
         Command::Data(DataCommand::Synth(a)) => cli::data::synth(&a),
         Command::Data(DataCommand::Stats(a)) => cli::data::stats(&a),
         Command::Data(DataCommand::FromKarpathy(a)) => cli::data::from_karpathy(&a),
+        Command::Data(DataCommand::Build(a)) => cli::data::build(&a),
         Command::Tokenizer(TokenizerCommand::Train(a)) => cli::data::tokenizer_train(&a),
         Command::Eval(EvalCommand::Retrieval(a)) => cli::eval::retrieval(&a),
         Command::Eval(EvalCommand::Zeroshot(a)) => cli::eval::zeroshot(&a),

@@ -178,3 +178,75 @@ pub fn from_karpathy(a: &FromKarpathyArgs) -> Result<()> {
     println!("{} images ({} missing) → {}/{name}-{{00000..{last:05}}}.tar", files.len() - missing, missing, a.out.display());
     Ok(())
 }
+
+#[derive(Args)]
+pub struct BuildArgs {
+    /// img2dataset shards (a shard spec), or a `.tsv` / `.csv` of `caption, image path` rows.
+    #[arg(long)]
+    pub input: String,
+    /// Where the table's image paths are relative to (default: the table's folder).
+    #[arg(long)]
+    pub image_root: Option<PathBuf>,
+    /// Output directory for `00000.tar`, `00001.tar`, ... and `build-report.json`.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Filter file, e.g. `configs/filters/align.toml`.
+    #[arg(long)]
+    pub filters: PathBuf,
+    /// Evaluation images to keep out of training (and their near-duplicates): a shard spec or an
+    /// image folder; repeatable.
+    #[arg(long)]
+    pub exclude_near: Vec<String>,
+    #[arg(long)]
+    pub samples_per_shard: Option<usize>,
+    /// Resize so the longer side is at most this, re-encoding as JPEG.
+    #[arg(long)]
+    pub resize_longer: Option<u32>,
+    /// Shuffle samples across all output shards.
+    #[arg(long)]
+    pub shuffle: bool,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn build(a: &BuildArgs) -> Result<()> {
+    use align::data::build::{self, filters::Filters, BuildOptions};
+    let mut filters = Filters::load(&a.filters)?;
+    if let Some(n) = a.samples_per_shard {
+        filters.output.samples_per_shard = n;
+    }
+    if let Some(n) = a.resize_longer {
+        filters.output.resize_longer = n;
+    }
+    if let Some(s) = a.seed {
+        filters.output.seed = s;
+    }
+    filters.output.shuffle |= a.shuffle;
+    let r = build::build(&BuildOptions {
+        input: a.input.clone(),
+        image_root: a.image_root.clone(),
+        out: a.out.clone(),
+        filters,
+        exclude_near: a.exclude_near.clone(),
+        quiet: a.json,
+    })?;
+    if a.json {
+        return super::print_json(&r);
+    }
+    let mut t = Table::new(&format!("Built {} ({})", a.out.display(), a.filters.display()));
+    t.row("input samples", r.input_samples.to_string());
+    for rm in r.removed.iter().filter(|r| r.samples > 0) {
+        let share = 100.0 * rm.samples as f64 / r.input_samples.max(1) as f64;
+        t.row(format!("  removed: {}", rm.filter), format!("{} ({share:.1}%)", rm.samples));
+    }
+    t.row("kept", format!("{} ({:.1}%)", r.kept, 100.0 * r.kept as f64 / r.input_samples.max(1) as f64));
+    let d = |x: &stats::Distribution| format!("median {} / p90 {} / max {}", x.p50, x.p90, x.max);
+    t.row("caption words before → after", format!("{} → {}", d(&r.before.caption_words), d(&r.after.caption_words)));
+    t.row("shorter side before → after", format!("{} → {}", d(&r.before.shorter_side), d(&r.after.shorter_side)));
+    t.row("shards written", r.shards.len().to_string());
+    t.row("time", format!("{:.1} s", r.seconds));
+    t.print();
+    Ok(())
+}

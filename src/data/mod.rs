@@ -1,5 +1,6 @@
 //! The data's journey from shards to batches. See `loader` for how the stages chain.
 
+pub mod build;
 pub mod distribute;
 pub mod eval_reader;
 pub mod folders;

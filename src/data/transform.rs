@@ -296,7 +296,7 @@ thread_local! {
 }
 
 /// Resizes with SIMD convolution kernels (several times faster than `image::imageops`).
-fn resize(img: &RgbImage, w: u32, h: u32, interp: Interpolation) -> RgbImage {
+pub fn resize(img: &RgbImage, w: u32, h: u32, interp: Interpolation) -> RgbImage {
     if img.width() == w && img.height() == h {
         return img.clone();
     }

@@ -1,0 +1,584 @@
+//! `align data build`: raw image / alt-text pairs in, clean training shards out, with a report of
+//! what each filter removed.
+//!
+//! Filters that need corpus statistics (rare tokens, caption and image frequencies) get a first,
+//! decode-free pass that only counts; the second pass decodes in parallel and applies every
+//! filter in a fixed order, so each removed sample is charged to the first filter it fails.
+//! Output shards are written under temporary names and renamed when complete; the same input and
+//! filter file always give the same shards, so an interrupted build is simply run again.
+
+pub mod filters;
+pub mod input;
+pub mod phash;
+
+use std::collections::{HashMap, HashSet};
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use rayon::prelude::*;
+use serde::Serialize;
+use xxhash_rust::xxh3::xxh3_128;
+
+use self::filters::Filters;
+use self::input::{Candidate, Input, Item};
+use self::phash::NearIndex;
+use super::shard_writer::ShardWriter;
+use super::spec::ShardSource;
+use super::stats::Distribution;
+use super::tar_read::{read_shard_events, ShardEvent};
+use super::transform::{self, Interpolation};
+use crate::util::log;
+use crate::util::progress::Progress;
+use crate::util::rng::{hash_str, mix64, Rng};
+
+/// The filters in the order they are applied; the report lists removals in this order.
+pub const FILTER_ORDER: [&str; 14] = [
+    "unreadable",
+    "image_format",
+    "image_size",
+    "aspect_ratio",
+    "boilerplate",
+    "word_count",
+    "repeated_words",
+    "capitalization",
+    "rare_tokens",
+    "caption_frequency",
+    "image_frequency",
+    "undecodable",
+    "duplicate_image",
+    "near_duplicate_eval",
+];
+
+fn filter_index(name: &str) -> usize {
+    FILTER_ORDER.iter().position(|f| *f == name).expect("a known filter")
+}
+
+pub struct BuildOptions {
+    pub input: String,
+    pub image_root: Option<PathBuf>,
+    pub out: PathBuf,
+    pub filters: Filters,
+    /// Evaluation sets whose images (and near-duplicates) must not be trained on: shard specs or
+    /// image folders.
+    pub exclude_near: Vec<String>,
+    pub quiet: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Removed {
+    pub filter: String,
+    pub samples: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Distributions {
+    pub caption_words: Distribution,
+    pub shorter_side: Distribution,
+    pub aspect_ratio: Distribution,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BuildReport {
+    pub filters: String,
+    pub input_samples: u64,
+    pub kept: u64,
+    pub removed: Vec<Removed>,
+    pub before: Distributions,
+    pub after: Distributions,
+    pub eval_hashes: usize,
+    pub shards: Vec<PathBuf>,
+    pub seconds: f64,
+}
+
+/// A uniform sample of at most `CAP` values (deterministic), for the report's quantiles without
+/// keeping a value per sample of a billion-sample corpus.
+struct Reservoir {
+    seen: u64,
+    values: Vec<f64>,
+    rng: Rng,
+}
+
+const CAP: usize = 1 << 20;
+
+impl Reservoir {
+    fn new(seed: u64) -> Self {
+        Reservoir { seen: 0, values: Vec::new(), rng: Rng::new(seed) }
+    }
+
+    fn push(&mut self, v: f64) {
+        self.seen += 1;
+        if self.values.len() < CAP {
+            self.values.push(v);
+        } else {
+            let j = (self.rng.next_u64() % self.seen) as usize;
+            if j < CAP {
+                self.values[j] = v;
+            }
+        }
+    }
+
+    fn distribution(self) -> Distribution {
+        Distribution::of(self.values)
+    }
+}
+
+struct Dists {
+    words: Reservoir,
+    shorter: Reservoir,
+    aspect: Reservoir,
+}
+
+impl Dists {
+    fn new(seed: u64) -> Self {
+        Dists { words: Reservoir::new(seed), shorter: Reservoir::new(seed ^ 1), aspect: Reservoir::new(seed ^ 2) }
+    }
+
+    fn add(&mut self, words: usize, dims: Option<(u32, u32)>) {
+        self.words.push(words as f64);
+        if let Some((w, h)) = dims {
+            self.shorter.push(w.min(h) as f64);
+            self.aspect.push(w.max(h) as f64 / w.min(h).max(1) as f64);
+        }
+    }
+
+    fn finish(self) -> Distributions {
+        Distributions {
+            caption_words: self.words.distribution(),
+            shorter_side: self.shorter.distribution(),
+            aspect_ratio: self.aspect.distribution(),
+        }
+    }
+}
+
+/// Corpus statistics from the first pass.
+#[derive(Default)]
+struct Counts {
+    words: HashMap<String, u64>,
+    /// The allowed unigrams and bigrams under `rare.top_ngrams`; None when every one is allowed.
+    top_ngrams: Option<HashSet<String>>,
+    caption_images: HashMap<u64, u32>,
+    image_captions: HashMap<u128, u32>,
+}
+
+fn caption_key(caption: &str) -> u64 {
+    hash_str(&caption.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase())
+}
+
+fn count_corpus(input: &Input, f: &Filters, quiet: bool) -> (Counts, u64) {
+    let mut c = Counts::default();
+    let mut ngrams: HashMap<String, u64> = HashMap::new();
+    let mut pairs: HashSet<u128> = HashSet::new();
+    let rare = &f.text.rare;
+    let freq = f.frequency.max_images_per_caption > 0 || f.frequency.max_captions_per_image > 0;
+    let bar = Progress::spinner("counting", quiet);
+    let mut items = 0u64;
+    for item in input.stream() {
+        items += 1;
+        bar.inc(1);
+        let Item::Sample(s) = item else { continue };
+        let caption = filters::trim_boilerplate(&s.caption, &f.text.trim_boilerplate);
+        let words = filters::norm_words(&caption);
+        if rare.min_count > 0 {
+            for w in &words {
+                *c.words.entry(w.clone()).or_default() += 1;
+            }
+        }
+        if rare.top_ngrams > 0 {
+            for g in filters::ngrams(&words) {
+                *ngrams.entry(g).or_default() += 1;
+            }
+        }
+        if freq {
+            let (ck, ik) = (caption_key(&caption), xxh3_128(&s.image));
+            // Each distinct (caption, image) pair counts once on both sides.
+            if pairs.insert(ik ^ (mix64(ck) as u128) << 64 ^ ck as u128) {
+                *c.caption_images.entry(ck).or_default() += 1;
+                *c.image_captions.entry(ik).or_default() += 1;
+            }
+        }
+    }
+    bar.finish();
+    if rare.top_ngrams > 0 && ngrams.len() as u64 > rare.top_ngrams {
+        let mut ranked: Vec<(String, u64)> = ngrams.into_iter().collect();
+        ranked.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        ranked.truncate(rare.top_ngrams as usize);
+        c.top_ngrams = Some(ranked.into_iter().map(|(g, _)| g).collect());
+    }
+    (c, items)
+}
+
+/// The result of the per-sample (parallel) part of the filtering.
+struct Checked {
+    key: String,
+    origin: String,
+    words: usize,
+    dims: Option<(u32, u32)>,
+    verdict: Result<Prepared, (&'static str, String)>,
+}
+
+struct Prepared {
+    caption: String,
+    image: Vec<u8>,
+    ext: &'static str,
+    json: Option<Vec<u8>>,
+    image_hash: u128,
+    near_eval: Option<u32>,
+}
+
+fn format_name(fmt: image::ImageFormat) -> &'static str {
+    fmt.extensions_str().first().copied().unwrap_or("img")
+}
+
+fn check(s: Candidate, f: &Filters, counts: &Counts, near: &NearIndex) -> Checked {
+    let caption = filters::trim_boilerplate(&s.caption, &f.text.trim_boilerplate);
+    let words = filters::word_count(&caption);
+    let mut out = Checked { key: s.key, origin: s.origin, words, dims: None, verdict: Err(("unreadable", String::new())) };
+    let fail = |out: &mut Checked, filter: &'static str, detail: String| out.verdict = Err((filter, detail));
+
+    let fmt = match image::guess_format(&s.image) {
+        Ok(fmt) => fmt,
+        Err(_) => {
+            fail(&mut out, "undecodable", "unrecognised image format".into());
+            return out;
+        }
+    };
+    let name = format_name(fmt);
+    if !f.image.formats.is_empty() && !f.image.formats.iter().any(|x| image::ImageFormat::from_extension(x) == Some(fmt)) {
+        fail(&mut out, "image_format", format!("{name} is not among {:?}", f.image.formats));
+        return out;
+    }
+    let dims = image::ImageReader::with_format(Cursor::new(&s.image), fmt).into_dimensions();
+    let Ok((w, h)) = dims else {
+        fail(&mut out, "undecodable", format!("unreadable {name} header"));
+        return out;
+    };
+    out.dims = Some((w, h));
+    let (short, long) = (w.min(h), w.max(h));
+    if short <= f.image.min_shorter_side {
+        fail(&mut out, "image_size", format!("{w}×{h}: shorter side not above {}", f.image.min_shorter_side));
+        return out;
+    }
+    let aspect = long as f64 / short.max(1) as f64;
+    let limit = f.image.max_aspect_ratio;
+    if limit > 0.0 && (aspect > limit || (!f.image.aspect_ratio_inclusive && aspect >= limit)) {
+        fail(&mut out, "aspect_ratio", format!("{w}×{h}: aspect ratio {aspect:.2} over {limit}"));
+        return out;
+    }
+    let t = &f.text;
+    if filters::has_boilerplate(&caption, &t.drop_boilerplate) {
+        fail(&mut out, "boilerplate", format!("{caption:?} starts or ends with boilerplate"));
+        return out;
+    }
+    if words < t.min_words.max(1) || (t.max_words > 0 && words > t.max_words) {
+        fail(&mut out, "word_count", format!("{words} words"));
+        return out;
+    }
+    if t.max_repeated_fraction > 0.0 && filters::repeated_fraction(&caption) > t.max_repeated_fraction {
+        fail(&mut out, "repeated_words", format!("{:.2} of the words repeat", filters::repeated_fraction(&caption)));
+        return out;
+    }
+    if (t.require_capitalized_first_word && !filters::first_word_capitalized(&caption))
+        || (t.max_capitalized_fraction > 0.0 && filters::capitalized_fraction(&caption) > t.max_capitalized_fraction)
+    {
+        fail(&mut out, "capitalization", format!("{caption:?}"));
+        return out;
+    }
+    let normed = filters::norm_words(&caption);
+    if t.rare.min_count > 0 {
+        if let Some(w) = normed.iter().find(|w| counts.words.get(*w).copied().unwrap_or(0) < t.rare.min_count) {
+            fail(&mut out, "rare_tokens", format!("{w:?} occurs fewer than {} times", t.rare.min_count));
+            return out;
+        }
+    }
+    if let Some(top) = &counts.top_ngrams {
+        if let Some(g) = filters::ngrams(&normed).find(|g| !top.contains(g)) {
+            fail(&mut out, "rare_tokens", format!("{g:?} is not among the {} most frequent n-grams", t.rare.top_ngrams));
+            return out;
+        }
+    }
+    let image_hash = xxh3_128(&s.image);
+    let fq = &f.frequency;
+    if fq.max_images_per_caption > 0 {
+        let n = counts.caption_images.get(&caption_key(&caption)).copied().unwrap_or(0);
+        if n as u64 > fq.max_images_per_caption {
+            fail(&mut out, "caption_frequency", format!("caption shared by {n} images"));
+            return out;
+        }
+    }
+    if fq.max_captions_per_image > 0 {
+        let n = counts.image_captions.get(&image_hash).copied().unwrap_or(0);
+        if n as u64 > fq.max_captions_per_image {
+            fail(&mut out, "image_frequency", format!("image has {n} captions"));
+            return out;
+        }
+    }
+
+    let o = &f.output;
+    let resize = o.resize_longer > 0 && long > o.resize_longer;
+    let need_pixels = f.image.require_decodable || resize || o.reencode_jpeg || !near.is_empty();
+    let mut image = s.image;
+    let mut ext = if fmt == image::ImageFormat::Jpeg { "jpg" } else { name };
+    let mut near_eval = None;
+    if need_pixels {
+        // Full resolution only when writing pixels; the checks are fine at reduced DCT scale.
+        let min_side = if resize || o.reencode_jpeg { u32::MAX } else { 64 };
+        let pixels = match transform::decode(&image, min_side, f.image.max_pixels) {
+            Ok(p) => p,
+            Err(e) => {
+                fail(&mut out, "undecodable", e.detail);
+                return out;
+            }
+        };
+        if !near.is_empty() {
+            near_eval = near.nearest_within(phash::phash(&pixels), f.dedup.near_max_distance);
+        }
+        if resize || o.reencode_jpeg {
+            let pixels = if resize {
+                let scale = o.resize_longer as f64 / long as f64;
+                let (nw, nh) = (((w as f64 * scale).round() as u32).max(1), ((h as f64 * scale).round() as u32).max(1));
+                transform::resize(&pixels, nw, nh, Interpolation::Bicubic)
+            } else {
+                pixels
+            };
+            let mut buf = Vec::new();
+            if let Err(e) = image::codecs::jpeg::JpegEncoder::new_with_quality(&mut buf, o.jpeg_quality).encode_image(&pixels) {
+                fail(&mut out, "undecodable", format!("re-encoding: {e}"));
+                return out;
+            }
+            image = buf;
+            ext = "jpg";
+        }
+    }
+    out.verdict = Ok(Prepared { caption, image, ext, json: s.json, image_hash, near_eval });
+    out
+}
+
+/// Where kept samples go: straight into output shards, or (to shuffle globally) into random
+/// buckets that are each shuffled in memory afterwards.
+struct ShardSink {
+    dir: PathBuf,
+    per_shard: usize,
+    current: Option<ShardWriter>,
+    shards: Vec<PathBuf>,
+}
+
+impl ShardSink {
+    fn write(&mut self, key: &str, fields: &[(&str, &[u8])]) -> Result<()> {
+        if self.current.is_none() {
+            let path = self.dir.join(format!("{:05}.tar", self.shards.len()));
+            self.current = Some(ShardWriter::create(&path)?);
+        }
+        let w = self.current.as_mut().expect("just created");
+        w.write_sample(key, fields)?;
+        if w.samples() as usize >= self.per_shard {
+            self.close()?;
+        }
+        Ok(())
+    }
+
+    fn close(&mut self) -> Result<()> {
+        if let Some(w) = self.current.take() {
+            self.shards.push(w.finish()?);
+        }
+        Ok(())
+    }
+}
+
+fn index_eval_sets(specs: &[String], max_pixels: u64, quiet: bool) -> Result<NearIndex> {
+    let mut index = NearIndex::default();
+    for spec in specs {
+        let path = Path::new(spec);
+        let bar = Progress::spinner("hashing eval images", quiet);
+        let hashes: Vec<u64> = if path.is_dir() {
+            let mut files = Vec::new();
+            let mut stack = vec![path.to_path_buf()];
+            while let Some(d) = stack.pop() {
+                for e in std::fs::read_dir(&d).with_context(|| format!("listing {}", d.display()))? {
+                    let p = e?.path();
+                    if p.is_dir() {
+                        stack.push(p);
+                    } else if image::ImageFormat::from_path(&p).is_ok() {
+                        files.push(p);
+                    }
+                }
+            }
+            files.sort();
+            files
+                .par_iter()
+                .flat_map_iter(|p| {
+                    bar.inc(1);
+                    let img = std::fs::read(p).ok().and_then(|b| transform::decode(&b, 64, max_pixels).ok());
+                    if img.is_none() {
+                        log::warn(format!("--exclude-near {}: cannot decode {}; not indexed", spec, p.display()));
+                    }
+                    img.map(|i| phash::phash_with_mirror(&i)).into_iter().flatten()
+                })
+                .collect()
+        } else {
+            let shards = super::spec::expand(spec)?;
+            shards
+                .par_iter()
+                .flat_map_iter(|src| {
+                    let mut out = Vec::new();
+                    for ev in read_shard_events(src) {
+                        if let ShardEvent::Sample(s) = ev {
+                            bar.inc(1);
+                            match super::sample::image_bytes(&s).ok().and_then(|b| transform::decode(b, 64, max_pixels).ok()) {
+                                Some(img) => out.extend(phash::phash_with_mirror(&img)),
+                                None => log::warn(format!("--exclude-near {src}: sample {}: no decodable image; not indexed", s.key)),
+                            }
+                        }
+                    }
+                    out
+                })
+                .collect()
+        };
+        bar.finish();
+        index.extend(hashes);
+    }
+    Ok(index)
+}
+
+pub fn build(o: &BuildOptions) -> Result<BuildReport> {
+    let t0 = Instant::now();
+    let f = &o.filters;
+    f.validate()?;
+    let input = Input::open(&o.input, o.image_root.as_deref())?;
+    std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
+    let near = index_eval_sets(&o.exclude_near, f.image.max_pixels, o.quiet)?;
+    let (counts, total) = if f.needs_counts() {
+        let (c, n) = count_corpus(&input, f, o.quiet);
+        (c, Some(n))
+    } else {
+        (Counts::default(), None)
+    };
+
+    let staging = o.out.join(".build");
+    let shuffle = f.output.shuffle;
+    let buckets = if shuffle {
+        std::fs::create_dir_all(&staging)?;
+        let estimate = total
+            .unwrap_or(0)
+            .max(input.parts() as u64 * if matches!(input, Input::Table { .. }) { 1 } else { f.output.samples_per_shard as u64 });
+        (estimate.div_ceil(f.output.samples_per_shard as u64)).max(1) as usize
+    } else {
+        0
+    };
+    let mut bucket_writers: Vec<Option<ShardWriter>> = (0..buckets).map(|_| None).collect();
+    let mut sink = ShardSink { dir: o.out.clone(), per_shard: f.output.samples_per_shard, current: None, shards: Vec::new() };
+
+    let mut removed = [0u64; FILTER_ORDER.len()];
+    let mut before = Dists::new(1);
+    let mut after = Dists::new(2);
+    let mut seen_images: HashSet<u128> = HashSet::new();
+    let (mut input_samples, mut kept) = (0u64, 0u64);
+    let bar = match total {
+        Some(n) => Progress::bar(n, "filtering", o.quiet),
+        None => Progress::spinner("filtering", o.quiet),
+    };
+    let rx = input.stream();
+    loop {
+        let mut chunk: Vec<Item> = Vec::with_capacity(256);
+        while chunk.len() < 256 {
+            match rx.recv() {
+                Ok(item) => chunk.push(item),
+                Err(_) => break,
+            }
+        }
+        if chunk.is_empty() {
+            break;
+        }
+        let checked: Vec<Result<Checked, (String, String, String)>> = chunk
+            .into_par_iter()
+            .map(|item| match item {
+                Item::Sample(s) => Ok(check(s, f, &counts, &near)),
+                Item::Bad { origin, key, reason } => Err((origin, key, reason)),
+            })
+            .collect();
+        bar.inc(checked.len() as u64);
+        for c in checked {
+            input_samples += 1;
+            let c = match c {
+                Ok(c) => c,
+                Err((origin, key, reason)) => {
+                    removed[filter_index("unreadable")] += 1;
+                    log::warn(format!("{origin}: sample {key}: {reason}"));
+                    continue;
+                }
+            };
+            before.add(c.words, c.dims);
+            let p = match c.verdict {
+                Ok(p) => p,
+                Err((filter, detail)) => {
+                    removed[filter_index(filter)] += 1;
+                    if filter == "undecodable" {
+                        log::warn(format!("{}: sample {}: {detail}", c.origin, c.key));
+                    }
+                    continue;
+                }
+            };
+            if f.dedup.exact_images && !seen_images.insert(p.image_hash) {
+                removed[filter_index("duplicate_image")] += 1;
+                continue;
+            }
+            if p.near_eval.is_some() {
+                removed[filter_index("near_duplicate_eval")] += 1;
+                continue;
+            }
+            kept += 1;
+            after.add(c.words, c.dims);
+            let json =
+                p.json.unwrap_or_else(|| serde_json::to_vec(&serde_json::json!({"key": c.key, "caption": p.caption})).unwrap_or_default());
+            let fields: [(&str, &[u8]); 3] = [(p.ext, &p.image), ("txt", p.caption.as_bytes()), ("json", &json)];
+            if shuffle {
+                let b = (mix64(hash_str(&c.key) ^ mix64(kept ^ f.output.seed)) % buckets as u64) as usize;
+                if bucket_writers[b].is_none() {
+                    bucket_writers[b] = Some(ShardWriter::create(&staging.join(format!("bucket-{b:05}.tar")))?);
+                }
+                bucket_writers[b].as_mut().expect("just created").write_sample(&c.key, &fields)?;
+            } else {
+                sink.write(&c.key, &fields)?;
+            }
+        }
+    }
+    bar.finish();
+
+    if shuffle {
+        let bar = Progress::bar(buckets as u64, "shuffling", o.quiet);
+        for (b, w) in bucket_writers.into_iter().enumerate() {
+            bar.inc(1);
+            let Some(w) = w else { continue };
+            let path = w.finish()?;
+            let mut samples: Vec<_> = read_shard_events(&ShardSource::File(path.clone()))
+                .into_iter()
+                .filter_map(|e| if let ShardEvent::Sample(s) = e { Some(s) } else { None })
+                .collect();
+            Rng::derived(f.output.seed, &[b as u64]).shuffle(&mut samples);
+            for s in &samples {
+                let fields: Vec<(&str, &[u8])> = s.fields.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+                sink.write(&s.key, &fields)?;
+            }
+            std::fs::remove_file(&path)?;
+        }
+        bar.finish();
+        let _ = std::fs::remove_dir(&staging);
+    }
+    sink.close()?;
+
+    let report = BuildReport {
+        filters: f.description.clone(),
+        input_samples,
+        kept,
+        removed: FILTER_ORDER.iter().zip(removed).map(|(f, n)| Removed { filter: f.to_string(), samples: n }).collect(),
+        before: before.finish(),
+        after: after.finish(),
+        eval_hashes: near.len(),
+        shards: sink.shards,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    let path = o.out.join("build-report.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+    Ok(report)
+}
