@@ -190,6 +190,26 @@ pub struct TrainConfig {
     pub local_loss: bool,
     /// Seconds a rank waits in a collective (or rendezvous) before giving up.
     pub collective_timeout_s: f64,
+    /// `f32`, or `bf16`: towers computed in bfloat16 from f32 master weights (optimizer state,
+    /// logits and loss stay f32).
+    pub precision: Precision,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl Precision {
+    pub fn compute_dtype(self) -> candle_core::DType {
+        match self {
+            Precision::F32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+        }
+    }
 }
 
 impl TrainConfig {
@@ -214,6 +234,7 @@ impl Default for TrainConfig {
             gather_with_grad: true,
             local_loss: true,
             collective_timeout_s: 1800.0,
+            precision: Precision::F32,
         }
     }
 }

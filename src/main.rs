@@ -15,6 +15,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(name = "align", version, about = "Train and evaluate contrastive image-text dual encoders (ALIGN, CLIP)")]
 struct Cli {
+    /// Compute device: cpu, cuda or cuda:N (default: the first GPU if this build has CUDA and
+    /// one is present, else the CPU).
+    #[arg(long, global = true, value_name = "DEVICE")]
+    device: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -115,6 +119,12 @@ enum BenchCommand {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Demo(_) | Command::Train(_) | Command::Eval(_) | Command::Embed(_) | Command::Search(_) | Command::Bench(_)
+    ) {
+        cli::select_device(cli.device.as_deref())?;
+    }
     match cli.command {
         Command::Demo(a) => cli::demo::run(&a),
         Command::Train(a) => cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after, a.nproc),

@@ -117,12 +117,21 @@ pub struct ModelArgs {
     /// Further config overrides (`--set optimizer.kind="adamw"`).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub overrides: Vec<String>,
+    /// `f32`, or `bf16` (towers in bfloat16 over f32 master weights, as `train.precision`).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// The device's peak FLOP/s in TFLOP/s for this precision, to report model FLOPs
+    /// utilisation (e.g. 989 for an H100 SXM in bf16).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
     #[arg(long)]
     pub json: bool,
 }
 
 #[derive(Serialize)]
 struct ModelBench {
+    device: String,
+    precision: String,
     image_tower: String,
     text_tower: String,
     batch: usize,
@@ -134,6 +143,24 @@ struct ModelBench {
     step_ms: f64,
     samples_per_second: f64,
     peak_rss_mib: Option<f64>,
+    /// Most GPU memory in use at the sampled points (after each phase), all processes.
+    peak_gpu_mib: Option<f64>,
+    /// Forward FLOPs per (image, caption) pair, counted from the architecture.
+    forward_gflops_per_sample: f64,
+    /// 3 × forward FLOPs × samples/s.
+    model_tflops_per_s: f64,
+    mfu: Option<f64>,
+}
+
+/// GPU memory in use on the device (total − free), in MiB.
+fn gpu_used_mib(device: &candle_core::Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
+        return Some((total - free) as f64 / (1024.0 * 1024.0));
+    }
+    let _ = device;
+    None
 }
 
 /// Peak resident memory of this process (Linux `VmHWM`).
@@ -160,6 +187,7 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         format!("text.max_len={}", a.text_len),
     ];
     overrides.extend(a.overrides.iter().cloned());
+    overrides.push(format!("train.precision={:?}", a.precision));
     let cfg = Config::from_str_with_overrides("", "bench", &overrides)?;
     let mut spec = cfg.model_spec(30522)?;
     if let ImageSpec::EfficientNet(e) = &mut spec.image {
@@ -183,18 +211,39 @@ pub fn model(a: &ModelArgs) -> Result<()> {
     let ids = Tensor::from_vec(ids, (a.batch, a.text_len), &device)?;
     let mask = Tensor::ones((a.batch, a.text_len), candle_core::DType::U32, &device)?;
     let (mut fwd, mut bwd, mut opt_t) = (0.0, 0.0, 0.0);
+    let mut peak_gpu: Option<f64> = None;
+    let mut sample_gpu = || {
+        if let Some(m) = gpu_used_mib(&device) {
+            peak_gpu = Some(peak_gpu.map_or(m, |p: f64| p.max(m)));
+        }
+    };
+    let compute = cfg.train.precision.compute_dtype();
     let bar = Progress::bar((a.warmup + a.steps) as u64, "steps", a.json);
     for step in 0..a.warmup + a.steps {
+        device.synchronize()?;
         let t0 = Instant::now();
+        // As in training: the mixed-precision view is rebuilt from the master weights every step.
+        let view;
+        let model = if compute == candle_core::DType::F32 {
+            &model
+        } else {
+            view = DualEncoder::new(&spec, SeededVars::builder_dtype(&vm, 0, compute, &device))?;
+            &view
+        };
         let img = model.image_embeddings(&images, &Ctx::train(step as u64))?;
         let txt = model.text_embeddings(&ids, &mask)?;
         let loss = contrastive_loss(&img, &txt, &img, &txt, 0, &model.logit_scale()?, 0.1)?.total;
         loss.to_scalar::<f32>()?;
         let t1 = Instant::now();
+        sample_gpu();
         let grads = opt.gather(&loss.backward()?);
+        device.synchronize()?;
         let t2 = Instant::now();
+        sample_gpu();
         opt.step(&grads, 1e-4)?;
+        device.synchronize()?;
         let t3 = Instant::now();
+        sample_gpu();
         if step >= a.warmup {
             fwd += (t1 - t0).as_secs_f64();
             bwd += (t2 - t1).as_secs_f64();
@@ -205,7 +254,12 @@ pub fn model(a: &ModelArgs) -> Result<()> {
     bar.finish();
     let n = a.steps.max(1) as f64;
     let step_ms = 1000.0 * (fwd + bwd + opt_t) / n;
+    let samples_per_second = a.batch as f64 * 1000.0 / step_ms;
+    let flops = model.forward_flops_per_pair(a.text_len);
+    let model_tflops_per_s = 3.0 * flops * samples_per_second / 1e12;
     let r = ModelBench {
+        device: align::util::device::describe(&device),
+        precision: a.precision.clone(),
         image_tower: a.image_tower.clone(),
         text_tower: a.text_tower.clone(),
         batch: a.batch,
@@ -215,19 +269,34 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         backward_ms: 1000.0 * bwd / n,
         optimizer_ms: 1000.0 * opt_t / n,
         step_ms,
-        samples_per_second: a.batch as f64 * 1000.0 / step_ms,
+        samples_per_second,
         peak_rss_mib: peak_rss_mib(),
+        peak_gpu_mib: peak_gpu,
+        forward_gflops_per_sample: flops / 1e9,
+        model_tflops_per_s,
+        mfu: a.peak_tflops.map(|p| model_tflops_per_s / p),
     };
     if a.json {
         return super::print_json(&r);
     }
-    let mut t = Table::new(&format!("Model step: {} + {}, batch {}, {} px", r.image_tower, r.text_tower, r.batch, r.image_size));
+    let mut t = Table::new(&format!(
+        "Model step: {} + {}, batch {}, {} px, {} on {}",
+        r.image_tower, r.text_tower, r.batch, r.image_size, r.precision, r.device
+    ));
     t.row("parameters", format!("{:.2} M", r.parameters as f64 / 1e6));
     t.row("forward", format!("{:.1} ms", r.forward_ms))
         .row("backward", format!("{:.1} ms", r.backward_ms))
         .row("optimizer", format!("{:.1} ms", r.optimizer_ms));
     t.row("samples/s", format!("{:.2}", r.samples_per_second));
     t.row("peak RSS", r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.0} MiB")));
+    if let Some(m) = r.peak_gpu_mib {
+        t.row("peak GPU memory", format!("{m:.0} MiB"));
+    }
+    t.row("forward GFLOPs / sample", format!("{:.2}", r.forward_gflops_per_sample));
+    t.row("model TFLOP/s", format!("{:.3}", r.model_tflops_per_s));
+    if let Some(m) = r.mfu {
+        t.row("MFU", format!("{:.1}%", 100.0 * m));
+    }
     t.print();
     Ok(())
 }

@@ -12,13 +12,23 @@ pub mod train;
 
 use candle_core::Device;
 
-/// The compute device: the first CUDA GPU when built with `cuda` and one is present, else CPU.
+static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+
+/// Chooses the device from `--device` (`cpu`, `cuda`, `cuda:N`); without it, the first CUDA GPU
+/// when the binary has CUDA and one is present, else the CPU. Says which, once.
+pub fn select_device(requested: Option<&str>) -> anyhow::Result<()> {
+    let device = match align::util::device::parse(requested)? {
+        Some(d) => d,
+        None => align::util::device::auto(),
+    };
+    align::util::log::info(format!("device: {}", align::util::device::describe(&device)));
+    let _ = DEVICE.set(device);
+    Ok(())
+}
+
+/// The device chosen by [`select_device`] (the CPU if none was).
 pub fn default_device() -> Device {
-    #[cfg(feature = "cuda")]
-    if let Ok(d) = Device::new_cuda(0) {
-        return d;
-    }
-    Device::Cpu
+    DEVICE.get().cloned().unwrap_or(Device::Cpu)
 }
 
 pub fn print_json<T: serde::Serialize>(value: &T) -> anyhow::Result<()> {

@@ -1,7 +1,7 @@
 //! The dual encoder: an image tower and a text tower, linear projections to a shared embedding
 //! space, L2 normalisation, and the learnable temperature.
 
-use candle_core::{Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Init, Linear, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +64,15 @@ impl ImageTower {
     }
 }
 
+/// Half-precision values to f32 (f32 and f64 unchanged): embeddings leave the towers, and
+/// enter the normalisation and the loss, at full precision.
+pub fn widen(x: &Tensor) -> Result<Tensor> {
+    match x.dtype() {
+        DType::BF16 | DType::F16 => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
+}
+
 /// CLIP clamps the logit scale at 100 (σ ≥ 0.01).
 pub const CLIP_MAX_LOGIT_SCALE: f64 = 100.0;
 
@@ -101,28 +110,61 @@ impl DualEncoder {
         Ok(DualEncoder { image, text, visual_projection, text_projection, temperature, spec: spec.clone() })
     }
 
+    /// The dtype the towers compute in: their weights' (bf16 for a mixed-precision view built
+    /// with `SeededVars::builder_dtype(.., BF16, ..)` over f32 variables).
+    pub fn compute_dtype(&self) -> DType {
+        self.text_projection.weight().dtype()
+    }
+
     /// L2-normalised image embeddings `[batch, embed_dim]` for `[batch, 3, S, S]` images.
     pub fn image_embeddings(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let pooled = self.image.pooled(images, ctx)?;
+        let pooled = self.image.pooled(&images.to_dtype(self.compute_dtype())?, ctx)?;
         let x = match &self.visual_projection {
             Some(p) => p.forward(&pooled)?,
             None => pooled,
         };
-        l2_normalize(&x)
+        l2_normalize(&widen(&x)?)
     }
 
     /// L2-normalised text embeddings for token ids and attention mask (`[batch, len]`, u32).
     pub fn text_embeddings(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let pooled = self.text.pooled(ids, mask, self.spec.text_pooling)?;
-        l2_normalize(&self.text_projection.forward(&pooled)?)
+        l2_normalize(&widen(&self.text_projection.forward(&pooled)?)?)
     }
 
-    /// The factor logits are multiplied by: 1/σ (ALIGN) or min(exp(s), 100) (CLIP). 0-d.
+    /// The factor logits are multiplied by: 1/σ (ALIGN) or min(exp(s), 100) (CLIP). 0-d, f32 or
+    /// f64 (never lower: the logits and the loss are computed at full precision).
     pub fn logit_scale(&self) -> Result<Tensor> {
+        let t = widen(&self.temperature)?;
         match self.spec.temperature {
-            TemperatureKind::Align => self.temperature.recip(),
-            TemperatureKind::Clip => self.temperature.exp()?.clamp(0.0, CLIP_MAX_LOGIT_SCALE),
+            TemperatureKind::Align => t.recip(),
+            TemperatureKind::Clip => t.exp()?.clamp(0.0, CLIP_MAX_LOGIT_SCALE),
         }
+    }
+
+    /// FLOPs of one (image, caption) pair's forward pass, counted from the architecture (the
+    /// matrix multiplications and convolutions; 2 per multiply-add). A training step costs about
+    /// three times this per sample (forward, and backward for activations and weights), the
+    /// figure model FLOPs utilisation is computed from.
+    pub fn forward_flops_per_pair(&self, text_len: usize) -> f64 {
+        let transformer = |tokens: f64, d: f64, m: f64, layers: usize| {
+            layers as f64 * (8.0 * tokens * d * d + 4.0 * tokens * tokens * d + 4.0 * tokens * d * m)
+        };
+        let image = match &self.image {
+            ImageTower::Vit(v) => {
+                let c = &v.config;
+                let patches = (c.image_size / c.patch_size).pow(2) as f64;
+                let (d, p) = (c.width as f64, c.patch_size as f64);
+                2.0 * patches * 3.0 * p * p * d + transformer(patches + 1.0, d, c.mlp_dim as f64, c.depth)
+            }
+            ImageTower::EfficientNet(e) => e.forward_flops(),
+        };
+        let t = &self.spec.text;
+        let text = transformer(text_len as f64, t.hidden as f64, t.intermediate as f64, t.layers);
+        let width = self.spec.image.width() as f64;
+        let e = self.spec.embed_dim as f64;
+        let projections = 2.0 * t.hidden as f64 * e + if self.visual_projection.is_some() { 2.0 * width * e } else { 0.0 };
+        image + text + projections
     }
 
     /// σ = 1 / logit scale, for reporting.
@@ -268,5 +310,35 @@ pub(crate) mod tests {
             .unwrap();
         let d = (short - padded).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(d < 1e-5, "{d}");
+    }
+
+    #[test]
+    fn counted_flops_match_the_published_figures() {
+        // Published multiply-adds at 224 px: ViT-B/16 17.6 G, EfficientNet-B0 0.39 G; BERT-base over 64 tokens by hand: 12·(4·64·768² + 2·64²·768 +
+        // 2·64·768·3072) = 5.51 G. We count 2 FLOPs per multiply-add.
+        let dev = Device::Cpu;
+        let build = |image: &str, text: &str| {
+            let cfg = crate::config::Config::from_str_with_overrides(
+                "",
+                "flops",
+                &[
+                    format!("model.image_tower={image:?}"),
+                    format!("model.text_tower={text:?}"),
+                    "data.image.image_size=224".into(),
+                    "model.image_projection=true".into(),
+                ],
+            )
+            .unwrap();
+            DualEncoder::new(&cfg.model_spec(30522).unwrap(), candle_nn::VarBuilder::zeros(DType::F32, &dev)).unwrap()
+        };
+        let vit = build("vit-b16", "bert-base");
+        let text = 2.0 * 5.51e9;
+        let image = vit.forward_flops_per_pair(64) - text;
+        assert!((image / 2.0 / 17.6e9 - 1.0).abs() < 0.02, "ViT-B/16: {:.2} GMACs", image / 2e9);
+        let b0 = build("efficientnet-b0", "bert-base");
+        let image = b0.forward_flops_per_pair(64) - text;
+        // ALIGN's tower (Hugging Face AlignVisionModel) has no 1×1 head convolution to 1280
+        // channels and no classifier: 0.39 G − 49·320·1280 − 1280·1000 = 0.368 G.
+        assert!((image / 2.0 / 0.368e9 - 1.0).abs() < 0.02, "EfficientNet-B0: {:.3} GMACs", image / 2e9);
     }
 }

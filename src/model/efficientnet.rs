@@ -10,7 +10,7 @@
 //! - the squeeze-excite width is the block's *input* width × 0.25;
 //! - the residual is added in every block but the first of each stage.
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
@@ -367,6 +367,29 @@ impl EfficientNet {
             .collect()
     }
 
+    /// Multiply-adds ×2 of one image's forward pass: the stem, and per block the expansion,
+    /// depthwise, squeeze-and-excitation and projection convolutions (normalisations and
+    /// activations are negligible and not counted).
+    pub fn forward_flops(&self) -> f64 {
+        let mut side = ((self.config.image_size + 1 - 3) / 2 + 1) as f64;
+        let mut flops = 2.0 * side * side * self.stem.dim(0).unwrap_or(0) as f64 * 3.0 * 9.0;
+        for (b, l) in self.blocks.iter().zip(self.depthwise_layers()) {
+            let dims = |t: &Tensor| t.dims().to_vec();
+            let mid = l.channels as f64;
+            if let Some((w, _)) = &b.expand {
+                let d = dims(w);
+                flops += 2.0 * side * side * (d[0] * d[1]) as f64;
+            }
+            let out_side = ((l.input + l.pad.top + l.pad.bottom - l.kernel) / l.stride + 1) as f64;
+            flops += 2.0 * out_side * out_side * mid * (l.kernel * l.kernel) as f64;
+            let se = dims(&b.se_reduce.0)[0] as f64;
+            flops += 2.0 * 2.0 * mid * se;
+            flops += 2.0 * out_side * out_side * mid * dims(&b.project)[0] as f64;
+            side = out_side;
+        }
+        flops
+    }
+
     pub fn new(c: &EfficientNetConfig, vb: VarBuilder) -> Result<Self> {
         let emb = vb.pp("embeddings");
         let stem_out = c.round_filters(32);
@@ -399,11 +422,17 @@ impl EfficientNet {
         let wo = (w + 1 - 3) / 2 + 1;
         let x = images.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?;
         let x = x.narrow(2, 0, 2 * (ho - 1) + 3)?.narrow(3, 0, 2 * (wo - 1) + 3)?;
-        let mut x = self.stem_bn.forward_act(&x.conv2d(&self.stem, 0, 2, 1, 1)?, ctx, true)?;
+        // candle's CPU convolution has no bf16 kernel: there the stem runs in f32.
+        let stem = if x.device().is_cpu() && matches!(x.dtype(), candle_core::DType::BF16 | candle_core::DType::F16) {
+            let f = candle_core::DType::F32;
+            x.to_dtype(f)?.conv2d(&self.stem.to_dtype(f)?, 0, 2, 1, 1)?.to_dtype(x.dtype())?
+        } else {
+            x.conv2d(&self.stem, 0, 2, 1, 1)?
+        };
+        let mut x = self.stem_bn.forward_act(&stem, ctx, true)?;
         for b in &self.blocks {
             x = b.forward(&x, ctx)?;
         }
-        let x = if x.dtype() == DType::F64 { x } else { x.to_dtype(DType::F32)? };
         spatial_mean(&x)
     }
 }
@@ -418,6 +447,7 @@ impl Module for EfficientNet {
 mod tests {
     use super::*;
     use crate::model::init::SeededVars;
+    use candle_core::DType;
     use candle_core::Device;
     use candle_nn::VarMap;
 
@@ -427,6 +457,38 @@ mod tests {
         c.depth_coefficient = 0.5;
         c.drop_path = 0.0;
         c
+    }
+
+    /// A bf16 view over f32 variables (mixed precision) computes the same features to bf16
+    /// accuracy, and its gradients reach the f32 variables.
+    #[test]
+    fn a_bf16_view_tracks_the_f32_network_and_trains_its_variables() {
+        let dev = Device::Cpu;
+        let vm = VarMap::new();
+        let full = EfficientNet::new(&tiny(), SeededVars::builder(&vm, 1, &dev)).unwrap();
+        let half = EfficientNet::new(&tiny(), SeededVars::builder_dtype(&vm, 1, DType::BF16, &dev)).unwrap();
+        let x = crate::util::rng::randn(120, 0.0, 1.0, (2, 3, 32, 32), DType::F32, &dev).unwrap();
+        let a = full.pooled(&x, &Ctx::EVAL).unwrap();
+        let b = half.pooled(&x.to_dtype(DType::BF16).unwrap(), &Ctx::EVAL).unwrap().to_dtype(DType::F32).unwrap();
+        let rel = ((&a - &b).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()
+            / a.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap())
+        .sqrt();
+        assert!(rel < 0.05, "bf16 features differ by {rel}");
+        let loss = half
+            .pooled(&x.to_dtype(DType::BF16).unwrap(), &Ctx::train(0))
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap();
+        let grads = loss.backward().unwrap();
+        let data = vm.data().lock().unwrap();
+        let stem = &data["embeddings.convolution.weight"];
+        let g = grads.get(stem.as_tensor()).expect("the f32 stem weight gets a gradient");
+        assert_eq!(g.dtype(), DType::F32);
+        assert!(g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
     }
 
     /// Finite differences (f64) against backprop for two entries of every trainable variable,

@@ -64,6 +64,11 @@ impl SimpleBackend for SeededVars {
             if v.shape() != &s {
                 candle_core::bail!("variable {name} exists with shape {:?}, requested {:?}", v.shape(), s);
             }
+            // BatchNorm's running averages stay as they are: the layer updates them in place,
+            // which a cast copy (a bf16 compute view) would silently drop.
+            if crate::model::batch_norm::is_running_stat(name) {
+                return Ok(v.as_tensor().clone());
+            }
             return v.as_tensor().to_dtype(dtype);
         }
         let mut rng = Rng::derived(self.seed, &[hash_str(name)]);

@@ -64,7 +64,12 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, bias: Option<
         Some(m) => scores.broadcast_add(m)?,
         None => scores,
     };
-    let probs = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    // The softmax runs in f32 even for bf16 towers: exp and the row sums lose too many digits
+    // at 8 bits of mantissa.
+    let probs = match scores.dtype() {
+        DType::BF16 | DType::F16 => candle_nn::ops::softmax(&scores.to_dtype(DType::F32)?, D::Minus1)?.to_dtype(scores.dtype())?,
+        _ => candle_nn::ops::softmax(&scores, D::Minus1)?,
+    };
     probs.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))
 }
 

@@ -76,6 +76,21 @@ impl CustomOp1 for AllGather {
         Ok((storage, shape))
     }
 
+    /// On the GPU the group (NCCL) gathers device buffers directly.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let local = Tensor::from((candle_core::Storage::Cuda(s.try_clone(l)?), l.shape().clone()));
+        let all = self.group.all_gather(&local).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let all = all.to_device(&local.device().clone())?.contiguous()?;
+        let shape = all.shape().clone();
+        let (storage, layout) = all.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cuda(c) => Ok((c.try_clone(layout)?, shape)),
+            _ => candle_core::bail!("all-gather of a GPU tensor came back on another device"),
+        }
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let summed = self.group.all_reduce_sum(&grad.contiguous()?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let rows = arg.dim(0)?;

@@ -7,7 +7,10 @@ pub mod hf_io;
 pub mod init_from;
 pub mod loss;
 pub mod metrics_log;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod optim;
+pub mod rendezvous;
 pub mod schedule;
 pub mod step;
 pub mod tensorboard;

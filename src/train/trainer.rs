@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use serde::Serialize;
 
@@ -16,7 +16,7 @@ use super::metrics_log::{self, MetricsLog};
 use super::optim::Optimizer;
 use super::schedule::lr_at;
 use super::step::{self, MicroBatch};
-use crate::config::Config;
+use crate::config::{Config, Precision};
 use crate::data::distribute::{Placement, ShardPlan};
 use crate::data::loader::{Batch, LoaderSettings, TrainLoader};
 use crate::data::skips::SkipCounts;
@@ -112,6 +112,20 @@ fn resolve_tokenizer(cfg: &Config, resume_dir: Option<&PathBuf>, quiet: bool) ->
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
     let env = DistEnv::from_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
     if env.world_size > 1 {
+        #[cfg(feature = "nccl")]
+        {
+            let timeout = std::time::Duration::from_secs_f64(cfg.train.collective_timeout_s);
+            let group = super::nccl::NcclGroup::join(&env, timeout).with_context(|| format!("rank {} of {}", env.rank, env.world_size))?;
+            let opts = TrainOptions {
+                resume: opts.resume,
+                quiet: opts.quiet || env.rank > 0,
+                device: group.device().clone(),
+                stop_after: opts.stop_after,
+                nproc: 1,
+            };
+            return train_rank(cfg, &opts, Arc::new(group));
+        }
+        #[cfg(not(feature = "nccl"))]
         bail!(
             "this process is rank {} of {} (from RANK/WORLD_SIZE or SLURM): multi-process training runs over NCCL, which this build does not include (build with --features nccl)",
             env.rank,
@@ -336,7 +350,17 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
         }
         let local: u64 = micro_batches.iter().map(|m| m.images.dim(0).unwrap_or(0) as u64).sum();
         let seed = derive_seed(cfg.run.seed, &[0x5354_4550, step]);
-        let out = step::compute(&model, &opt, &micro_batches, &group, gather, cfg.loss.label_smoothing, seed)?;
+        // Mixed precision: a bf16 view of the f32 variables, rebuilt after every update; its
+        // casts carry the gradients back to the f32 master weights.
+        let view;
+        let compute_model = match cfg.train.precision {
+            Precision::F32 => &model,
+            Precision::Bf16 => {
+                view = DualEncoder::new(&spec, SeededVars::builder_dtype(&varmap, cfg.run.seed, DType::BF16, device))?;
+                &view
+            }
+        };
+        let out = step::compute(compute_model, &opt, &micro_batches, &group, gather, cfg.loss.label_smoothing, seed)?;
         drop(micro_batches);
         if !out.loss.is_finite() {
             let keep = last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());

@@ -1,3 +1,4 @@
+pub mod device;
 pub mod interrupt;
 pub mod log;
 pub mod progress;

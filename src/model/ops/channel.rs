@@ -131,6 +131,12 @@ impl CustomOp1 for Moments {
 /// Per-channel mean and biased variance over (N, H, W): `[2, C]`. Not differentiable (the
 /// BatchNorm op accounts for the statistics' dependence on the input itself).
 pub fn channel_moments(x: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return composite::channel_moments(x);
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F64) {
+        return channel_moments(&x.to_dtype(DType::F32)?);
+    }
     x.contiguous()?.apply_op1_no_bwd(&Moments)
 }
 
@@ -310,6 +316,9 @@ pub struct Statistics<'a> {
 
 /// BatchNorm with the given statistics, affine `gamma` / `beta`, and an optional SiLU, as one op.
 pub fn batch_norm_act(x: &Tensor, stats: &Statistics, gamma: &Tensor, beta: &Tensor, silu: bool) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return composite::batch_norm_act(x, stats, gamma, beta, silu);
+    }
     let dtype = x.dtype();
     let cd = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
     let op = BatchNormAct {
@@ -377,6 +386,12 @@ impl CustomOp2 for DotPerPlane {
 
 /// `h · s` with `h` `[N, C, H, W]` and `s` `[N, C]` (one factor per image and channel).
 pub fn channel_scale(h: &Tensor, s: &Tensor) -> Result<Tensor> {
+    if !h.device().is_cpu() {
+        return composite::channel_scale(h, s);
+    }
+    if !matches!(h.dtype(), DType::F32 | DType::F64) {
+        return channel_scale(&h.to_dtype(DType::F32)?, &s.to_dtype(DType::F32)?)?.to_dtype(h.dtype());
+    }
     let (n, c, _, _) = h.dims4()?;
     h.contiguous()?.apply_op2(&s.reshape((n, c))?.contiguous()?, ChannelScale)
 }
@@ -406,13 +421,73 @@ impl CustomOp1 for SpatialMean {
 
 /// Mean over H and W: `[N, C, H, W]` → `[N, C]`.
 pub fn spatial_mean(x: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cpu() {
+        return composite::spatial_mean(x);
+    }
+    if !matches!(x.dtype(), DType::F32 | DType::F64) {
+        return spatial_mean(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype());
+    }
     x.contiguous()?.apply_op1(SpatialMean)
+}
+
+/// The same ops composed from candle primitives, which have kernels on every device: what GPUs
+/// run (the fused CPU ops above have no CUDA kernels yet) and what the tests hold the fused ops to.
+pub mod composite {
+    use candle_core::{DType, Result, Tensor};
+
+    use super::Statistics;
+
+    /// Mean over N, H and W, keeping `[1, C, 1, 1]`.
+    fn per_channel_mean(x: &Tensor) -> Result<Tensor> {
+        x.mean_keepdim(3)?.mean_keepdim(2)?.mean_keepdim(0)
+    }
+
+    pub fn channel_moments(x: &Tensor) -> Result<Tensor> {
+        let x = x.detach();
+        let m = per_channel_mean(&x)?;
+        let v = per_channel_mean(&x.broadcast_sub(&m)?.sqr()?)?;
+        Tensor::stack(&[m.flatten_all()?, v.flatten_all()?], 0)
+    }
+
+    pub fn batch_norm_act(x: &Tensor, stats: &Statistics, gamma: &Tensor, beta: &Tensor, silu: bool) -> Result<Tensor> {
+        let c = x.dim(1)?;
+        let (mean, var) = if stats.from_batch {
+            let m = per_channel_mean(x)?;
+            let v = per_channel_mean(&x.broadcast_sub(&m)?.sqr()?)?;
+            (m, v)
+        } else {
+            let host = |v: &[f64]| Tensor::from_slice(v, (1, c, 1, 1), x.device())?.to_dtype(x.dtype());
+            (host(stats.mean)?, host(stats.var)?)
+        };
+        let inv_std = (var + stats.eps)?.sqrt()?.recip()?;
+        let z = x.broadcast_sub(&mean)?.broadcast_mul(&inv_std)?;
+        let z = z
+            .broadcast_mul(&gamma.to_dtype(x.dtype())?.reshape((1, c, 1, 1))?)?
+            .broadcast_add(&beta.to_dtype(x.dtype())?.reshape((1, c, 1, 1))?)?;
+        if silu {
+            z.silu()
+        } else {
+            Ok(z)
+        }
+    }
+
+    pub fn channel_scale(h: &Tensor, s: &Tensor) -> Result<Tensor> {
+        let (n, c, _, _) = h.dims4()?;
+        h.broadcast_mul(&s.reshape((n, c, 1, 1))?)
+    }
+
+    pub fn spatial_mean(x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        // Low-precision sums over large planes lose digits; accumulate in f32.
+        let wide = if dtype == DType::F64 { x.clone() } else { x.to_dtype(DType::F32)? };
+        wide.flatten_from(2)?.mean(2)?.to_dtype(dtype)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var, D};
+    use candle_core::{Device, Var};
 
     fn close(a: &Tensor, b: &Tensor, tol: f64) {
         let d = (a - b)
@@ -428,26 +503,6 @@ mod tests {
             .to_scalar::<f64>()
             .unwrap();
         assert!(d < tol, "max difference {d}");
-    }
-
-    /// The same BatchNorm (+SiLU) written with candle primitives: the reference.
-    #[allow(clippy::too_many_arguments)]
-    fn composed(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64, batch_stats: bool, mean: &Tensor, var: &Tensor, silu: bool) -> Tensor {
-        let (mean, var) = if batch_stats {
-            let m = x.mean_keepdim(3).unwrap().mean_keepdim(2).unwrap().mean_keepdim(0).unwrap();
-            let v = x.broadcast_sub(&m).unwrap().sqr().unwrap().mean_keepdim(3).unwrap().mean_keepdim(2).unwrap().mean_keepdim(0).unwrap();
-            (m, v)
-        } else {
-            (mean.reshape((1, (), 1, 1)).unwrap(), var.reshape((1, (), 1, 1)).unwrap())
-        };
-        let z = x.broadcast_sub(&mean).unwrap().broadcast_div(&(var + eps).unwrap().sqrt().unwrap()).unwrap();
-        let z =
-            z.broadcast_mul(&gamma.reshape((1, (), 1, 1)).unwrap()).unwrap().broadcast_add(&beta.reshape((1, (), 1, 1)).unwrap()).unwrap();
-        if silu {
-            z.silu().unwrap()
-        } else {
-            z
-        }
     }
 
     #[test]
@@ -468,7 +523,13 @@ mod tests {
             };
             let stats = Statistics { mean: &mean, var: &var, eps: 1e-3, from_batch: batch_stats };
             let ours = batch_norm_act(x.as_tensor(), &stats, gamma.as_tensor(), beta.as_tensor(), silu).unwrap();
-            let reference = composed(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), 1e-3, batch_stats, &run_mean, &run_var, silu);
+            let stats_ref = Statistics {
+                mean: &run_mean.to_vec1::<f64>().unwrap(),
+                var: &run_var.to_vec1::<f64>().unwrap(),
+                eps: 1e-3,
+                from_batch: batch_stats,
+            };
+            let reference = composite::batch_norm_act(x.as_tensor(), &stats_ref, gamma.as_tensor(), beta.as_tensor(), silu).unwrap();
             close(&ours, &reference, 1e-10);
             let up = crate::util::rng::randn(107, 0.0, 1.0, ours.dims(), candle_core::DType::F64, &dev).unwrap();
             let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
@@ -485,7 +546,7 @@ mod tests {
         let h = Var::from_tensor(&crate::util::rng::randn(108, 0.0, 1.0, (2, 3, 4, 5), candle_core::DType::F64, &dev).unwrap()).unwrap();
         let s = Var::from_tensor(&crate::util::rng::randn(109, 0.0, 1.0, (2, 3), candle_core::DType::F64, &dev).unwrap()).unwrap();
         let ours = channel_scale(h.as_tensor(), s.as_tensor()).unwrap();
-        let reference = h.as_tensor().broadcast_mul(&s.as_tensor().reshape((2, 3, 1, 1)).unwrap()).unwrap();
+        let reference = composite::channel_scale(h.as_tensor(), s.as_tensor()).unwrap();
         close(&ours, &reference, 1e-12);
         let up = crate::util::rng::randn(110, 0.0, 1.0, ours.dims(), candle_core::DType::F64, &dev).unwrap();
         let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
@@ -494,7 +555,7 @@ mod tests {
             close(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap(), 1e-12);
         }
         let ours = spatial_mean(h.as_tensor()).unwrap();
-        let reference = h.as_tensor().mean(D::Minus1).unwrap().mean(D::Minus1).unwrap();
+        let reference = composite::spatial_mean(h.as_tensor()).unwrap();
         close(&ours, &reference, 1e-12);
         let up = crate::util::rng::randn(111, 0.0, 1.0, (2, 3), candle_core::DType::F64, &dev).unwrap();
         let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
@@ -508,5 +569,6 @@ mod tests {
         let m = channel_moments(&x).unwrap().to_vec2::<f32>().unwrap();
         // Channel 0: 1,3,5,7 → mean 4, var 5; channel 1: 2,2,2,6 → mean 3, var 3.
         assert_eq!(m, vec![vec![4.0, 3.0], vec![5.0, 3.0]]);
+        assert_eq!(composite::channel_moments(&x).unwrap().to_vec2::<f32>().unwrap(), m);
     }
 }

@@ -219,6 +219,19 @@ impl CustomOp2 for Forward {
         Ok((out, Shape::from((g.n, g.c, g.ho, g.wo))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = Geometry::new(l1.dims(), l2.dims(), self.stride, self.pad)?;
+        let out = cuda::launch(cuda::Pass::Forward, &g, s1, l1, s2, l2, g.n * g.c * g.ho * g.wo)?;
+        Ok((out, Shape::from((g.n, g.c, g.ho, g.wo))))
+    }
+
     fn bwd(&self, x: &Tensor, kernel: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         let gx = grad.apply_op2_no_bwd(kernel, &GradInput { stride: self.stride, pad: self.pad, input: x.dims().to_vec() })?;
@@ -246,6 +259,22 @@ impl CustomOp2 for GradInput {
         let out = dispatch!(s1, l1, s2, l2, |gr, k| grad_input(&g, gr, k));
         Ok((out, Shape::from(self.input.clone())))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = Geometry::new(&self.input, l2.dims(), self.stride, self.pad)?;
+        if l1.dims() != [g.n, g.c, g.ho, g.wo] {
+            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l1.dims(), [g.n, g.c, g.ho, g.wo]);
+        }
+        let out = cuda::launch(cuda::Pass::GradInput, &g, s1, l1, s2, l2, g.n * g.c * g.h * g.w)?;
+        Ok((out, Shape::from(self.input.clone())))
+    }
 }
 
 struct GradKernel {
@@ -266,6 +295,141 @@ impl CustomOp2 for GradKernel {
         }
         let out = dispatch!(s1, l1, s2, l2, |x, gr| grad_kernel(&g, x, gr));
         Ok((out, Shape::from(self.kernel.clone())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let g = Geometry::new(l1.dims(), &self.kernel, self.stride, self.pad)?;
+        if l2.dims() != [g.n, g.c, g.ho, g.wo] {
+            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l2.dims(), [g.n, g.c, g.ho, g.wo]);
+        }
+        let out = cuda::launch(cuda::Pass::GradKernel, &g, s1, l1, s2, l2, g.c * g.k * g.k)?;
+        Ok((out, Shape::from(self.kernel.clone())))
+    }
+}
+
+/// The CUDA side: `kernels/depthwise.cu`, compiled to PTX by `build.rs`, one thread per output
+/// element for the forward pass and the input gradient, one block per weight for the kernel
+/// gradient.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage, Layout, Result};
+
+    use super::Geometry;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/depthwise.ptx"));
+    const THREADS: u32 = 256;
+
+    /// `struct Geometry` of the .cu file, field for field.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct DeviceGeometry {
+        n: i32,
+        c: i32,
+        h: i32,
+        w: i32,
+        k: i32,
+        stride: i32,
+        top: i32,
+        left: i32,
+        ho: i32,
+        wo: i32,
+    }
+
+    // SAFETY: a plain #[repr(C)] struct of i32s, laid out as the kernel's struct.
+    unsafe impl DeviceRepr for DeviceGeometry {}
+
+    #[derive(Clone, Copy)]
+    pub enum Pass {
+        Forward,
+        GradInput,
+        GradKernel,
+    }
+
+    fn run<T: DeviceRepr>(
+        dev: &CudaDevice,
+        kind: Pass,
+        g: &Geometry,
+        (a, la): (&CudaSlice<T>, &Layout),
+        (b, lb): (&CudaSlice<T>, &Layout),
+        out_len: usize,
+        suffix: &str,
+    ) -> Result<CudaSlice<T>> {
+        fn part<'a, T>(s: &'a CudaSlice<T>, l: &Layout) -> Result<CudaView<'a, T>> {
+            match l.contiguous_offsets() {
+                Some((lo, hi)) => Ok(s.slice(lo..hi)),
+                None => candle_core::bail!("depthwise conv: inputs must be contiguous"),
+            }
+        }
+        let (a, b) = (part(a, la)?, part(b, lb)?);
+        let geometry = DeviceGeometry {
+            n: g.n as i32,
+            c: g.c as i32,
+            h: g.h as i32,
+            w: g.w as i32,
+            k: g.k as i32,
+            stride: g.stride as i32,
+            top: g.pad.top as i32,
+            left: g.pad.left as i32,
+            ho: g.ho as i32,
+            wo: g.wo as i32,
+        };
+        let (name, cfg) = match kind {
+            Pass::Forward | Pass::GradInput => {
+                let name = if matches!(kind, Pass::Forward) { "depthwise_fwd" } else { "depthwise_grad_input" };
+                let blocks = out_len.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32;
+                (name, LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 })
+            }
+            Pass::GradKernel => (
+                "depthwise_grad_kernel",
+                LaunchConfig {
+                    grid_dim: (out_len as u32, 1, 1),
+                    block_dim: (THREADS, 1, 1),
+                    shared_mem_bytes: THREADS * std::mem::size_of::<T>() as u32,
+                },
+            ),
+        };
+        let func = dev.get_or_load_custom_func(&format!("{name}_{suffix}"), "align_depthwise", PTX)?;
+        // SAFETY: every element is written by the kernel before it is read.
+        let out = unsafe { dev.alloc::<T>(out_len)? };
+        let mut args = func.builder();
+        args.arg(&a);
+        args.arg(&b);
+        args.arg(&out);
+        args.arg(&geometry);
+        // SAFETY: argument types and order match the kernel's signature.
+        unsafe { args.launch(cfg) }.w()?;
+        Ok(out)
+    }
+
+    pub fn launch(
+        kind: Pass,
+        g: &Geometry,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        out_len: usize,
+    ) -> Result<CudaStorage> {
+        let dev = &s1.device;
+        let slice = match (&s1.slice, &s2.slice) {
+            (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => {
+                CudaStorageSlice::F32(run(dev, kind, g, (a, l1), (b, l2), out_len, "f32")?)
+            }
+            (CudaStorageSlice::F64(a), CudaStorageSlice::F64(b)) => {
+                CudaStorageSlice::F64(run(dev, kind, g, (a, l1), (b, l2), out_len, "f64")?)
+            }
+            _ => candle_core::bail!("depthwise conv supports f32 and f64 with matching dtypes"),
+        };
+        Ok(CudaStorage { slice, device: dev.clone() })
     }
 }
 
