@@ -77,6 +77,9 @@ pub struct TrainArgs {
     /// and negatives are gathered from all.
     #[arg(long, default_value_t = 1)]
     nproc: usize,
+    /// Print time per phase and per op kind at the end (also `ALIGN_PROFILE=1`).
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Subcommand)]
@@ -119,6 +122,7 @@ enum BenchCommand {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    align::util::profile::init_from_env();
     if matches!(
         cli.command,
         Command::Demo(_) | Command::Train(_) | Command::Eval(_) | Command::Embed(_) | Command::Search(_) | Command::Bench(_)
@@ -127,7 +131,12 @@ fn main() -> Result<()> {
     }
     match cli.command {
         Command::Demo(a) => cli::demo::run(&a),
-        Command::Train(a) => cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after, a.nproc),
+        Command::Train(a) => {
+            if a.profile {
+                align::util::profile::enable(true);
+            }
+            cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after, a.nproc)
+        }
         Command::Data(DataCommand::Synth(a)) => cli::data::synth(&a),
         Command::Data(DataCommand::Stats(a)) => cli::data::stats(&a),
         Command::Data(DataCommand::FromKarpathy(a)) => cli::data::from_karpathy(&a),

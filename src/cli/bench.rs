@@ -117,6 +117,9 @@ pub struct ModelArgs {
     /// Further config overrides (`--set optimizer.kind="adamw"`).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub overrides: Vec<String>,
+    /// Time per phase and per op kind (also `ALIGN_PROFILE=1`).
+    #[arg(long)]
+    pub profile: bool,
     /// `f32`, or `bf16` (towers in bfloat16 over f32 master weights, as `train.precision`).
     #[arg(long, default_value = "f32")]
     pub precision: String,
@@ -172,6 +175,9 @@ fn peak_rss_mib() -> Option<f64> {
 }
 
 pub fn model(a: &ModelArgs) -> Result<()> {
+    if a.profile {
+        align::util::profile::enable(true);
+    }
     use align::model::dual_encoder::{DualEncoder, ImageSpec};
     use align::model::init::SeededVars;
     use align::model::Ctx;
@@ -220,6 +226,10 @@ pub fn model(a: &ModelArgs) -> Result<()> {
     let compute = cfg.train.precision.compute_dtype();
     let bar = Progress::bar((a.warmup + a.steps) as u64, "steps", a.json);
     for step in 0..a.warmup + a.steps {
+        if step == a.warmup {
+            // Only the timed steps are profiled.
+            align::util::profile::take();
+        }
         device.synchronize()?;
         let t0 = Instant::now();
         // As in training: the mixed-precision view is rebuilt from the master weights every step.
@@ -232,11 +242,11 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         };
         let img = model.image_embeddings(&images, &Ctx::train(step as u64))?;
         let txt = model.text_embeddings(&ids, &mask)?;
-        let loss = contrastive_loss(&img, &txt, &img, &txt, 0, &model.logit_scale()?, 0.1)?.total;
+        let loss = align::util::profile::timed("loss", || contrastive_loss(&img, &txt, &img, &txt, 0, &model.logit_scale()?, 0.1))?.total;
         loss.to_scalar::<f32>()?;
         let t1 = Instant::now();
         sample_gpu();
-        let grads = opt.gather(&loss.backward()?);
+        let grads = opt.gather(&align::util::profile::timed("backward", || loss.backward())?);
         device.synchronize()?;
         let t2 = Instant::now();
         sample_gpu();
@@ -276,8 +286,21 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         model_tflops_per_s,
         mfu: a.peak_tflops.map(|p| model_tflops_per_s / p),
     };
+    let profile = align::util::profile::take();
     if a.json {
+        if align::util::profile::enabled() {
+            let regions: serde_json::Map<String, serde_json::Value> = profile
+                .iter()
+                .map(|(k, (secs, calls))| (k.to_string(), serde_json::json!({"ms_per_step": 1000.0 * secs / n, "calls": calls})))
+                .collect();
+            let mut v = serde_json::to_value(&r)?;
+            v["profile"] = serde_json::Value::Object(regions);
+            return super::print_json(&v);
+        }
         return super::print_json(&r);
+    }
+    if align::util::profile::enabled() {
+        println!("{}", align::util::profile::report(&profile, a.steps));
     }
     let mut t = Table::new(&format!(
         "Model step: {} + {}, batch {}, {} px, {} on {}",

@@ -52,6 +52,11 @@ pub fn run(
     } else {
         summary_table(&summary, true).print();
     }
+    if align::util::profile::enabled() {
+        let totals = align::util::profile::take();
+        let steps = totals.get("optimizer").map_or(1, |x| x.1 as usize);
+        eprintln!("\nprofile (rank threads summed):\n{}", align::util::profile::report(&totals, steps));
+    }
     if summary.interrupted {
         // The conventional status of a run ended by SIGINT, so scripts see it did not finish.
         std::process::exit(130);

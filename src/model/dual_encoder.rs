@@ -118,6 +118,7 @@ impl DualEncoder {
 
     /// L2-normalised image embeddings `[batch, embed_dim]` for `[batch, 3, S, S]` images.
     pub fn image_embeddings(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let _profile = crate::util::profile::region("forward/image");
         let pooled = self.image.pooled(&images.to_dtype(self.compute_dtype())?, ctx)?;
         let x = match &self.visual_projection {
             Some(p) => p.forward(&pooled)?,
@@ -128,6 +129,7 @@ impl DualEncoder {
 
     /// L2-normalised text embeddings for token ids and attention mask (`[batch, len]`, u32).
     pub fn text_embeddings(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let _profile = crate::util::profile::region("forward/text");
         let pooled = self.text.pooled(ids, mask, self.spec.text_pooling)?;
         l2_normalize(&widen(&self.text_projection.forward(&pooled)?)?)
     }

@@ -23,6 +23,7 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _profile = crate::util::profile::region("op/layer-norm");
         let dtype = x.dtype();
         let x = if dtype == DType::F32 || dtype == DType::F64 { x.clone() } else { x.to_dtype(DType::F32)? };
         let mean = x.mean_keepdim(D::Minus1)?;
@@ -55,6 +56,7 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuil
 /// `[batch, len, heads * head_dim]`. `bias` is added to the scores (`[batch, 1, 1, len]` for a
 /// padding mask) before the softmax.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
+    let _profile = crate::util::profile::region("op/attention");
     let (b, l, d) = q.dims3()?;
     let hd = d / heads;
     let split = |t: &Tensor| t.reshape((b, l, heads, hd))?.transpose(1, 2)?.contiguous();

@@ -133,6 +133,7 @@ pub fn distributed_loss(
     group: &Arc<dyn Collective>,
     opts: GatherOptions,
 ) -> Result<LossParts> {
+    let _profile = crate::util::profile::region("loss");
     let all_img = gather(img, group, opts.gather_with_grad)?;
     let all_txt = gather(txt, group, opts.gather_with_grad)?;
     if opts.local_loss {

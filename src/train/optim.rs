@@ -8,8 +8,9 @@
 //!   weight decay are also excluded from the trust ratio (TF-Addons' default).
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
-use candle_core::{backprop::GradStore, DType, Result, Tensor, Var};
+use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -99,10 +100,17 @@ pub struct Param {
     pub decay: bool,
 }
 
+/// One parameter's Adam moments. On the CPU they live in plain host buffers that the update
+/// rewrites in place (with the parameter) in one multithreaded pass; elsewhere they are device
+/// tensors updated with candle ops.
+enum Moments {
+    Host(Mutex<(Vec<f32>, Vec<f32>)>),
+    Device(Tensor, Tensor),
+}
+
 pub struct Optimizer {
     params: Vec<Param>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
+    moments: Vec<Moments>,
     pub step: u64,
     pub cfg: OptimizerConfig,
 }
@@ -113,19 +121,139 @@ pub struct StepStats {
     pub grad_norm: f64,
 }
 
+/// The scalars of one update.
+#[derive(Debug, Clone, Copy)]
+struct Coefficients {
+    lr: f64,
+    clip: f64,
+    b1: f64,
+    b2: f64,
+    bc1: f64,
+    bc2: f64,
+    eps: f64,
+    wd: f64,
+    lamb: bool,
+}
+
+/// Elements per rayon task: large enough to amortise scheduling, small enough to balance.
+const CHUNK: usize = 1 << 14;
+
+/// The in-place update of one f32 parameter on the CPU: moments, then the parameter, without
+/// allocating. LAMB needs the norms of the whole update first, so it takes two passes (the
+/// second recomputes the update from the new moments rather than storing it).
+struct HostUpdate<'a> {
+    moments: &'a Mutex<(Vec<f32>, Vec<f32>)>,
+    c: Coefficients,
+}
+
+impl HostUpdate<'_> {
+    #[inline(always)]
+    fn direction(c: &Coefficients, m: f32, v: f32, p: f32) -> f32 {
+        let m_hat = m as f64 / c.bc1;
+        let v_hat = v as f64 / c.bc2;
+        (m_hat / (v_hat.sqrt() + c.eps) + c.wd * p as f64) as f32
+    }
+
+    fn apply(&self, p: &mut [f32], g: &[f32]) {
+        use rayon::prelude::*;
+        let c = self.c;
+        let mut guard = self.moments.lock().unwrap();
+        let (m, v) = &mut *guard;
+        let (b1, b2, clip) = (c.b1 as f32, c.b2 as f32, c.clip as f32);
+        let moments = |(m, v): (&mut [f32], &mut [f32]), g: &[f32]| {
+            for ((m, v), &g) in m.iter_mut().zip(v.iter_mut()).zip(g) {
+                let g = g * clip;
+                *m = b1 * *m + (1.0 - b1) * g;
+                *v = b2 * *v + (1.0 - b2) * g * g;
+            }
+        };
+        if !c.lamb {
+            p.par_chunks_mut(CHUNK).zip(m.par_chunks_mut(CHUNK)).zip(v.par_chunks_mut(CHUNK)).zip(g.par_chunks(CHUNK)).for_each(
+                |(((p, m), v), g)| {
+                    moments((m, v), g);
+                    for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(v.iter()) {
+                        *p -= (c.lr * Self::direction(&c, m, v, *p) as f64) as f32;
+                    }
+                },
+            );
+            return;
+        }
+        let (wn, un) = p
+            .par_chunks(CHUNK)
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .zip(g.par_chunks(CHUNK))
+            .map(|(((p, m), v), g)| {
+                moments((m, v), g);
+                let mut sums = (0.0f64, 0.0f64);
+                for ((&p, &m), &v) in p.iter().zip(m.iter()).zip(v.iter()) {
+                    let u = Self::direction(&c, m, v, p) as f64;
+                    sums.0 += p as f64 * p as f64;
+                    sums.1 += u * u;
+                }
+                sums
+            })
+            .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let (wn, un) = (wn.sqrt(), un.sqrt());
+        let ratio = if wn > 0.0 && un > 0.0 { wn / un } else { 1.0 };
+        let scale = c.lr * ratio;
+        p.par_chunks_mut(CHUNK).zip(m.par_chunks(CHUNK)).zip(v.par_chunks(CHUNK)).for_each(|((p, m), v)| {
+            for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(v.iter()) {
+                *p -= (scale * Self::direction(&c, m, v, *p) as f64) as f32;
+            }
+        });
+    }
+}
+
+impl InplaceOp2 for HostUpdate<'_> {
+    fn name(&self) -> &'static str {
+        "optimizer-update"
+    }
+
+    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
+        let (CpuStorage::F32(p), CpuStorage::F32(g)) = (s1, s2) else {
+            candle_core::bail!("the in-place update needs f32 parameters and gradients")
+        };
+        let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
+            candle_core::bail!("the in-place update needs contiguous tensors")
+        };
+        self.apply(&mut p[p0..p1], &g[g0..g1]);
+        Ok(())
+    }
+}
+
 impl Optimizer {
     /// `vars` are (name, variable); order is made deterministic by sorting on the name.
     pub fn new(mut vars: Vec<(String, Var)>, cfg: OptimizerConfig) -> Result<Self> {
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let params: Vec<Param> = vars.into_iter().map(|(name, var)| Param { decay: decays(&name, var.rank()), name, var }).collect();
-        let zeros = |p: &Param| Tensor::zeros_like(p.var.as_tensor())?.to_dtype(DType::F32);
-        let m = params.iter().map(zeros).collect::<Result<Vec<_>>>()?;
-        let v = params.iter().map(zeros).collect::<Result<Vec<_>>>()?;
-        Ok(Optimizer { params, m, v, step: 0, cfg })
+        let moments = params
+            .iter()
+            .map(|p| {
+                let t = p.var.as_tensor();
+                Ok(if t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() {
+                    Moments::Host(Mutex::new((vec![0.0; t.elem_count()], vec![0.0; t.elem_count()])))
+                } else {
+                    let z = t.zeros_like()?.to_dtype(DType::F32)?;
+                    Moments::Device(z.clone(), z)
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Optimizer { params, moments, step: 0, cfg })
     }
 
     pub fn params(&self) -> &[Param] {
         &self.params
+    }
+
+    /// Keeps every moment as a tensor updated by candle ops (the GPU path), for tests on the CPU.
+    #[cfg(test)]
+    fn with_tensor_moments(mut self) -> Result<Self> {
+        for (p, mo) in self.params.iter().zip(self.moments.iter_mut()) {
+            let z = p.var.as_tensor().zeros_like()?.to_dtype(DType::F32)?;
+            *mo = Moments::Device(z.clone(), z);
+        }
+        Ok(self)
     }
 
     /// This optimiser's gradients out of a backward pass, in parameter order.
@@ -134,40 +262,32 @@ impl Optimizer {
     }
 
     pub fn step(&mut self, grads: &Grads, lr: f64) -> Result<StepStats> {
+        let _profile = crate::util::profile::region("optimizer");
         let grad_norm = grads.norm()?;
         let clip = if self.cfg.grad_clip > 0.0 && grad_norm > self.cfg.grad_clip { self.cfg.grad_clip / grad_norm } else { 1.0 };
         self.step += 1;
         let t = self.step as i32;
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
-        let bc1 = 1.0 - b1.powi(t);
-        let bc2 = 1.0 - b2.powi(t);
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = &grads.0[i] else { continue };
-            let g = if clip < 1.0 { (g * clip)? } else { g.clone() };
-            let g = g.to_dtype(DType::F32)?;
-            self.m[i] = ((&self.m[i] * b1)? + (&g * (1.0 - b1))?)?;
-            self.v[i] = ((&self.v[i] * b2)? + (g.sqr()? * (1.0 - b2))?)?;
-            let m_hat = (&self.m[i] / bc1)?;
-            let v_hat = (&self.v[i] / bc2)?;
-            let adam = (m_hat / (v_hat.sqrt()? + self.cfg.eps)?)?;
-            let w = p.var.as_tensor().to_dtype(DType::F32)?;
-            let wd = if p.decay { self.cfg.weight_decay } else { 0.0 };
-            let update = if wd > 0.0 { (adam + (&w * wd)?)? } else { adam };
-            let ratio = match self.cfg.kind {
-                OptimizerKind::Adamw => 1.0,
-                OptimizerKind::Lamb if !p.decay => 1.0,
-                OptimizerKind::Lamb => {
-                    let wn = w.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64;
-                    let un = update.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64;
-                    if wn > 0.0 && un > 0.0 {
-                        wn / un
-                    } else {
-                        1.0
-                    }
-                }
+            let c = Coefficients {
+                lr,
+                clip,
+                b1,
+                b2,
+                bc1: 1.0 - b1.powi(t),
+                bc2: 1.0 - b2.powi(t),
+                eps: self.cfg.eps,
+                wd: if p.decay { self.cfg.weight_decay } else { 0.0 },
+                lamb: self.cfg.kind == OptimizerKind::Lamb && p.decay,
             };
-            let new = (w - (update * (lr * ratio))?)?;
-            p.var.set(&new.to_dtype(p.var.dtype())?)?;
+            match &mut self.moments[i] {
+                Moments::Host(moments) => {
+                    let g = g.to_dtype(DType::F32)?.contiguous()?;
+                    p.var.as_tensor().inplace_op2(&g, &HostUpdate { moments, c })?;
+                }
+                Moments::Device(m, v) => device_update(&p.var, g, m, v, &c)?,
+            }
         }
         Ok(StepStats { grad_norm })
     }
@@ -176,22 +296,38 @@ impl Optimizer {
     /// names them).
     pub fn state_tensors(&self) -> HashMap<String, Tensor> {
         let mut out = HashMap::new();
-        for (i, p) in self.params.iter().enumerate() {
-            out.insert(format!("exp_avg.{}", p.name), self.m[i].clone());
-            out.insert(format!("exp_avg_sq.{}", p.name), self.v[i].clone());
+        for (p, mo) in self.params.iter().zip(&self.moments) {
+            let (m, v) = match mo {
+                Moments::Host(h) => {
+                    let h = h.lock().unwrap();
+                    let shape = p.var.shape();
+                    let host = |x: &[f32]| Tensor::from_slice(x, shape, &candle_core::Device::Cpu).expect("moments match their parameter");
+                    (host(&h.0), host(&h.1))
+                }
+                Moments::Device(m, v) => (m.clone(), v.clone()),
+            };
+            out.insert(format!("exp_avg.{}", p.name), m);
+            out.insert(format!("exp_avg_sq.{}", p.name), v);
         }
         out
     }
 
     pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> anyhow::Result<()> {
         let mut missing = Vec::new();
-        for (i, p) in self.params.iter().enumerate() {
-            for (prefix, slot) in [("exp_avg", &mut self.m[i]), ("exp_avg_sq", &mut self.v[i])] {
+        for (p, mo) in self.params.iter().zip(self.moments.iter_mut()) {
+            let mut loaded = Vec::new();
+            for prefix in ["exp_avg", "exp_avg_sq"] {
                 let key = format!("{prefix}.{}", p.name);
                 match tensors.get(&key) {
-                    Some(t) if t.shape() == slot.shape() => *slot = t.to_dtype(DType::F32)?.to_device(slot.device())?,
-                    Some(t) => anyhow::bail!("optimizer state {key} has shape {:?}, parameter has {:?}", t.shape(), slot.shape()),
+                    Some(t) if t.shape() == p.var.shape() => loaded.push(t.to_dtype(DType::F32)?),
+                    Some(t) => anyhow::bail!("optimizer state {key} has shape {:?}, parameter has {:?}", t.shape(), p.var.shape()),
                     None => missing.push(key),
+                }
+            }
+            if let [m, v] = loaded.as_slice() {
+                match mo {
+                    Moments::Host(h) => *h.get_mut().unwrap() = (m.flatten_all()?.to_vec1()?, v.flatten_all()?.to_vec1()?),
+                    Moments::Device(dm, dv) => (*dm, *dv) = (m.to_device(dm.device())?, v.to_device(dv.device())?),
                 }
             }
         }
@@ -201,6 +337,30 @@ impl Optimizer {
         self.step = step;
         Ok(())
     }
+}
+
+/// The same update with candle ops, for parameters off the CPU (or not f32).
+fn device_update(var: &Var, g: &Tensor, m: &mut Tensor, v: &mut Tensor, c: &Coefficients) -> Result<()> {
+    let g = if c.clip < 1.0 { (g * c.clip)? } else { g.clone() };
+    let g = g.to_dtype(DType::F32)?;
+    *m = ((&*m * c.b1)? + (&g * (1.0 - c.b1))?)?;
+    *v = ((&*v * c.b2)? + (g.sqr()? * (1.0 - c.b2))?)?;
+    let adam = ((&*m / c.bc1)? / ((&*v / c.bc2)?.sqrt()? + c.eps)?)?;
+    let w = var.as_tensor().to_dtype(DType::F32)?;
+    let update = if c.wd > 0.0 { (adam + (&w * c.wd)?)? } else { adam };
+    let ratio = if c.lamb {
+        let wn = w.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64;
+        let un = update.sqr()?.sum_all()?.to_scalar::<f32>()?.sqrt() as f64;
+        if wn > 0.0 && un > 0.0 {
+            wn / un
+        } else {
+            1.0
+        }
+    } else {
+        1.0
+    };
+    let new = (w - (update * (c.lr * ratio))?)?;
+    var.set(&new.to_dtype(var.dtype())?)
 }
 
 #[cfg(test)]
@@ -264,6 +424,33 @@ mod tests {
             let got = w.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             for (a, b) in got.iter().zip(&p) {
                 assert!((*a as f64 - b).abs() < 1e-5, "{kind:?} {decay_name} step {step}: {got:?} vs {p:?}");
+            }
+        }
+    }
+
+    /// The in-place host update and the candle-op update (what GPUs run) agree, both kinds,
+    /// with clipping, on a tensor spanning several rayon chunks.
+    #[test]
+    fn the_in_place_update_equals_the_tensor_update() {
+        let dev = Device::Cpu;
+        for kind in [OptimizerKind::Adamw, OptimizerKind::Lamb] {
+            let cfg = OptimizerConfig { kind, weight_decay: 0.01, grad_clip: 5.0, ..Default::default() };
+            let init = crate::util::rng::randn(130, 0.0, 1.0, (3 * CHUNK + 17, 2), DType::F32, &dev).unwrap();
+            let (a, b) = (Var::from_tensor(&init.copy().unwrap()).unwrap(), Var::from_tensor(&init.copy().unwrap()).unwrap());
+            let mut host = Optimizer::new(vec![("w.weight".into(), a.clone())], cfg.clone()).unwrap();
+            let mut tensor = Optimizer::new(vec![("w.weight".into(), b.clone())], cfg.clone()).unwrap().with_tensor_moments().unwrap();
+            assert!(matches!(host.moments[0], Moments::Host(_)));
+            for step in 0..4u64 {
+                let g = crate::util::rng::randn(131 + step, 0.0, 0.3, init.dims(), DType::F32, &dev).unwrap();
+                host.step(&Grads(vec![Some(g.clone())]), 1e-2).unwrap();
+                tensor.step(&Grads(vec![Some(g)]), 1e-2).unwrap();
+            }
+            let d = (a.as_tensor() - b.as_tensor()).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(d < 1e-6, "{kind:?}: max difference {d}");
+            let (sa, sb) = (host.state_tensors(), tensor.state_tensors());
+            for (k, t) in &sa {
+                let d = (t - &sb[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(d < 1e-6, "{k}: {d}");
             }
         }
     }

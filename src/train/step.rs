@@ -94,8 +94,9 @@ pub fn compute(
         let txt = model.text_embeddings(&m.ids, &m.mask)?;
         let parts = distributed_loss(&img, &txt, &model.logit_scale()?, smoothing, group, opts)?;
         let [loss, i2t, t2i] = global_values(&parts, group, opts)?;
-        let grads = opt.gather(&parts.total.backward()?);
-        return Ok(StepOutput { loss, i2t, t2i, grads: all_reduce(grads, opt, group, scale)? });
+        let grads = opt.gather(&crate::util::profile::timed("backward", || parts.total.backward())?);
+        let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
+        return Ok(StepOutput { loss, i2t, t2i, grads });
     }
 
     // 1. Embeddings of every micro-batch, no graph kept.
@@ -111,7 +112,7 @@ pub fn compute(
     let txt_all = Var::from_tensor(&Tensor::cat(&txts, 0)?)?;
     let parts = distributed_loss(img_all.as_tensor(), txt_all.as_tensor(), &model.logit_scale()?, smoothing, group, opts)?;
     let [loss, i2t, t2i] = global_values(&parts, group, opts)?;
-    let loss_grads = parts.total.backward()?;
+    let loss_grads = crate::util::profile::timed("backward", || parts.total.backward())?;
     let mut grads = opt.gather(&loss_grads);
     let d_img = loss_grads.get(img_all.as_tensor()).cloned();
     let d_txt = loss_grads.get(txt_all.as_tensor()).cloned();
@@ -128,10 +129,11 @@ pub fn compute(
         if let Some(d) = &d_txt {
             surrogate = (surrogate + (txt * d.narrow(0, row, n)?)?.sum_all()?)?;
         }
-        grads.accumulate(opt.gather(&surrogate.backward()?))?;
+        grads.accumulate(opt.gather(&crate::util::profile::timed("backward", || surrogate.backward())?))?;
         row += n;
     }
-    Ok(StepOutput { loss, i2t, t2i, grads: all_reduce(grads, opt, group, scale)? })
+    let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
+    Ok(StepOutput { loss, i2t, t2i, grads })
 }
 
 #[cfg(test)]

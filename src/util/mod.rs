@@ -1,5 +1,6 @@
 pub mod device;
 pub mod interrupt;
 pub mod log;
+pub mod profile;
 pub mod progress;
 pub mod rng;

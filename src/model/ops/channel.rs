@@ -109,6 +109,7 @@ impl CustomOp1 for Moments {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/channel");
         let (n, c, hw) = nchw(l)?;
         let m = (n * hw).max(1) as f64;
         let out = float_dispatch!(s, l, "channel moments", |x| {
@@ -197,6 +198,7 @@ impl CustomOp3 for BatchNormAct {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/batch-norm");
         let (_, c, hw) = nchw(l1)?;
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(b)) => {
@@ -246,6 +248,7 @@ impl CustomOp2 for BnParamGrads {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/batch-norm-grad");
         let (n, c, hw) = nchw(l1)?;
         let op = &self.op;
         let out = float_dispatch2!(s1, l1, s2, l2, "batch norm backward", |x, dy| {
@@ -299,6 +302,7 @@ impl CustomOp2 for BnInputGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/batch-norm-grad");
         let (n, c, hw) = nchw(l1)?;
         let out = float_dispatch2!(s1, l1, s2, l2, "batch norm backward", |x, dy| self.run(x, dy, n, c, hw));
         Ok((out, l1.shape().clone()))
@@ -342,6 +346,7 @@ impl CustomOp2 for ChannelScale {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/channel");
         let (_, _, hw) = nchw(l1)?;
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale", |h, s| {
             let mut out = vec![Float::from(0.0); h.len()];
@@ -373,6 +378,7 @@ impl CustomOp2 for DotPerPlane {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/channel");
         let (n, c, hw) = nchw(l1)?;
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale backward", |a, b| {
             a.par_chunks(hw)
@@ -404,6 +410,7 @@ impl CustomOp1 for SpatialMean {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/channel");
         let (n, c, hw) = nchw(l)?;
         let out = float_dispatch!(s, l, "spatial mean", |x| x
             .par_chunks(hw)

@@ -214,6 +214,7 @@ impl CustomOp2 for Forward {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/depthwise");
         let g = Geometry::new(l1.dims(), l2.dims(), self.stride, self.pad)?;
         let out = dispatch!(s1, l1, s2, l2, |x, k| forward(&g, x, k));
         Ok((out, Shape::from((g.n, g.c, g.ho, g.wo))))
@@ -252,6 +253,7 @@ impl CustomOp2 for GradInput {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/depthwise-grad");
         let g = Geometry::new(&self.input, l2.dims(), self.stride, self.pad)?;
         if l1.dims() != [g.n, g.c, g.ho, g.wo] {
             candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l1.dims(), [g.n, g.c, g.ho, g.wo]);
@@ -289,6 +291,7 @@ impl CustomOp2 for GradKernel {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/depthwise-grad");
         let g = Geometry::new(l1.dims(), &self.kernel, self.stride, self.pad)?;
         if l2.dims() != [g.n, g.c, g.ho, g.wo] {
             candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l2.dims(), [g.n, g.c, g.ho, g.wo]);
