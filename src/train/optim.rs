@@ -80,11 +80,24 @@ impl Grads {
         Ok(())
     }
 
-    /// Global L2 norm.
+    /// Global L2 norm. CPU f32 gradients are summed straight from their buffers (f32 partial
+    /// sums per chunk, f64 across chunks) instead of through f64 copies.
     pub fn norm(&self) -> Result<f64> {
+        use rayon::prelude::*;
         let mut sq = 0.0;
         for g in self.0.iter().flatten() {
-            sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            let (storage, layout) = g.storage_and_layout();
+            let direct = match (&*storage, layout.contiguous_offsets()) {
+                (candle_core::Storage::Cpu(CpuStorage::F32(d)), Some((a, b))) => {
+                    Some(d[a..b].par_chunks(CHUNK).map(|c| c.iter().map(|x| x * x).sum::<f32>() as f64).sum::<f64>())
+                }
+                _ => None,
+            };
+            drop(storage);
+            sq += match direct {
+                Some(s) => s,
+                None => g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?,
+            };
         }
         Ok(sq.sqrt())
     }
@@ -146,17 +159,27 @@ struct HostUpdate<'a> {
     c: Coefficients,
 }
 
-impl HostUpdate<'_> {
-    #[inline(always)]
-    fn direction(c: &Coefficients, m: f32, v: f32, p: f32) -> f32 {
-        let m_hat = m as f64 / c.bc1;
-        let v_hat = v as f64 / c.bc2;
-        (m_hat / (v_hat.sqrt() + c.eps) + c.wd * p as f64) as f32
-    }
+/// The update direction's constants in f32, so the per-element arithmetic vectorises.
+#[derive(Clone, Copy)]
+struct Direction {
+    inv_bc1: f32,
+    inv_bc2: f32,
+    eps: f32,
+    wd: f32,
+}
 
+impl Direction {
+    #[inline(always)]
+    fn at(&self, m: f32, v: f32, p: f32) -> f32 {
+        m * self.inv_bc1 / ((v * self.inv_bc2).sqrt() + self.eps) + self.wd * p
+    }
+}
+
+impl HostUpdate<'_> {
     fn apply(&self, p: &mut [f32], g: &[f32]) {
         use rayon::prelude::*;
         let c = self.c;
+        let d = Direction { inv_bc1: (1.0 / c.bc1) as f32, inv_bc2: (1.0 / c.bc2) as f32, eps: c.eps as f32, wd: c.wd as f32 };
         let mut guard = self.moments.lock().unwrap();
         let (m, v) = &mut *guard;
         let (b1, b2, clip) = (c.b1 as f32, c.b2 as f32, c.clip as f32);
@@ -171,8 +194,9 @@ impl HostUpdate<'_> {
             p.par_chunks_mut(CHUNK).zip(m.par_chunks_mut(CHUNK)).zip(v.par_chunks_mut(CHUNK)).zip(g.par_chunks(CHUNK)).for_each(
                 |(((p, m), v), g)| {
                     moments((m, v), g);
+                    let lr = c.lr as f32;
                     for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(v.iter()) {
-                        *p -= (c.lr * Self::direction(&c, m, v, *p) as f64) as f32;
+                        *p -= lr * d.at(m, v, *p);
                     }
                 },
             );
@@ -185,21 +209,22 @@ impl HostUpdate<'_> {
             .zip(g.par_chunks(CHUNK))
             .map(|(((p, m), v), g)| {
                 moments((m, v), g);
-                let mut sums = (0.0f64, 0.0f64);
+                // f32 partial sums per chunk (at most CHUNK terms), added up in f64.
+                let (mut pp, mut uu) = (0.0f32, 0.0f32);
                 for ((&p, &m), &v) in p.iter().zip(m.iter()).zip(v.iter()) {
-                    let u = Self::direction(&c, m, v, p) as f64;
-                    sums.0 += p as f64 * p as f64;
-                    sums.1 += u * u;
+                    let u = d.at(m, v, p);
+                    pp += p * p;
+                    uu += u * u;
                 }
-                sums
+                (pp as f64, uu as f64)
             })
             .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
         let (wn, un) = (wn.sqrt(), un.sqrt());
         let ratio = if wn > 0.0 && un > 0.0 { wn / un } else { 1.0 };
-        let scale = c.lr * ratio;
+        let scale = (c.lr * ratio) as f32;
         p.par_chunks_mut(CHUNK).zip(m.par_chunks(CHUNK)).zip(v.par_chunks(CHUNK)).for_each(|((p, m), v)| {
             for ((p, &m), &v) in p.iter_mut().zip(m.iter()).zip(v.iter()) {
-                *p -= (scale * Self::direction(&c, m, v, *p) as f64) as f32;
+                *p -= scale * d.at(m, v, *p);
             }
         });
     }
