@@ -22,7 +22,9 @@ pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
         t.row("stopped", "by Ctrl-C (resume with --resume)".to_string());
     }
     for b in &s.best_eval {
-        t.row(format!("best {}", b.metric.trim_start_matches("eval/")), format!("{:.4} (step {})", b.value, b.step));
+        // Recalls and accuracies are fractions; rsum is already a sum of percentages.
+        let value = if b.metric.ends_with("rsum") { format!("{:.1}", b.value) } else { format!("{:.1}%", 100.0 * b.value) };
+        t.row(format!("best {}", b.metric.trim_start_matches("eval/")), format!("{value} (step {})", b.step));
     }
     if with_eval {
         if let Some(z) = &s.eval.zeroshot {

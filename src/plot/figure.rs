@@ -124,8 +124,10 @@ pub fn render(runs: &[Run], width: u32) -> Result<RgbImage> {
             .map_err(err)?;
         let areas = body.split_evenly((rows, cols));
         let short = short_names(&names);
+        // One step axis for every panel, so an evaluation point lines up with the training curves.
+        let last_step = runs.iter().flat_map(|r| r.curves.values().flatten().map(|p| p.0)).fold(1.0, f64::max);
         for (panel, area) in chosen.iter().zip(areas.iter()) {
-            draw_panel(panel, runs, &short, area).map_err(err)?;
+            draw_panel(panel, runs, &short, last_step, area).map_err(err)?;
         }
         root.present().map_err(err)?;
     }
@@ -136,6 +138,7 @@ fn draw_panel(
     panel: &Panel,
     runs: &[Run],
     names: &[String],
+    last_step: f64,
     area: &DrawingArea<Canvas<'_>, plotters::coord::Shift>,
 ) -> std::result::Result<(), DrawingAreaErrorKind<std::convert::Infallible>> {
     // (legend label, colour, dashed, points)
@@ -159,7 +162,7 @@ fn draw_panel(
     if !x0.is_finite() {
         return Ok(());
     }
-    let (x0, x1) = if x1 > x0 { (x0.min(0.0), x1) } else { (x0 - 1.0, x1 + 1.0) };
+    let (x0, x1) = (x0.min(0.0), last_step.max(x1));
     let (y0, y1) = padded(y0, y1);
     let mut chart = ChartBuilder::on(area)
         .caption(panel.title, ("sans-serif", 15).into_font())
