@@ -4,6 +4,8 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
+use super::ops::softmax::softmax_last_dim;
+
 /// LayerNorm over the last dimension, composed from differentiable primitives.
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
@@ -69,8 +71,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, bias: Option<
     // The softmax runs in f32 even for bf16 towers: exp and the row sums lose too many digits
     // at 8 bits of mantissa.
     let probs = match scores.dtype() {
-        DType::BF16 | DType::F16 => candle_nn::ops::softmax(&scores.to_dtype(DType::F32)?, D::Minus1)?.to_dtype(scores.dtype())?,
-        _ => candle_nn::ops::softmax(&scores, D::Minus1)?,
+        DType::BF16 | DType::F16 => softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(scores.dtype())?,
+        _ => softmax_last_dim(&scores)?,
     };
     probs.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))
 }

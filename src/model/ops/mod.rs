@@ -3,3 +3,4 @@
 
 pub mod channel;
 pub mod depthwise;
+pub mod softmax;
