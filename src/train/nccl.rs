@@ -148,11 +148,12 @@ impl Collective for NcclGroup {
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
         let lens = self.all_gather(&Tensor::new(&[bytes.len() as i64], &Device::Cpu)?)?.to_vec1::<i64>()?;
-        let longest = lens.iter().copied().max().unwrap_or(0) as usize;
+        // Every rank sends the same length (NCCL's all-gather needs it): the longest, at least 1.
+        let width = lens.iter().copied().max().unwrap_or(0).max(1) as usize;
         let mut padded = bytes.to_vec();
-        padded.resize(longest.max(1), 0);
-        let all = self.all_gather(&Tensor::from_vec(padded, longest.max(1), &Device::Cpu)?)?.to_vec1::<u8>()?;
-        Ok(lens.iter().enumerate().map(|(r, &n)| all[r * longest.max(1)..r * longest.max(1) + n as usize].to_vec()).collect())
+        padded.resize(width, 0);
+        let all = self.all_gather(&Tensor::from_vec(padded, width, &Device::Cpu)?)?.to_vec1::<u8>()?;
+        Ok(lens.iter().enumerate().map(|(r, &n)| all[r * width..r * width + n as usize].to_vec()).collect())
     }
 
     fn barrier(&self) -> Result<()> {

@@ -247,6 +247,22 @@ struct GradInput {
     input: Vec<usize>,
 }
 
+/// The forward geometry, checking that the incoming gradient has the forward output's shape.
+fn backward_geometry(x: &[usize], kernel: &[usize], grad: &[usize], stride: usize, pad: Padding) -> Result<Geometry> {
+    let g = Geometry::new(x, kernel, stride, pad)?;
+    if grad != [g.n, g.c, g.ho, g.wo] {
+        candle_core::bail!("depthwise conv backward: gradient {grad:?} does not match output {:?}", [g.n, g.c, g.ho, g.wo]);
+    }
+    Ok(g)
+}
+
+impl GradInput {
+    /// Arguments: the output gradient and the kernel.
+    fn geometry(&self, grad: &Layout, kernel: &Layout) -> Result<Geometry> {
+        backward_geometry(&self.input, kernel.dims(), grad.dims(), self.stride, self.pad)
+    }
+}
+
 impl CustomOp2 for GradInput {
     fn name(&self) -> &'static str {
         "depthwise-conv2d-grad-input"
@@ -254,10 +270,7 @@ impl CustomOp2 for GradInput {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/depthwise-grad");
-        let g = Geometry::new(&self.input, l2.dims(), self.stride, self.pad)?;
-        if l1.dims() != [g.n, g.c, g.ho, g.wo] {
-            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l1.dims(), [g.n, g.c, g.ho, g.wo]);
-        }
+        let g = self.geometry(l1, l2)?;
         let out = dispatch!(s1, l1, s2, l2, |gr, k| grad_input(&g, gr, k));
         Ok((out, Shape::from(self.input.clone())))
     }
@@ -270,10 +283,7 @@ impl CustomOp2 for GradInput {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = Geometry::new(&self.input, l2.dims(), self.stride, self.pad)?;
-        if l1.dims() != [g.n, g.c, g.ho, g.wo] {
-            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l1.dims(), [g.n, g.c, g.ho, g.wo]);
-        }
+        let g = self.geometry(l1, l2)?;
         let out = cuda::launch(cuda::Pass::GradInput, &g, s1, l1, s2, l2, g.n * g.c * g.h * g.w)?;
         Ok((out, Shape::from(self.input.clone())))
     }
@@ -285,6 +295,13 @@ struct GradKernel {
     kernel: Vec<usize>,
 }
 
+impl GradKernel {
+    /// Arguments: the forward input and the output gradient.
+    fn geometry(&self, x: &Layout, grad: &Layout) -> Result<Geometry> {
+        backward_geometry(x.dims(), &self.kernel, grad.dims(), self.stride, self.pad)
+    }
+}
+
 impl CustomOp2 for GradKernel {
     fn name(&self) -> &'static str {
         "depthwise-conv2d-grad-kernel"
@@ -292,10 +309,7 @@ impl CustomOp2 for GradKernel {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/depthwise-grad");
-        let g = Geometry::new(l1.dims(), &self.kernel, self.stride, self.pad)?;
-        if l2.dims() != [g.n, g.c, g.ho, g.wo] {
-            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l2.dims(), [g.n, g.c, g.ho, g.wo]);
-        }
+        let g = self.geometry(l1, l2)?;
         let out = dispatch!(s1, l1, s2, l2, |x, gr| grad_kernel(&g, x, gr));
         Ok((out, Shape::from(self.kernel.clone())))
     }
@@ -308,10 +322,7 @@ impl CustomOp2 for GradKernel {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let g = Geometry::new(l1.dims(), &self.kernel, self.stride, self.pad)?;
-        if l2.dims() != [g.n, g.c, g.ho, g.wo] {
-            candle_core::bail!("depthwise conv backward: gradient {:?} does not match output {:?}", l2.dims(), [g.n, g.c, g.ho, g.wo]);
-        }
+        let g = self.geometry(l1, l2)?;
         let out = cuda::launch(cuda::Pass::GradKernel, &g, s1, l1, s2, l2, g.c * g.k * g.k)?;
         Ok((out, Shape::from(self.kernel.clone())))
     }
