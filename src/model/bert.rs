@@ -1,10 +1,10 @@
 //! BERT text tower with Hugging Face `BertModel` parameter names, pooled by `[CLS]` or the mean.
 
 use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{Embedding, Linear, VarBuilder};
+use candle_nn::{Embedding, VarBuilder};
 
 use super::config::{BertConfig, TextPooling};
-use super::layers::{attention, linear, scaled_normal, LayerNorm};
+use super::layers::{attention, linear, scaled_normal, Activation, LayerNorm, Linear};
 
 struct Layer {
     query: Linear,
@@ -40,7 +40,7 @@ impl Layer {
     fn forward(&self, x: &Tensor, mask_bias: &Tensor) -> Result<Tensor> {
         let ctx = attention(&self.query.forward(x)?, &self.key.forward(x)?, &self.value.forward(x)?, self.heads, Some(mask_bias))?;
         let x = self.attn_norm.forward(&(self.attn_out.forward(&ctx)? + x)?)?;
-        let h = self.intermediate.forward(&x)?.gelu_erf()?;
+        let h = self.intermediate.forward_act(&x, Activation::GeluErf)?;
         self.out_norm.forward(&(self.output.forward(&h)? + x)?)
     }
 }

@@ -2,14 +2,14 @@
 //! space, L2 normalisation, and the learnable temperature.
 
 use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::{Init, Linear, VarBuilder};
+use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::bert::Bert;
 use super::config::{BertConfig, TemperatureKind, TextPooling, VitConfig};
 use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
-use super::layers::{l2_normalize, linear};
+use super::layers::{l2_normalize, linear, Linear};
 use super::vit::Vit;
 use super::Ctx;
 

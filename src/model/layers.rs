@@ -1,12 +1,16 @@
 //! Building blocks shared by the towers, written only with ops whose gradients candle 0.11
-//! computes correctly (its fused LayerNorm and last-dim softmax silently drop gradients).
+//! computes correctly (its fused LayerNorm and last-dim softmax silently drop gradients) or with
+//! our own fused ops (`super::ops`).
 
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
+use super::ops::bias::bias_act;
+pub use super::ops::bias::Activation;
+use super::ops::layer_norm::layer_norm;
 use super::ops::softmax::softmax_last_dim;
 
-/// LayerNorm over the last dimension, composed from differentiable primitives.
+/// LayerNorm over the last dimension (our fused op with its own backward).
 #[derive(Debug, Clone)]
 pub struct LayerNorm {
     weight: Tensor,
@@ -25,14 +29,7 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _profile = crate::util::profile::region("op/layer-norm");
-        let dtype = x.dtype();
-        let x = if dtype == DType::F32 || dtype == DType::F64 { x.clone() } else { x.to_dtype(DType::F32)? };
-        let mean = x.mean_keepdim(D::Minus1)?;
-        let centered = x.broadcast_sub(&mean)?;
-        let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
-        let normed = centered.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        normed.to_dtype(dtype)?.broadcast_mul(&self.weight)?.broadcast_add(&self.bias)
+        layer_norm(x, &self.weight, &self.bias, self.eps)
     }
 }
 
@@ -47,11 +44,50 @@ pub fn scaled_normal(fan: usize) -> Init {
     Init::Randn { mean: 0.0, stdev: 0.02 * (768.0 / fan.max(1) as f64).sqrt() }
 }
 
-/// A linear layer whose weights follow `init` (PyTorch layout: `[out, in]`).
-pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuilder) -> Result<candle_nn::Linear> {
-    let w = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
-    let b = if bias { Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?) } else { None };
-    Ok(candle_nn::Linear::new(w, b))
+/// A linear layer (PyTorch layout: `[out, in]`) applied as one 2-D matmul over all leading
+/// dimensions. candle_nn's `Linear` broadcasts the weight over the batch instead: its backward
+/// then makes one weight gradient per batch element and sums them with candle's one-threaded
+/// strided reduce.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// `act(x·Wᵀ + b)`, the bias and activation fused into one op.
+    pub fn forward_act(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
+        let (out_dim, in_dim) = self.weight.dims2()?;
+        let mut shape = x.dims().to_vec();
+        match shape.last_mut() {
+            Some(last) if *last == in_dim => *last = out_dim,
+            _ => candle_core::bail!("linear layer of {in_dim} inputs applied to a tensor of shape {:?}", x.dims()),
+        }
+        let y = x.reshape(((), in_dim))?.matmul(&self.weight.t()?)?;
+        let y = match (&self.bias, act) {
+            (Some(b), act) => bias_act(&y, b, act)?,
+            (None, Activation::Identity) => y,
+            (None, Activation::GeluErf) => y.gelu_erf()?,
+        };
+        y.reshape(shape)
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_act(x, Activation::Identity)
+    }
+}
+
+/// A linear layer whose weights follow `init`.
+pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuilder) -> Result<Linear> {
+    let weight = vb.get_with_hints((out_dim, in_dim), "weight", init)?;
+    let bias = if bias { Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?) } else { None };
+    Ok(Linear { weight, bias })
 }
 
 /// Multi-head scaled dot-product attention on already projected `q`, `k`, `v` of shape

@@ -4,10 +4,11 @@
 //! reshape + matmul: identical numbers, and several times faster than candle's conv2d backward.
 
 use candle_core::{Module, Result, Tensor};
-use candle_nn::{Init, Linear, VarBuilder};
+use candle_nn::{Init, VarBuilder};
 
 use super::config::{ImagePooling, VitConfig};
-use super::layers::{attention, linear, scaled_normal, LayerNorm};
+use super::layers::{attention, linear, scaled_normal, Activation, LayerNorm, Linear};
+use super::ops::bias::bias_act;
 
 struct Block {
     norm1: LayerNorm,
@@ -43,7 +44,7 @@ impl Block {
         let h = self.norm1.forward(x)?;
         let a = attention(&self.query.forward(&h)?, &self.key.forward(&h)?, &self.value.forward(&h)?, self.heads, None)?;
         let x = (self.proj.forward(&a)? + x)?;
-        let h = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu_erf()?;
+        let h = self.fc1.forward_act(&self.norm2.forward(&x)?, Activation::GeluErf)?;
         self.fc2.forward(&h)? + x
     }
 }
@@ -92,7 +93,12 @@ impl Vit {
         }
         let width = self.config.width;
         let weight = self.patch_weight.reshape((width, ()))?;
-        let tokens = self.patchify(images)?.broadcast_matmul(&weight.t()?)?.broadcast_add(&self.patch_bias)?;
+        let patches = self.patchify(images)?;
+        let (np, pd) = (patches.dim(1)?, patches.dim(2)?);
+        // One 2-D matmul over all patches of the batch (a broadcast weight would get one gradient
+        // per image, summed on one thread).
+        let tokens = patches.reshape((b * np, pd))?.matmul(&weight.t()?)?;
+        let tokens = bias_act(&tokens, &self.patch_bias, Activation::Identity)?.reshape((b, np, width))?;
         let cls = self.cls_token.broadcast_as((b, 1, width))?;
         let mut x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.pos)?;
         for block in &self.blocks {

@@ -9,94 +9,13 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{what} must be contiguous"),
-    }
-}
+use super::{contiguous, float_dispatch, float_dispatch2, Float};
 
 fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
     match l.dims() {
         [n, c, h, w] => Ok((*n, *c, h * w)),
         d => candle_core::bail!("expected an NCHW tensor, got {d:?}"),
     }
-}
-
-/// f32 or f64. Per-element arithmetic runs in the storage's own precision (f32 math is about
-/// twice as fast, and `exp` dominates the SiLU); per-channel constants are prepared in f64 and
-/// sums over a channel accumulate in f64.
-trait Float:
-    Copy
-    + Send
-    + Sync
-    + Default
-    + 'static
-    + std::ops::Add<Output = Self>
-    + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self>
-    + std::ops::Div<Output = Self>
-    + std::ops::Neg<Output = Self>
-{
-    fn f(self) -> f64;
-    fn from(v: f64) -> Self;
-    fn exp(self) -> Self;
-}
-
-impl Float for f32 {
-    fn f(self) -> f64 {
-        self as f64
-    }
-    fn from(v: f64) -> Self {
-        v as f32
-    }
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-}
-
-impl Float for f64 {
-    fn f(self) -> f64 {
-        self
-    }
-    fn from(v: f64) -> Self {
-        v
-    }
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-}
-
-macro_rules! float_dispatch {
-    ($s:expr, $l:expr, $what:expr, |$x:ident| $body:expr) => {
-        match $s {
-            CpuStorage::F32(d) => {
-                let $x = contiguous(d, $l, $what)?;
-                CpuStorage::F32($body)
-            }
-            CpuStorage::F64(d) => {
-                let $x = contiguous(d, $l, $what)?;
-                CpuStorage::F64($body)
-            }
-            _ => candle_core::bail!("{} supports f32 and f64", $what),
-        }
-    };
-}
-
-macro_rules! float_dispatch2 {
-    ($s1:expr, $l1:expr, $s2:expr, $l2:expr, $what:expr, |$a:ident, $b:ident| $body:expr) => {
-        match ($s1, $s2) {
-            (CpuStorage::F32(d1), CpuStorage::F32(d2)) => {
-                let ($a, $b) = (contiguous(d1, $l1, $what)?, contiguous(d2, $l2, $what)?);
-                CpuStorage::F32($body)
-            }
-            (CpuStorage::F64(d1), CpuStorage::F64(d2)) => {
-                let ($a, $b) = (contiguous(d1, $l1, $what)?, contiguous(d2, $l2, $what)?);
-                CpuStorage::F64($body)
-            }
-            _ => candle_core::bail!("{} supports f32 and f64 with matching dtypes", $what),
-        }
-    };
 }
 
 /// Sums over (N, H, W) per channel of `f(n, c, index)`, in f64, one task per channel.

@@ -1,6 +1,171 @@
 //! Custom candle ops with their own backward passes, for layers candle makes slow or cannot
 //! differentiate.
 
+use candle_core::{Layout, Result};
+
+pub mod bias;
 pub mod channel;
 pub mod depthwise;
+pub mod layer_norm;
 pub mod softmax;
+
+fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("{what} must be contiguous"),
+    }
+}
+
+/// f32 or f64. Per-element arithmetic runs in the storage's own precision (f32 math is about
+/// twice as fast and vectorises twice as wide); constants are prepared in f64.
+trait Float:
+    Copy
+    + Send
+    + Sync
+    + Default
+    + 'static
+    + std::ops::Add<Output = Self>
+    + std::ops::AddAssign
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
+    + std::ops::Neg<Output = Self>
+{
+    fn f(self) -> f64;
+    fn from(v: f64) -> Self;
+    fn exp(self) -> Self;
+    fn sqrt(self) -> Self;
+    /// The same `erf` as candle's `gelu_erf`, so the fused GELU matches it bit for bit.
+    fn erf(self) -> Self;
+}
+
+impl Float for f32 {
+    fn f(self) -> f64 {
+        self as f64
+    }
+    fn from(v: f64) -> Self {
+        v as f32
+    }
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+    fn erf(self) -> Self {
+        candle_core::cpu::erf::erf_f32(self)
+    }
+}
+
+impl Float for f64 {
+    fn f(self) -> f64 {
+        self
+    }
+    fn from(v: f64) -> Self {
+        v
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+    fn erf(self) -> Self {
+        candle_core::cpu::erf::erf_f64(self)
+    }
+}
+
+/// Runs `$body` with `$x` bound to the contiguous f32 or f64 slice of a storage; the result is
+/// wrapped back into a storage of the same type.
+macro_rules! float_dispatch {
+    ($s:expr, $l:expr, $what:expr, |$x:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F32(d) => {
+                let $x = super::contiguous(d, $l, $what)?;
+                CpuStorage::F32($body)
+            }
+            CpuStorage::F64(d) => {
+                let $x = super::contiguous(d, $l, $what)?;
+                CpuStorage::F64($body)
+            }
+            _ => candle_core::bail!("{} supports f32 and f64", $what),
+        }
+    };
+}
+
+macro_rules! float_dispatch2 {
+    ($s1:expr, $l1:expr, $s2:expr, $l2:expr, $what:expr, |$a:ident, $b:ident| $body:expr) => {
+        match ($s1, $s2) {
+            (CpuStorage::F32(d1), CpuStorage::F32(d2)) => {
+                let ($a, $b) = (super::contiguous(d1, $l1, $what)?, super::contiguous(d2, $l2, $what)?);
+                CpuStorage::F32($body)
+            }
+            (CpuStorage::F64(d1), CpuStorage::F64(d2)) => {
+                let ($a, $b) = (super::contiguous(d1, $l1, $what)?, super::contiguous(d2, $l2, $what)?);
+                CpuStorage::F64($body)
+            }
+            _ => candle_core::bail!("{} supports f32 and f64 with matching dtypes", $what),
+        }
+    };
+}
+
+macro_rules! float_dispatch3 {
+    ($s1:expr, $l1:expr, $s2:expr, $l2:expr, $s3:expr, $l3:expr, $what:expr, |$a:ident, $b:ident, $c:ident| $body:expr) => {
+        match ($s1, $s2, $s3) {
+            (CpuStorage::F32(d1), CpuStorage::F32(d2), CpuStorage::F32(d3)) => {
+                let ($a, $b, $c) =
+                    (super::contiguous(d1, $l1, $what)?, super::contiguous(d2, $l2, $what)?, super::contiguous(d3, $l3, $what)?);
+                CpuStorage::F32($body)
+            }
+            (CpuStorage::F64(d1), CpuStorage::F64(d2), CpuStorage::F64(d3)) => {
+                let ($a, $b, $c) =
+                    (super::contiguous(d1, $l1, $what)?, super::contiguous(d2, $l2, $what)?, super::contiguous(d3, $l3, $what)?);
+                CpuStorage::F64($body)
+            }
+            _ => candle_core::bail!("{} supports f32 and f64 with matching dtypes", $what),
+        }
+    };
+}
+
+pub(crate) use {float_dispatch, float_dispatch2, float_dispatch3};
+
+/// Row blocks for reductions over rows: enough blocks to keep every thread busy, each long
+/// enough that its partial sums cost little next to the pass itself.
+fn row_block(rows: usize) -> usize {
+    rows.div_ceil(4 * rayon::current_num_threads()).max(16)
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use candle_core::{DType, Tensor};
+
+    pub fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
+    }
+
+    pub fn max_abs(a: &Tensor) -> f64 {
+        a.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
+    }
+
+    /// Central finite differences of `f` (a scalar function of one tensor) at a few positions,
+    /// against the analytic gradient `g`. Returns the largest error relative to the largest
+    /// gradient entry (a per-entry relative error would measure the rounding of the loss at
+    /// entries whose gradient is near zero).
+    pub fn check_fd(f: impl Fn(&Tensor) -> f64, x: &Tensor, g: &Tensor, positions: &[usize]) -> f64 {
+        let flat = x.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let gf = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let h = 1e-6;
+        let scale = gf.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-12);
+        let mut worst = 0.0f64;
+        for &i in positions {
+            let mut plus = flat.clone();
+            plus[i] += h;
+            let mut minus = flat.clone();
+            minus[i] -= h;
+            let t = |v: Vec<f64>| Tensor::from_vec(v, x.dims(), x.device()).unwrap();
+            let fd = (f(&t(plus)) - f(&t(minus))) / (2.0 * h);
+            worst = worst.max((fd - gf[i]).abs() / scale);
+        }
+        worst
+    }
+}

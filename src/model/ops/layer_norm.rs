@@ -1,0 +1,233 @@
+//! LayerNorm over the last dimension as one op with its own backward.
+//!
+//! candle's fused `layer_norm` has no backward at all (CANDLE-NOTES), and the composition from
+//! mean / subtract / square / divide / scale / shift takes eight full-size temporaries forward and
+//! more backward, with the weight and bias gradients reduced through candle's one-threaded
+//! strided sum. Here the forward is one pass per row; the backward one pass per row for the input
+//! gradient, with the weight and bias gradients summed per block of rows in parallel.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use rayon::prelude::*;
+
+use super::{float_dispatch3, row_block, Float};
+
+fn row_stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
+    let d = T::from(x.len() as f64);
+    let mut sum = T::default();
+    x.iter().for_each(|&v| sum += v);
+    let mean = sum / d;
+    let mut sq = T::default();
+    x.iter().for_each(|&v| sq += (v - mean) * (v - mean));
+    let inv_std = T::from(1.0) / (sq / d + T::from(eps)).sqrt();
+    (mean, inv_std)
+}
+
+struct LayerNormOp {
+    eps: f64,
+}
+
+impl LayerNormOp {
+    fn run<T: Float>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+        let d = w.len();
+        let mut out = vec![T::default(); x.len()];
+        let block = row_block(x.len() / d) * d;
+        out.par_chunks_mut(block).zip(x.par_chunks(block)).for_each(|(o, x)| {
+            for (orow, xrow) in o.chunks_mut(d).zip(x.chunks(d)) {
+                let (mean, r) = row_stats(xrow, self.eps);
+                for (((o, &x), &w), &b) in orow.iter_mut().zip(xrow).zip(w).zip(b) {
+                    *o = (x - mean) * r * w + b;
+                }
+            }
+        });
+        out
+    }
+}
+
+fn check_shapes(lx: &Layout, lw: &Layout, lb: &Layout) -> Result<usize> {
+    let d = lx.dims().last().copied().unwrap_or(0);
+    if d == 0 || lw.dims() != [d] || lb.dims() != [d] {
+        candle_core::bail!("layer norm of {:?} needs weight and bias of [{d}], got {:?} and {:?}", lx.dims(), lw.dims(), lb.dims());
+    }
+    Ok(d)
+}
+
+impl CustomOp3 for LayerNormOp {
+    fn name(&self) -> &'static str {
+        "layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/layer-norm");
+        check_shapes(l1, l2, l3)?;
+        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "layer norm", |x, w, b| self.run(x, w, b));
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let d = w.dim(0)?;
+        let n = x.elem_count() / d;
+        // One storage holding [dx (n·d) | dw (d) | db (d)]; the three gradients are views of it.
+        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LayerNormGrad { eps: self.eps })?;
+        let dx = all.narrow(0, 0, n * d)?.reshape(x.shape())?;
+        Ok((Some(dx), Some(all.narrow(0, n * d, d)?), Some(all.narrow(0, n * d + d, d)?)))
+    }
+}
+
+/// With x̂ = (x − μ)·r and ĝ = dy·w per row: dx = r·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)),
+/// dw = Σ_rows dy·x̂, db = Σ_rows dy.
+struct LayerNormGrad {
+    eps: f64,
+}
+
+impl LayerNormGrad {
+    fn run<T: Float>(&self, x: &[T], w: &[T], dy: &[T]) -> Vec<T> {
+        let d = w.len();
+        let n = x.len() / d;
+        let mut out = vec![T::default(); x.len() + 2 * d];
+        let (dx, params) = out.split_at_mut(n * d);
+        let block = row_block(n) * d;
+        let inv_d = T::from(1.0 / d as f64);
+        let partial: Vec<Vec<T>> = dx
+            .par_chunks_mut(block)
+            .zip(x.par_chunks(block))
+            .zip(dy.par_chunks(block))
+            .map(|((dx, x), dy)| {
+                let mut acc = vec![T::default(); 2 * d];
+                let (dw, db) = acc.split_at_mut(d);
+                for ((dxrow, xrow), grow) in dx.chunks_mut(d).zip(x.chunks(d)).zip(dy.chunks(d)) {
+                    let (mean, r) = row_stats(xrow, self.eps);
+                    let (mut sum_g, mut sum_gx) = (T::default(), T::default());
+                    for (((&xv, &g), &wv), (dwv, dbv)) in xrow.iter().zip(grow).zip(w).zip(dw.iter_mut().zip(db.iter_mut())) {
+                        let xhat = (xv - mean) * r;
+                        let gh = g * wv;
+                        sum_g += gh;
+                        sum_gx += gh * xhat;
+                        *dwv += g * xhat;
+                        *dbv += g;
+                    }
+                    let (mg, mgx) = (sum_g * inv_d, sum_gx * inv_d);
+                    for (((o, &xv), &g), &wv) in dxrow.iter_mut().zip(xrow).zip(grow).zip(w) {
+                        let xhat = (xv - mean) * r;
+                        *o = r * (g * wv - mg - xhat * mgx);
+                    }
+                }
+                acc
+            })
+            .collect();
+        for p in partial {
+            params.iter_mut().zip(p).for_each(|(s, v)| *s += v);
+        }
+        out
+    }
+}
+
+impl CustomOp3 for LayerNormGrad {
+    fn name(&self) -> &'static str {
+        "layer-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/layer-norm-grad");
+        let d = check_shapes(l1, l2, l2)?;
+        if l3.dims() != l1.dims() {
+            candle_core::bail!("layer norm gradient of shape {:?} for an input of shape {:?}", l3.dims(), l1.dims());
+        }
+        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "layer norm backward", |x, w, dy| self.run(x, w, dy));
+        Ok((out, Shape::from(l1.shape().elem_count() + 2 * d)))
+    }
+}
+
+/// `(x − mean) / √(var + eps) · weight + bias` over the last dimension, differentiable in all
+/// three. Fused on the CPU for f32 / f64; elsewhere (other devices, bf16) composed from candle
+/// ops with the statistics in f32.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    if x.device().is_cpu() && matches!(dtype, DType::F32 | DType::F64) && weight.dtype() == dtype && bias.dtype() == dtype {
+        return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNormOp { eps });
+    }
+    let _profile = crate::util::profile::region("op/layer-norm");
+    let xf = if dtype == DType::F32 || dtype == DType::F64 { x.clone() } else { x.to_dtype(DType::F32)? };
+    let mean = xf.mean_keepdim(D::Minus1)?;
+    let centered = xf.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    normed.to_dtype(dtype)?.broadcast_mul(weight)?.broadcast_add(bias)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{check_fd, max_abs, max_diff};
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn composed(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Tensor {
+        let mean = x.mean_keepdim(D::Minus1).unwrap();
+        let c = x.broadcast_sub(&mean).unwrap();
+        let var = c.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+        c.broadcast_div(&(var + eps).unwrap().sqrt().unwrap()).unwrap().broadcast_mul(w).unwrap().broadcast_add(b).unwrap()
+    }
+
+    #[test]
+    fn matches_the_composition_forward_and_backward() {
+        let dev = Device::Cpu;
+        for dtype in [DType::F64, DType::F32] {
+            // 2 × 300 rows: several row blocks; offset mean so centring matters.
+            let x = Var::from_tensor(&crate::util::rng::randn(170, 3.0, 2.0, (2, 300, 48), dtype, &dev).unwrap()).unwrap();
+            let w = Var::from_tensor(&crate::util::rng::randn(171, 1.0, 0.5, 48, dtype, &dev).unwrap()).unwrap();
+            let b = Var::from_tensor(&crate::util::rng::randn(172, 0.0, 0.5, 48, dtype, &dev).unwrap()).unwrap();
+            let up = crate::util::rng::randn(173, 0.0, 1.0, (2, 300, 48), dtype, &dev).unwrap();
+            let ours = layer_norm(&x, &w, &b, 1e-5).unwrap();
+            let reference = composed(&x, &w, &b, 1e-5);
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+            assert!(max_diff(&ours, &reference) < tol * max_abs(&reference), "{dtype:?}");
+            let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&x, &w, &b] {
+                let (a, r) = (g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap());
+                assert_eq!(a.dims(), r.dims());
+                assert!(max_diff(a, r) < tol * max_abs(r), "{dtype:?} {}", max_diff(a, r) / max_abs(r));
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let dev = Device::Cpu;
+        let x0 = crate::util::rng::randn(174, 0.5, 1.0, (3, 5), DType::F64, &dev).unwrap();
+        let w0 = crate::util::rng::randn(175, 1.0, 0.5, 5, DType::F64, &dev).unwrap();
+        let b0 = crate::util::rng::randn(176, 0.0, 0.5, 5, DType::F64, &dev).unwrap();
+        let up = crate::util::rng::randn(177, 0.0, 1.0, (3, 5), DType::F64, &dev).unwrap();
+        let loss = |x: &Tensor, w: &Tensor, b: &Tensor| {
+            (layer_norm(x, w, b, 1e-3).unwrap() * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
+        };
+        let (x, w, b) = (Var::from_tensor(&x0).unwrap(), Var::from_tensor(&w0).unwrap(), Var::from_tensor(&b0).unwrap());
+        let grads = (layer_norm(&x, &w, &b, 1e-3).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let all: Vec<usize> = (0..15).collect();
+        assert!(check_fd(|t| loss(t, &w0, &b0), &x0, grads.get(x.as_tensor()).unwrap(), &all) < 1e-7);
+        assert!(check_fd(|t| loss(&x0, t, &b0), &w0, grads.get(w.as_tensor()).unwrap(), &[0, 1, 2, 3, 4]) < 1e-7);
+        assert!(check_fd(|t| loss(&x0, &w0, t), &b0, grads.get(b.as_tensor()).unwrap(), &[0, 1, 2, 3, 4]) < 1e-7);
+    }
+}
