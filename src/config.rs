@@ -193,6 +193,10 @@ pub struct TrainConfig {
     /// `f32`, or `bf16`: towers computed in bfloat16 from f32 master weights (optimizer state,
     /// logits and loss stay f32).
     pub precision: Precision,
+    /// Activation checkpointing: keep only each transformer / MBConv block's input in the
+    /// forward pass and recompute the block in the backward pass. Same gradients, activation
+    /// memory of about one block instead of all of them, about one more forward pass of compute.
+    pub grad_checkpointing: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -235,6 +239,7 @@ impl Default for TrainConfig {
             local_loss: true,
             collective_timeout_s: 1800.0,
             precision: Precision::F32,
+            grad_checkpointing: false,
         }
     }
 }

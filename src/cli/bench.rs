@@ -201,7 +201,14 @@ pub fn model(a: &ModelArgs) -> Result<()> {
     }
     let device = super::default_device();
     let vm = candle_nn::VarMap::new();
-    let model = DualEncoder::new(&spec, SeededVars::builder(&vm, 0, &device))?;
+    let build = |vb| -> Result<DualEncoder> {
+        let mut m = DualEncoder::new(&spec, vb)?;
+        if cfg.train.grad_checkpointing {
+            m.enable_grad_checkpointing();
+        }
+        Ok(m)
+    };
+    let model = build(SeededVars::builder(&vm, 0, &device))?;
     let vars: Vec<(String, candle_core::Var)> = vm
         .data()
         .lock()
@@ -237,7 +244,7 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         let model = if compute == candle_core::DType::F32 {
             &model
         } else {
-            view = DualEncoder::new(&spec, SeededVars::builder_dtype(&vm, 0, compute, &device))?;
+            view = build(SeededVars::builder_dtype(&vm, 0, compute, &device))?;
             &view
         };
         let img = model.image_embeddings(&images, &Ctx::train(step as u64))?;
@@ -246,7 +253,7 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         loss.to_scalar::<f32>()?;
         let t1 = Instant::now();
         sample_gpu();
-        let grads = opt.gather(&align::util::profile::timed("backward", || loss.backward())?);
+        let grads = align::train::step::backward(model, &opt, &loss)?;
         device.synchronize()?;
         let t2 = Instant::now();
         sample_gpu();

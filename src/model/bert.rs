@@ -1,8 +1,11 @@
 //! BERT text tower with Hugging Face `BertModel` parameter names, pooled by `[CLS]` or the mean.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
 
+use super::checkpoint::Checkpointing;
 use super::config::{BertConfig, TextPooling};
 use super::layers::{attention, linear, scaled_normal, Activation, LayerNorm, Linear};
 
@@ -50,8 +53,10 @@ pub struct Bert {
     position: Embedding,
     token_type: Embedding,
     emb_norm: LayerNorm,
-    layers: Vec<Layer>,
+    layers: Vec<Arc<Layer>>,
     pub config: BertConfig,
+    /// Each layer a checkpointed segment when on.
+    pub checkpointing: Checkpointing,
 }
 
 impl Bert {
@@ -60,7 +65,7 @@ impl Bert {
         let emb = |n: usize, name: &str| -> Result<Embedding> {
             Ok(Embedding::new(e.get_with_hints((n, c.hidden), &format!("{name}.weight"), scaled_normal(c.hidden))?, c.hidden))
         };
-        let layers = (0..c.layers).map(|i| Layer::new(c, vb.pp("encoder").pp("layer").pp(i))).collect::<Result<Vec<_>>>()?;
+        let layers = (0..c.layers).map(|i| Ok(Arc::new(Layer::new(c, vb.pp("encoder").pp("layer").pp(i))?))).collect::<Result<Vec<_>>>()?;
         Ok(Bert {
             word: emb(c.vocab_size, "word_embeddings")?,
             position: emb(c.max_position, "position_embeddings")?,
@@ -68,6 +73,7 @@ impl Bert {
             emb_norm: LayerNorm::new(c.hidden, c.layer_norm_eps, e.pp("LayerNorm"))?,
             layers,
             config: c.clone(),
+            checkpointing: Checkpointing::default(),
         })
     }
 
@@ -84,7 +90,8 @@ impl Bert {
         let keep = mask.to_dtype(x.dtype())?;
         let bias = ((keep - 1.0)? * 1e9)?.unsqueeze(1)?.unsqueeze(1)?;
         for layer in &self.layers {
-            x = layer.forward(&x, &bias)?;
+            let (layer, bias) = (layer.clone(), bias.clone());
+            x = self.checkpointing.run(&x, Arc::new(move |x, _| layer.forward(x, &bias)))?;
         }
         Ok(x)
     }

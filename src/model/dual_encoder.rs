@@ -1,11 +1,15 @@
 //! The dual encoder: an image tower and a text tower, linear projections to a shared embedding
 //! space, L2 normalisation, and the learnable temperature.
 
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::bert::Bert;
+use super::checkpoint::{Checkpointing, GradSink};
 use super::config::{BertConfig, TemperatureKind, TextPooling, VitConfig};
 use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
@@ -84,6 +88,7 @@ pub struct DualEncoder {
     /// σ (ALIGN) or s = ln(logit scale) (CLIP); a 0-d variable.
     temperature: Tensor,
     pub spec: ModelSpec,
+    checkpoint_grads: Option<Arc<GradSink>>,
 }
 
 impl DualEncoder {
@@ -107,7 +112,28 @@ impl DualEncoder {
             TemperatureKind::Align => vb.get_with_hints((), "temperature", Init::Const(spec.temperature_init))?,
             TemperatureKind::Clip => vb.get_with_hints((), "logit_scale", Init::Const((1.0 / spec.temperature_init).ln()))?,
         };
-        Ok(DualEncoder { image, text, visual_projection, text_projection, temperature, spec: spec.clone() })
+        Ok(DualEncoder { image, text, visual_projection, text_projection, temperature, spec: spec.clone(), checkpoint_grads: None })
+    }
+
+    /// Checkpoints every transformer block and MBConv block of both towers (activation
+    /// checkpointing): their activations are recomputed in the backward pass instead of kept.
+    /// The parameter gradients of the recomputed blocks then arrive through
+    /// [`DualEncoder::take_checkpoint_grads`], not the loss's own gradient store.
+    pub fn enable_grad_checkpointing(&mut self) {
+        let sink = Arc::new(GradSink::default());
+        let c = Checkpointing::on(sink.clone());
+        match &mut self.image {
+            ImageTower::Vit(v) => v.checkpointing = c.clone(),
+            ImageTower::EfficientNet(e) => e.checkpointing = c.clone(),
+        }
+        self.text.checkpointing = c;
+        self.checkpoint_grads = Some(sink);
+    }
+
+    /// The gradient stores of the blocks recomputed since the last call (empty when
+    /// checkpointing is off).
+    pub fn take_checkpoint_grads(&self) -> Vec<GradStore> {
+        self.checkpoint_grads.as_ref().map(|s| s.take()).unwrap_or_default()
     }
 
     /// The dtype the towers compute in: their weights' (bf16 for a mixed-precision view built

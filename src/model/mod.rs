@@ -3,6 +3,7 @@
 
 pub mod batch_norm;
 pub mod bert;
+pub mod checkpoint;
 pub mod config;
 pub mod dual_encoder;
 pub mod efficientnet;

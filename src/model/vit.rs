@@ -3,9 +3,12 @@
 //! The patch embedding is stored as HF's convolution weight `[width, 3, p, p]` but computed as a
 //! reshape + matmul: identical numbers, and several times faster than candle's conv2d backward.
 
+use std::sync::Arc;
+
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
+use super::checkpoint::Checkpointing;
 use super::config::{ImagePooling, VitConfig};
 use super::layers::{attention, linear, scaled_normal, Activation, LayerNorm, Linear};
 use super::ops::bias::bias_act;
@@ -54,9 +57,11 @@ pub struct Vit {
     patch_bias: Tensor,
     cls_token: Tensor,
     pos: Tensor,
-    blocks: Vec<Block>,
+    blocks: Vec<Arc<Block>>,
     norm: LayerNorm,
     pub config: VitConfig,
+    /// Each block a checkpointed segment when on.
+    pub checkpointing: Checkpointing,
 }
 
 impl Vit {
@@ -69,9 +74,10 @@ impl Vit {
             patch_bias: proj.get_with_hints(c.width, "bias", Init::Const(0.0))?,
             cls_token: e.get_with_hints((1, 1, c.width), "cls_token", scaled_normal(c.width))?,
             pos: e.get_with_hints((1, c.num_patches() + 1, c.width), "position_embeddings", scaled_normal(c.width))?,
-            blocks: (0..c.depth).map(|i| Block::new(c, vb.pp("encoder").pp("layer").pp(i))).collect::<Result<_>>()?,
+            blocks: (0..c.depth).map(|i| Ok(Arc::new(Block::new(c, vb.pp("encoder").pp("layer").pp(i))?))).collect::<Result<_>>()?,
             norm: LayerNorm::new(c.width, c.layer_norm_eps, vb.pp("layernorm"))?,
             config: c.clone(),
+            checkpointing: Checkpointing::default(),
         })
     }
 
@@ -102,7 +108,8 @@ impl Vit {
         let cls = self.cls_token.broadcast_as((b, 1, width))?;
         let mut x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.pos)?;
         for block in &self.blocks {
-            x = block.forward(&x)?;
+            let block = block.clone();
+            x = self.checkpointing.run(&x, Arc::new(move |x, _| block.forward(x)))?;
         }
         self.norm.forward(&x)
     }

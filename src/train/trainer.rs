@@ -224,7 +224,14 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
     let tokenizer = Arc::new(tokenizer);
     let spec = super::init_from::spec(cfg, tokenizer.vocab_size())?;
     let varmap = VarMap::new();
-    let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, cfg.run.seed, device))?;
+    let build = |vb| -> Result<DualEncoder> {
+        let mut m = DualEncoder::new(&spec, vb)?;
+        if cfg.train.grad_checkpointing {
+            m.enable_grad_checkpointing();
+        }
+        Ok(m)
+    };
+    let model = build(SeededVars::builder(&varmap, cfg.run.seed, device))?;
     if resume_dir.is_none() && lead {
         for line in super::init_from::load_weights(cfg, &varmap, device)? {
             if !opts.quiet {
@@ -356,7 +363,7 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
         let compute_model = match cfg.train.precision {
             Precision::F32 => &model,
             Precision::Bf16 => {
-                view = DualEncoder::new(&spec, SeededVars::builder_dtype(&varmap, cfg.run.seed, DType::BF16, device))?;
+                view = build(SeededVars::builder_dtype(&varmap, cfg.run.seed, DType::BF16, device))?;
                 &view
             }
         };

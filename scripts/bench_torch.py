@@ -6,11 +6,11 @@ image size, text length and loss (ALIGN's symmetric normalised softmax with labe
 summed), AdamW, on the CPU with as many threads as cores.
 
     pip install torch transformers
-    python3 scripts/bench_model_torch.py --batch 16 --image-size 224 --steps 5
+    python3 scripts/bench_torch.py --batch 16 --image-size 224 --steps 5
     align bench model --image-tower efficientnet-b0 --text-tower bert-mini --batch 16 \
         --image-size 224 --steps 5 --set 'optimizer.kind="adamw"' --set model.image_projection=false \
         --set model.embed_dim=320
-    python3 scripts/bench_model_torch.py --image-tower vit-ti16 --batch 32 --image-size 224 --steps 5
+    python3 scripts/bench_torch.py --image-tower vit-ti16 --batch 32 --image-size 224 --steps 5
     align bench model --image-tower vit-ti16 --text-tower bert-mini --batch 32 --image-size 224 \
         --steps 5 --set 'optimizer.kind="adamw"' --set model.embed_dim=320
 """
