@@ -61,6 +61,9 @@ pub struct DataConfig {
     pub resampled: bool,
     /// Ready batches each worker may hold.
     pub prefetch: usize,
+    /// How much the loader threads lower their scheduling priority (Linux nice, 0-19): they
+    /// then use the cycles compute leaves idle without delaying a step.
+    pub worker_nice: i32,
     pub image: ImageConfig,
 }
 
@@ -73,6 +76,7 @@ impl Default for DataConfig {
             shuffle_shards: true,
             resampled: false,
             prefetch: 2,
+            worker_nice: 10,
             image: ImageConfig::default(),
         }
     }
@@ -197,6 +201,9 @@ pub struct TrainConfig {
     /// forward pass and recompute the block in the backward pass. Same gradients, activation
     /// memory of about one block instead of all of them, about one more forward pass of compute.
     pub grad_checkpointing: bool,
+    /// Compute threads (rayon's pool, which candle's CPU kernels share); 0 = one per core. Lower
+    /// it to give the loader whole cores of its own.
+    pub compute_threads: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -240,6 +247,7 @@ impl Default for TrainConfig {
             collective_timeout_s: 1800.0,
             precision: Precision::F32,
             grad_checkpointing: false,
+            compute_threads: 0,
         }
     }
 }
@@ -316,6 +324,9 @@ impl Config {
         }
         if self.data.workers == 0 {
             bail!("data.workers must be at least 1");
+        }
+        if !(0..=19).contains(&self.data.worker_nice) {
+            bail!("data.worker_nice must be between 0 and 19, got {}", self.data.worker_nice);
         }
         if self.text.max_len < 2 {
             bail!("text.max_len must leave room for [CLS] and [SEP]");

@@ -60,6 +60,8 @@ pub fn loader(a: &LoaderArgs) -> Result<()> {
         shuffle_buffer: cfg.data.shuffle_buffer,
         seed: 0,
         prefetch: cfg.data.prefetch,
+        // Nothing competes with the loader here: its raw throughput is what is measured.
+        nice: 0,
     };
     let mut loader = TrainLoader::start(plan, Placement::single(a.workers), settings, tok, None)?;
     for _ in 0..a.workers {

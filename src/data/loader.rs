@@ -130,6 +130,8 @@ pub struct LoaderSettings {
     pub seed: u64,
     /// Batches each worker may have ready ahead of the trainer.
     pub prefetch: usize,
+    /// Scheduling priority the workers give up (`util::threads::lower_priority`).
+    pub nice: i32,
 }
 
 enum Msg {
@@ -284,6 +286,7 @@ struct Closed;
 
 impl Worker {
     fn run(mut self) {
+        crate::util::threads::lower_priority(self.settings.nice);
         if let Err(Closed) = self.run_inner() {
             // Normal shutdown.
         }
@@ -491,6 +494,7 @@ mod tests {
             shuffle_buffer: buffer,
             seed: 11,
             prefetch: 2,
+            nice: 0,
         }
     }
 

@@ -110,6 +110,10 @@ fn resolve_tokenizer(cfg: &Config, resume_dir: Option<&PathBuf>, quiet: bool) ->
 /// Trains per `cfg`: one rank, `opts.nproc` ranks on threads, or (from torchrun / SLURM variables)
 /// one rank of a multi-process job. Returns rank 0's summary.
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
+    let threads = crate::util::threads::set_compute_threads(cfg.train.compute_threads);
+    if !opts.quiet {
+        log::info(format!("{threads} compute threads; {} loader workers at nice +{}", cfg.data.workers, cfg.data.worker_nice));
+    }
     let env = DistEnv::from_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
     if env.world_size > 1 {
         #[cfg(feature = "nccl")]
@@ -281,6 +285,7 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
         shuffle_buffer: cfg.data.shuffle_buffer,
         seed: cfg.run.seed,
         prefetch: cfg.data.prefetch,
+        nice: cfg.data.worker_nice,
     };
     let placement = Placement { rank, world_size: world, worker: 0, workers: cfg.data.workers };
     let mut loader = TrainLoader::start(plan, placement, settings, tokenizer.clone(), state.loaders.get(rank).cloned())?;

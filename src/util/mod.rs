@@ -4,3 +4,4 @@ pub mod log;
 pub mod profile;
 pub mod progress;
 pub mod rng;
+pub mod threads;
