@@ -6,6 +6,7 @@ use candle_core::{Layout, Result};
 pub mod bias;
 pub mod channel;
 pub mod depthwise;
+pub mod fast_math;
 pub mod layer_norm;
 pub mod softmax;
 
@@ -17,7 +18,10 @@ fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
 }
 
 /// f32 or f64. Per-element arithmetic runs in the storage's own precision (f32 math is about
-/// twice as fast and vectorises twice as wide); constants are prepared in f64.
+/// twice as fast and vectorises twice as wide); constants are prepared in f64. `erf` is
+/// `fast_math`'s in f32 (libm's `erff` is several times slower than the system `expf`, which
+/// `fast_math::exp` does not beat by enough to replace) and libm's in f64, the precision the
+/// gradient checks run in.
 trait Float:
     Copy
     + Send
@@ -35,7 +39,6 @@ trait Float:
     fn from(v: f64) -> Self;
     fn exp(self) -> Self;
     fn sqrt(self) -> Self;
-    /// The same `erf` as candle's `gelu_erf`, so the fused GELU matches it bit for bit.
     fn erf(self) -> Self;
 }
 
@@ -53,7 +56,7 @@ impl Float for f32 {
         f32::sqrt(self)
     }
     fn erf(self) -> Self {
-        candle_core::cpu::erf::erf_f32(self)
+        fast_math::erf(self)
     }
 }
 
