@@ -88,7 +88,7 @@ impl Bert {
         let mut x = self.emb_norm.forward(&x)?;
         // Padding gets a large negative score so it receives no attention.
         let keep = mask.to_dtype(x.dtype())?;
-        let bias = ((keep - 1.0)? * 1e9)?.unsqueeze(1)?.unsqueeze(1)?;
+        let bias = ((keep - 1.0)? * 1e9)?;
         for layer in &self.layers {
             let (layer, bias) = (layer.clone(), bias.clone());
             x = self.checkpointing.run(&x, Arc::new(move |x, _| layer.forward(x, &bias)))?;

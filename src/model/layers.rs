@@ -8,7 +8,7 @@ use candle_nn::{Init, VarBuilder};
 use super::ops::bias::bias_act;
 pub use super::ops::bias::Activation;
 use super::ops::layer_norm::layer_norm;
-use super::ops::softmax::softmax_last_dim;
+use super::ops::softmax::scaled_masked_softmax;
 
 /// LayerNorm over the last dimension (our fused op with its own backward).
 #[derive(Debug, Clone)]
@@ -91,24 +91,21 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuil
 }
 
 /// Multi-head scaled dot-product attention on already projected `q`, `k`, `v` of shape
-/// `[batch, len, heads * head_dim]`. `bias` is added to the scores (`[batch, 1, 1, len]` for a
-/// padding mask) before the softmax.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
+/// `[batch, len, heads * head_dim]`. `key_bias` (`[batch, len]`: 0 for tokens, a large negative
+/// number for padding) is added to every query's scores before the softmax.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
     let _profile = crate::util::profile::region("op/attention");
     let (b, l, d) = q.dims3()?;
     let hd = d / heads;
     let split = |t: &Tensor| t.reshape((b, l, heads, hd))?.transpose(1, 2)?.contiguous();
     let (q, k, v) = (split(q)?, split(k)?, split(v)?);
-    let scores = (q.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-    let scores = match bias {
-        Some(m) => scores.broadcast_add(m)?,
-        None => scores,
-    };
+    let scores = q.matmul(&k.t()?)?;
+    let scale = 1.0 / (hd as f64).sqrt();
     // The softmax runs in f32 even for bf16 towers: exp and the row sums lose too many digits
     // at 8 bits of mantissa.
     let probs = match scores.dtype() {
-        DType::BF16 | DType::F16 => softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(scores.dtype())?,
-        _ => softmax_last_dim(&scores)?,
+        DType::BF16 | DType::F16 => scaled_masked_softmax(&scores.to_dtype(DType::F32)?, scale, key_bias)?.to_dtype(scores.dtype())?,
+        _ => scaled_masked_softmax(&scores, scale, key_bias)?,
     };
     probs.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))
 }
@@ -149,7 +146,7 @@ mod tests {
         let dev = Device::Cpu;
         let q = Tensor::new(&[[[1.0f32, 0.0], [0.0, 1.0], [1.0, 1.0]]], &dev).unwrap();
         let v = Tensor::new(&[[[1.0f32, 2.0], [3.0, 4.0], [100.0, 100.0]]], &dev).unwrap();
-        let mask = Tensor::new(&[[[[0.0f32, 0.0, -1e9]]]], &dev).unwrap();
+        let mask = Tensor::new(&[[0.0f32, 0.0, -1e9]], &dev).unwrap();
         let out = attention(&q, &q, &v, 1, Some(&mask)).unwrap().to_vec3::<f32>().unwrap();
         for row in &out[0] {
             assert!(row[0] <= 3.0 && row[1] <= 4.0, "{row:?}");

@@ -15,14 +15,21 @@ fn rows<'a, T>(data: &'a [T], l: &Layout) -> Result<(&'a [T], usize)> {
     }
 }
 
+/// Rows of `scale·x + bias` softmaxed; `bias(row)` gives the additive key bias of a row (a
+/// padding mask), or none.
 macro_rules! softmax_rows {
-    ($x:expr, $d:expr, $t:ty) => {{
+    ($x:expr, $d:expr, $t:ty, $scale:expr, $bias:expr) => {{
+        let scale = $scale as $t;
         let mut out = vec![0 as $t; $x.len()];
-        out.par_chunks_mut($d).zip($x.par_chunks($d)).for_each(|(o, r)| {
-            let m = r.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max);
+        out.par_chunks_mut($d).zip($x.par_chunks($d)).enumerate().for_each(|(row, (o, r))| {
+            match $bias(row) {
+                Some(b) => o.iter_mut().zip(r).zip(b).for_each(|((o, &v), &b)| *o = scale * v + b as $t),
+                None => o.iter_mut().zip(r).for_each(|(o, &v)| *o = scale * v),
+            }
+            let m = o.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max);
             let mut sum = 0.0 as $t;
-            for (ov, &v) in o.iter_mut().zip(r) {
-                *ov = (v - m).exp();
+            for ov in o.iter_mut() {
+                *ov = (*ov - m).exp();
                 sum += *ov;
             }
             let inv = 1.0 / sum;
@@ -33,19 +40,35 @@ macro_rules! softmax_rows {
 }
 
 macro_rules! softmax_grad_rows {
-    ($y:expr, $dy:expr, $d:expr, $t:ty) => {{
+    ($y:expr, $dy:expr, $d:expr, $t:ty, $scale:expr) => {{
+        let scale = $scale as $t;
         let mut out = vec![0 as $t; $y.len()];
         out.par_chunks_mut($d).zip($y.par_chunks($d)).zip($dy.par_chunks($d)).for_each(|((o, y), g)| {
             let dot: $t = y.iter().zip(g).map(|(a, b)| a * b).sum();
             for ((ov, &yv), &gv) in o.iter_mut().zip(y).zip(g) {
-                *ov = yv * (gv - dot);
+                *ov = scale * yv * (gv - dot);
             }
         });
         out
     }};
 }
 
-struct Softmax;
+/// `softmax(scale·x + key_bias)` over the last dimension. `key_bias` (f32, one value per batch
+/// element and key) is a constant: it gets no gradient.
+struct Softmax {
+    scale: f64,
+    /// `[batch, keys]` and the number of rows (heads × queries) per batch element.
+    key_bias: Option<(Vec<f32>, usize)>,
+}
+
+impl Softmax {
+    fn bias_of(&self, row: usize, d: usize) -> Option<&[f32]> {
+        self.key_bias.as_ref().map(|(b, rows_per_batch)| {
+            let batch = row / rows_per_batch;
+            &b[batch * d..(batch + 1) * d]
+        })
+    }
+}
 
 impl CustomOp1 for Softmax {
     fn name(&self) -> &'static str {
@@ -53,14 +76,15 @@ impl CustomOp1 for Softmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/softmax");
         let out = match s {
             CpuStorage::F32(x) => {
                 let (x, d) = rows(x, l)?;
-                CpuStorage::F32(softmax_rows!(x, d, f32))
+                CpuStorage::F32(softmax_rows!(x, d, f32, self.scale, |row| self.bias_of(row, d)))
             }
             CpuStorage::F64(x) => {
                 let (x, d) = rows(x, l)?;
-                CpuStorage::F64(softmax_rows!(x, d, f64))
+                CpuStorage::F64(softmax_rows!(x, d, f64, self.scale, |row| self.bias_of(row, d)))
             }
             _ => candle_core::bail!("softmax supports f32 and f64"),
         };
@@ -68,11 +92,13 @@ impl CustomOp1 for Softmax {
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(y.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad)?))
+        Ok(Some(y.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxGrad { scale: self.scale })?))
     }
 }
 
-struct SoftmaxGrad;
+struct SoftmaxGrad {
+    scale: f64,
+}
 
 impl CustomOp2 for SoftmaxGrad {
     fn name(&self) -> &'static str {
@@ -80,14 +106,15 @@ impl CustomOp2 for SoftmaxGrad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/softmax-grad");
         let out = match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(g)) => {
                 let ((y, d), (g, _)) = (rows(y, l1)?, rows(g, l2)?);
-                CpuStorage::F32(softmax_grad_rows!(y, g, d, f32))
+                CpuStorage::F32(softmax_grad_rows!(y, g, d, f32, self.scale))
             }
             (CpuStorage::F64(y), CpuStorage::F64(g)) => {
                 let ((y, d), (g, _)) = (rows(y, l1)?, rows(g, l2)?);
-                CpuStorage::F64(softmax_grad_rows!(y, g, d, f64))
+                CpuStorage::F64(softmax_grad_rows!(y, g, d, f64, self.scale))
             }
             _ => candle_core::bail!("softmax backward supports f32 and f64 with matching dtypes"),
         };
@@ -95,47 +122,95 @@ impl CustomOp2 for SoftmaxGrad {
     }
 }
 
-/// Softmax over the last dimension, differentiable. Fused on the CPU for f32 / f64; candle's
-/// composed softmax elsewhere.
-pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F64) {
-        return candle_nn::ops::softmax(x, D::Minus1);
+/// `softmax(scale·x + key_bias)` over the last dimension of `x` (`[batch, .., keys]`), with
+/// `key_bias` (`[batch, keys]`, e.g. 0 for tokens and −1e9 for padding) added to every row of its
+/// batch element: attention's scaling and padding mask inside the softmax's own pass, forward and
+/// backward. Differentiable in `x` only. Fused on the CPU for f32 / f64; composed elsewhere.
+pub fn scaled_masked_softmax(x: &Tensor, scale: f64, key_bias: Option<&Tensor>) -> Result<Tensor> {
+    let dims = x.dims();
+    let (batch, keys) = (dims.first().copied().unwrap_or(1), dims.last().copied().unwrap_or(1));
+    if let Some(b) = key_bias {
+        if b.dims() != [batch, keys] {
+            candle_core::bail!("key bias of shape {:?} for scores of shape {dims:?}", b.dims());
+        }
     }
-    x.contiguous()?.apply_op1(Softmax)
+    if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F64) {
+        let z = if scale == 1.0 { x.clone() } else { (x * scale)? };
+        let z = match key_bias {
+            Some(b) => {
+                let mut shape = vec![batch];
+                shape.extend(std::iter::repeat_n(1, dims.len() - 2));
+                shape.push(keys);
+                z.broadcast_add(&b.to_dtype(z.dtype())?.reshape(shape)?)?
+            }
+            None => z,
+        };
+        return candle_nn::ops::softmax(&z, D::Minus1);
+    }
+    let key_bias = match key_bias {
+        Some(b) => Some((b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?, x.elem_count() / keys.max(1) / batch.max(1))),
+        None => None,
+    };
+    x.contiguous()?.apply_op1(Softmax { scale, key_bias })
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{check_fd, max_diff};
     use super::*;
     use candle_core::{Device, Var};
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
+    /// The composition attention used before this op: scale, broadcast mask, candle's softmax.
+    fn composed(x: &Tensor, scale: f64, key_bias: Option<&Tensor>) -> Tensor {
+        let z = (x * scale).unwrap();
+        let z = match key_bias {
+            Some(b) => z.broadcast_add(&b.unsqueeze(1).unwrap().unsqueeze(1).unwrap()).unwrap(),
+            None => z,
+        };
+        candle_nn::ops::softmax(&z, D::Minus1).unwrap()
     }
 
     #[test]
     fn matches_candles_composed_softmax_forward_and_backward() {
         let dev = Device::Cpu;
         for dtype in [DType::F64, DType::F32] {
-            let x = Var::from_tensor(&crate::util::rng::randn(150, 0.0, 3.0, (2, 3, 5, 17), dtype, &dev).unwrap()).unwrap();
-            // A padding mask's -1e9 must give exact zeros, not NaNs.
-            let mask = Tensor::from_vec((0..17).map(|j| if j > 12 { -1e9 } else { 0.0 }).collect::<Vec<f64>>(), 17, &dev)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap();
-            let xm = x.as_tensor().broadcast_add(&mask).unwrap();
-            let ours = softmax_last_dim(&xm).unwrap();
-            let reference = candle_nn::ops::softmax(&xm, D::Minus1).unwrap();
-            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-6 };
-            assert!(max_diff(&ours, &reference) < tol);
-            assert_eq!(
-                ours.narrow(3, 13, 4).unwrap().abs().unwrap().sum_all().unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(),
-                0.0
-            );
-            let up = crate::util::rng::randn(151, 0.0, 1.0, ours.dims(), dtype, &dev).unwrap();
-            let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
-            let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
-            assert!(max_diff(g1.get(x.as_tensor()).unwrap(), g2.get(x.as_tensor()).unwrap()) < tol * 10.0);
+            // A padding mask whose -1e9 must give exact zeros, not NaNs; batch element 1 keeps
+            // fewer keys than element 0.
+            let mask: Vec<f64> = (0..2 * 17).map(|i| if i % 17 > 12 + i / 17 { -1e9 } else { 0.0 }).collect();
+            let mask = Tensor::from_vec(mask, (2, 17), &dev).unwrap().to_dtype(dtype).unwrap();
+            for (scale, bias) in [(1.0, None), (0.125, Some(&mask))] {
+                let x = Var::from_tensor(&crate::util::rng::randn(150, 0.0, 3.0, (2, 3, 5, 17), dtype, &dev).unwrap()).unwrap();
+                let ours = scaled_masked_softmax(&x, scale, bias).unwrap();
+                let reference = composed(&x, scale, bias);
+                let tol = if dtype == DType::F64 { 1e-12 } else { 1e-6 };
+                assert!(max_diff(&ours, &reference) < tol, "{dtype:?} scale {scale}");
+                if bias.is_some() {
+                    let zero = |b: usize, from: usize| {
+                        ours.narrow(0, b, 1).unwrap().narrow(3, from, 17 - from).unwrap().abs().unwrap().sum_all().unwrap()
+                    };
+                    for (b, from) in [(0, 13), (1, 14)] {
+                        assert_eq!(zero(b, from).to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), 0.0);
+                    }
+                }
+                let up = crate::util::rng::randn(151, 0.0, 1.0, ours.dims(), dtype, &dev).unwrap();
+                let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                assert!(max_diff(g1.get(x.as_tensor()).unwrap(), g2.get(x.as_tensor()).unwrap()) < tol * 10.0);
+            }
         }
+    }
+
+    #[test]
+    fn gradient_matches_finite_differences() {
+        let dev = Device::Cpu;
+        let x0 = crate::util::rng::randn(152, 0.0, 1.0, (2, 1, 2, 4), DType::F64, &dev).unwrap();
+        let mask = Tensor::new(&[[0.0f64, 0.0, 0.0, -1e9], [0.0, -1e9, 0.0, 0.0]], &dev).unwrap();
+        let up = crate::util::rng::randn(153, 0.0, 1.0, (2, 1, 2, 4), DType::F64, &dev).unwrap();
+        let loss = |x: &Tensor| (scaled_masked_softmax(x, 0.5, Some(&mask)).unwrap() * &up).unwrap().sum_all().unwrap();
+        let x = Var::from_tensor(&x0).unwrap();
+        let grads = loss(x.as_tensor()).backward().unwrap();
+        let all: Vec<usize> = (0..16).collect();
+        let f = |t: &Tensor| loss(t).to_scalar::<f64>().unwrap();
+        assert!(check_fd(f, &x0, grads.get(x.as_tensor()).unwrap(), &all) < 1e-7);
     }
 }
