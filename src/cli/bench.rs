@@ -211,14 +211,7 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         Ok(m)
     };
     let model = build(SeededVars::builder(&vm, 0, &device))?;
-    let vars: Vec<(String, candle_core::Var)> = vm
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| !align::model::batch_norm::is_running_stat(k))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    let vars = align::model::batch_norm::trainable_vars(&vm);
     let parameters = vars.iter().map(|(_, v)| v.elem_count()).sum();
     let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
     let images = Tensor::randn(0f32, 1.0, (a.batch, 3, a.image_size, a.image_size), &device)?;

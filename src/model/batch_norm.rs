@@ -29,6 +29,13 @@ pub fn is_running_stat(name: &str) -> bool {
     name.ends_with("running_mean") || name.ends_with("running_var")
 }
 
+/// The variables an optimizer trains: every one but the BatchNorm running statistics (model
+/// state, updated by the forward pass).
+pub fn trainable_vars(vm: &candle_nn::VarMap) -> Vec<(String, candle_core::Var)> {
+    let data = vm.data().lock().unwrap_or_else(|e| e.into_inner());
+    data.iter().filter(|(k, _)| !is_running_stat(k)).map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
 impl BatchNorm2d {
     pub fn new(channels: usize, eps: f64, momentum: f64, frozen: bool, vb: VarBuilder) -> Result<Self> {
         Ok(BatchNorm2d {

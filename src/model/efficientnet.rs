@@ -508,14 +508,7 @@ mod tests {
         let net = EfficientNet::new(&tiny(), SeededVars::builder_dtype(&vm, 1, DType::F64, &dev)).unwrap();
         let x = crate::util::rng::randn(102, 0.0, 1.0, (2, 3, 32, 32), candle_core::DType::F64, &dev).unwrap();
         let up = crate::util::rng::randn(103, 0.0, 1.0, (2, tiny().width()), candle_core::DType::F64, &dev).unwrap();
-        let mut vars: Vec<(String, candle_core::Var)> = vm
-            .data()
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(k, _)| !crate::model::batch_norm::is_running_stat(k))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+        let mut vars = crate::model::batch_norm::trainable_vars(&vm);
         // In name order, so the entries checked do not depend on the hash map's.
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         for ctx in [Ctx::train(0), Ctx::EVAL] {

@@ -266,15 +266,7 @@ mod tests {
                 if checkpointing {
                     model.enable_grad_checkpointing();
                 }
-                let vars: Vec<(String, Var)> = vm
-                    .data()
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .filter(|(k, _)| !crate::model::batch_norm::is_running_stat(k))
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
-                let opt = Optimizer::new(vars, OptimizerConfig::default()).unwrap();
+                let opt = Optimizer::new(crate::model::batch_norm::trainable_vars(&vm), OptimizerConfig::default()).unwrap();
                 let out = compute(&model, &opt, micro, &single, opts, 0.1, 9).unwrap();
                 let data = vm.data().lock().unwrap();
                 let mut names: Vec<&String> = data.keys().filter(|k| crate::model::batch_norm::is_running_stat(k)).collect();

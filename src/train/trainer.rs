@@ -23,7 +23,7 @@ use crate::data::skips::SkipCounts;
 use crate::data::spec;
 use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
 use crate::eval::suite::{self, EvalResults};
-use crate::model::batch_norm::is_running_stat;
+use crate::model::batch_norm::trainable_vars;
 use crate::model::dual_encoder::DualEncoder;
 use crate::model::init::SeededVars;
 use crate::util::log;
@@ -244,8 +244,7 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
         }
     }
     // BatchNorm running statistics are model state, not parameters.
-    let vars: Vec<(String, candle_core::Var)> =
-        varmap.data().lock().unwrap().iter().filter(|(k, _)| !is_running_stat(k)).map(|(k, v)| (k.clone(), v.clone())).collect();
+    let vars = trainable_vars(&varmap);
     let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
     if let Some(dir) = &resume_dir {
         checkpoint::load_strict(
