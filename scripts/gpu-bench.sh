@@ -88,9 +88,9 @@ for f in sorted(out.glob("*-f32.json")) + sorted(out.glob("*-bf16.json")):
     if "error" in r:
         rows.append((name, precision, "failed: " + r["error"][:60], "", "", "", ""))
         continue
-    mem = r.get("peak_gpu_mib") or r.get("peak_rss_mib")
+    mem = r.get("peak_gpu_mib") or r.get("peak_rss_mb")
     mfu = r.get("mfu")
-    rows.append((name, precision, f"{r['samples_per_second']:.1f}", f"{mem:.0f}" if mem else "-",
+    rows.append((name, precision, f"{r['samples_per_s']:.1f}", f"{mem:.0f}" if mem else "-",
                  f"{r['forward_gflops_per_sample']:.1f}", f"{r['model_tflops_per_s']:.2f}",
                  f"{100 * mfu:.1f}%" if mfu is not None else "-"))
 head = ("model", "precision", "samples/s", "peak MiB", "fwd GFLOP/sample", "TFLOP/s", "MFU")

@@ -277,3 +277,42 @@ fn ctrl_c_saves_a_checkpoint_that_resumes() {
     assert_eq!(from_log, from_events);
     assert!(from_log["curves"].as_array().unwrap().iter().any(|c| c == "train/loss"));
 }
+
+/// `align bench model --json` reports the figures issue 10 compares by (samples/s, peak memory),
+/// with and without activation checkpointing, and the profile when asked.
+#[test]
+fn bench_model_json_reports_throughput_memory_and_profile() {
+    for ckpt in ["false", "true"] {
+        let set = format!("train.grad_checkpointing={ckpt}");
+        let (ok, out, err) = align(&[
+            "bench",
+            "model",
+            "--image-tower",
+            "vit-ti16",
+            "--text-tower",
+            "bert-mini",
+            "--batch",
+            "2",
+            "--image-size",
+            "32",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--profile",
+            "--json",
+            "--device",
+            "cpu",
+            "--set",
+            &set,
+        ]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert!(v["samples_per_s"].as_f64().unwrap() > 0.0, "{out}");
+        assert!(v["peak_rss_mb"].as_f64().unwrap() > 0.0, "{out}");
+        assert!(v["profile"]["backward"]["ms_per_step"].as_f64().unwrap() > 0.0, "{out}");
+        if ckpt == "true" {
+            assert!(v["profile"]["recompute"]["calls"].as_f64().unwrap() > 0.0, "checkpointed blocks must be recomputed: {out}");
+        }
+    }
+}

@@ -146,7 +146,10 @@ struct ModelBench {
     backward_ms: f64,
     optimizer_ms: f64,
     step_ms: f64,
+    #[serde(rename = "samples_per_s")]
     samples_per_second: f64,
+    /// Peak resident memory of the process, in MiB (2²⁰ bytes).
+    #[serde(rename = "peak_rss_mb")]
     peak_rss_mib: Option<f64>,
     /// Most GPU memory in use at the sampled points (after each phase), all processes.
     peak_gpu_mib: Option<f64>,
