@@ -61,8 +61,8 @@ impl Checkpointing {
         match &self.0 {
             Some(sink) if x.track_op() => {
                 let y = segment(&x.detach(), false)?.detach();
-                // The op hands out this tensor's storage as its own output: it must be the whole
-                // of that storage.
+                // The op's forward copies this tensor out as its own output: on the CPU its
+                // contiguous range, on CUDA its whole storage, which must then be a fresh copy.
                 let y = if y.device().is_cpu() { y.contiguous()? } else { y.copy()? };
                 x.apply_op1(Recompute { segment, out: Mutex::new(Some(y)), sink: sink.clone() })
             }
