@@ -206,13 +206,7 @@ pub fn model(a: &ModelArgs) -> Result<()> {
     }
     let device = super::default_device();
     let vm = candle_nn::VarMap::new();
-    let build = |vb| -> Result<DualEncoder> {
-        let mut m = DualEncoder::new(&spec, vb)?;
-        if cfg.train.grad_checkpointing {
-            m.enable_grad_checkpointing();
-        }
-        Ok(m)
-    };
+    let build = |vb| DualEncoder::new(&spec, vb).map(|m| m.with_grad_checkpointing(cfg.train.grad_checkpointing));
     let model = build(SeededVars::builder(&vm, 0, &device))?;
     let vars = align::model::batch_norm::trainable_vars(&vm);
     let parameters = vars.iter().map(|(_, v)| v.elem_count()).sum();

@@ -115,11 +115,14 @@ impl DualEncoder {
         Ok(DualEncoder { image, text, visual_projection, text_projection, temperature, spec: spec.clone(), checkpoint_grads: None })
     }
 
-    /// Checkpoints every transformer block and MBConv block of both towers (activation
-    /// checkpointing): their activations are recomputed in the backward pass instead of kept.
-    /// The parameter gradients of the recomputed blocks then arrive through
+    /// With `on`, checkpoints every transformer block and MBConv block of both towers
+    /// (activation checkpointing): their activations are recomputed in the backward pass instead
+    /// of kept. The parameter gradients of the recomputed blocks then arrive through
     /// [`DualEncoder::take_checkpoint_grads`], not the loss's own gradient store.
-    pub fn enable_grad_checkpointing(&mut self) {
+    pub fn with_grad_checkpointing(mut self, on: bool) -> Self {
+        if !on {
+            return self;
+        }
         let sink = Arc::new(GradSink::default());
         let c = Checkpointing::on(sink.clone());
         match &mut self.image {
@@ -128,6 +131,7 @@ impl DualEncoder {
         }
         self.text.checkpointing = c;
         self.checkpoint_grads = Some(sink);
+        self
     }
 
     /// The gradient stores of the blocks recomputed since the last call (empty when

@@ -262,10 +262,8 @@ mod tests {
                 .collect();
             let run = |checkpointing: bool, micro: &[MicroBatch]| {
                 let vm = candle_nn::VarMap::new();
-                let mut model = DualEncoder::new(&spec, SeededVars::builder(&vm, 5, &Device::Cpu)).unwrap();
-                if checkpointing {
-                    model.enable_grad_checkpointing();
-                }
+                let model =
+                    DualEncoder::new(&spec, SeededVars::builder(&vm, 5, &Device::Cpu)).unwrap().with_grad_checkpointing(checkpointing);
                 let opt = Optimizer::new(crate::model::batch_norm::trainable_vars(&vm), OptimizerConfig::default()).unwrap();
                 let out = compute(&model, &opt, micro, &single, opts, 0.1, 9).unwrap();
                 let data = vm.data().lock().unwrap();

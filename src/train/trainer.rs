@@ -228,13 +228,7 @@ fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> 
     let tokenizer = Arc::new(tokenizer);
     let spec = super::init_from::spec(cfg, tokenizer.vocab_size())?;
     let varmap = VarMap::new();
-    let build = |vb| -> Result<DualEncoder> {
-        let mut m = DualEncoder::new(&spec, vb)?;
-        if cfg.train.grad_checkpointing {
-            m.enable_grad_checkpointing();
-        }
-        Ok(m)
-    };
+    let build = |vb| DualEncoder::new(&spec, vb).map(|m| m.with_grad_checkpointing(cfg.train.grad_checkpointing));
     let model = build(SeededVars::builder(&varmap, cfg.run.seed, device))?;
     if resume_dir.is_none() && lead {
         for line in super::init_from::load_weights(cfg, &varmap, device)? {
