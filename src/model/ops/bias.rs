@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{float_dispatch, float_dispatch2, float_dispatch3, row_block, Float};
+use super::{float_dispatch, float_dispatch2, float_dispatch3, row_block, simd, Float};
 
 /// What follows the bias add.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,11 +26,13 @@ fn last_dim(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(1).max(1)
 }
 
+#[inline(always)]
 fn gelu<T: Float>(z: T) -> T {
     T::from(0.5) * z * (T::from(1.0) + (z * T::from(std::f64::consts::FRAC_1_SQRT_2)).erf())
 }
 
 /// d gelu(z) / dz = Φ(z) + z·φ(z).
+#[inline(always)]
 fn gelu_slope<T: Float>(z: T) -> T {
     let cdf = T::from(0.5) * (T::from(1.0) + (z * T::from(std::f64::consts::FRAC_1_SQRT_2)).erf());
     let pdf = T::from(1.0 / (2.0 * std::f64::consts::PI).sqrt()) * (T::from(-0.5) * z * z).exp();
@@ -44,12 +46,17 @@ impl BiasAct {
         let mut out = vec![T::default(); y.len()];
         let task = (TASK_ELEMS / cols).max(1) * cols;
         out.par_chunks_mut(task).zip(y.par_chunks(task)).for_each(|(o, y)| {
-            for (orow, yrow) in o.chunks_mut(cols).zip(y.chunks(cols)) {
-                match self.0 {
-                    Activation::Identity => orow.iter_mut().zip(yrow).zip(b).for_each(|((o, &y), &b)| *o = y + b),
-                    Activation::GeluErf => orow.iter_mut().zip(yrow).zip(b).for_each(|((o, &y), &b)| *o = gelu(y + b)),
-                }
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for (orow, yrow) in o.chunks_mut(cols).zip(y.chunks(cols)) {
+                        match self.0 {
+                            Activation::Identity => orow.iter_mut().zip(yrow).zip(b).for_each(|((o, &y), &b)| *o = y + b),
+                            Activation::GeluErf => orow.iter_mut().zip(yrow).zip(b).for_each(|((o, &y), &b)| *o = gelu(y + b)),
+                        }
+                    }
+                },
+            )
         });
         out
     }
@@ -88,11 +95,16 @@ impl GeluGrad {
         let mut out = vec![T::default(); y.len()];
         let task = (TASK_ELEMS / cols).max(1) * cols;
         out.par_chunks_mut(task).zip(y.par_chunks(task)).zip(dy.par_chunks(task)).for_each(|((o, y), g)| {
-            for ((orow, yrow), grow) in o.chunks_mut(cols).zip(y.chunks(cols)).zip(g.chunks(cols)) {
-                for (((o, &y), &b), &g) in orow.iter_mut().zip(yrow).zip(b).zip(grow) {
-                    *o = g * gelu_slope(y + b);
-                }
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for ((orow, yrow), grow) in o.chunks_mut(cols).zip(y.chunks(cols)).zip(g.chunks(cols)) {
+                        for (((o, &y), &b), &g) in orow.iter_mut().zip(yrow).zip(b).zip(grow) {
+                            *o = g * gelu_slope(y + b);
+                        }
+                    }
+                },
+            )
         });
         out
     }
@@ -130,9 +142,14 @@ fn column_sums<T: Float>(x: &[T], cols: usize) -> Vec<T> {
         .par_chunks(block)
         .map(|chunk| {
             let mut acc = vec![T::default(); cols];
-            for row in chunk.chunks(cols) {
-                acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for row in chunk.chunks(cols) {
+                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+                    }
+                },
+            );
             acc
         })
         .collect();

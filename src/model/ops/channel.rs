@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous, float_dispatch, float_dispatch2, Float};
+use super::{contiguous, float_dispatch, float_dispatch2, float_dispatch3, lane_dot, lane_sum, simd, Float, LANES};
 
 fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
     match l.dims() {
@@ -18,24 +18,14 @@ fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
     }
 }
 
-/// Sums over (N, H, W) per channel of `f(n, c, index)`, in f64, one task per channel.
-fn per_channel_sums<const K: usize>(n: usize, c: usize, hw: usize, f: impl Fn(usize, usize, usize) -> [f64; K] + Sync) -> Vec<[f64; K]> {
-    (0..c)
-        .into_par_iter()
-        .map(|ch| {
-            let mut acc = [0.0f64; K];
-            for b in 0..n {
-                let base = (b * c + ch) * hw;
-                for i in base..base + hw {
-                    let v = f(b, ch, i);
-                    for k in 0..K {
-                        acc[k] += v[k];
-                    }
-                }
-            }
-            acc
-        })
-        .collect()
+/// Per-plane pairs of sums (planes in NCHW order) added up per channel.
+fn channel_totals(plane_sums: Vec<[f64; 2]>, c: usize) -> Vec<[f64; 2]> {
+    let mut sums = vec![[0.0f64; 2]; c];
+    for (p, [a, b]) in plane_sums.into_iter().enumerate() {
+        sums[p % c][0] += a;
+        sums[p % c][1] += b;
+    }
+    sums
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -51,22 +41,48 @@ impl CustomOp1 for Moments {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/channel");
         let (n, c, hw) = nchw(l)?;
-        let m = (n * hw).max(1) as f64;
-        let out = float_dispatch!(s, l, "channel moments", |x| {
-            let sums = per_channel_sums::<2>(n, c, hw, |_, _, i| {
-                let v = x[i].f();
-                [v, v * v]
-            });
-            let mut out = vec![Float::from(0.0); 2 * c];
-            for (ch, [s1, s2]) in sums.into_iter().enumerate() {
-                let mean = s1 / m;
-                out[ch] = Float::from(mean);
-                out[c + ch] = Float::from((s2 / m - mean * mean).max(0.0));
-            }
-            out
-        });
+        let out = float_dispatch!(s, l, "channel moments", |x| moments(x, n, c, hw));
         Ok((out, Shape::from((2, c))))
     }
+}
+
+/// Per-channel mean and biased variance, `[means…, variances…]`.
+fn moments<T: Float>(x: &[T], n: usize, c: usize, hw: usize) -> Vec<T> {
+    let m = (n * hw).max(1) as f64;
+    // Sums of x − k with k the channel's first value: near the mean, so the variance
+    // E[(x−k)²] − E[x−k]² does not cancel away digits when the mean is large.
+    let shift = |ch: usize| if hw == 0 { 0.0 } else { x[ch * hw].f() };
+    let plane_sums: Vec<[f64; 2]> = x
+        .par_chunks(hw.max(1))
+        .enumerate()
+        .map(|(p, xp)| {
+            let k = T::from(shift(p % c));
+            simd(
+                #[inline(always)]
+                || {
+                    let (mut s1, mut s2) = ([T::default(); LANES], [T::default(); LANES]);
+                    let mut chunks = xp.chunks_exact(LANES);
+                    for xv in &mut chunks {
+                        for l in 0..LANES {
+                            let d = xv[l] - k;
+                            s1[l] += d;
+                            s2[l] += d * d;
+                        }
+                    }
+                    let rest = chunks.remainder().iter().map(|&v| (v - k).f());
+                    let (r1, r2) = rest.fold((0.0, 0.0), |(a, b), d| (a + d, b + d * d));
+                    [r1 + s1.iter().map(|v| v.f()).sum::<f64>(), r2 + s2.iter().map(|v| v.f()).sum::<f64>()]
+                },
+            )
+        })
+        .collect();
+    let mut out = vec![T::default(); 2 * c];
+    for (ch, [s1, s2]) in channel_totals(plane_sums, c).into_iter().enumerate() {
+        let d = s1 / m;
+        out[ch] = T::from(shift(ch) + d);
+        out[c + ch] = T::from((s2 / m - d * d).max(0.0));
+    }
+    out
 }
 
 /// Per-channel mean and biased variance over (N, H, W): `[2, C]`. Not differentiable (the
@@ -94,26 +110,36 @@ struct BatchNormAct {
     silu: bool,
 }
 
+#[inline(always)]
 fn sigmoid<T: Float>(z: T) -> T {
     T::from(1.0) / (T::from(1.0) + (-z).exp())
 }
 
 impl BatchNormAct {
+    /// `z = a·x + b` per channel: the normalisation and affine map folded together.
+    fn affine<T: Float>(&self, gamma: &[T], beta: &[T], ch: usize) -> (T, T) {
+        let a = gamma[ch].f() * self.inv_std[ch];
+        (T::from(a), T::from(beta[ch].f() - a * self.mean[ch]))
+    }
+
     fn apply<T: Float>(&self, x: &[T], gamma: &[T], beta: &[T], c: usize, hw: usize) -> Vec<T> {
         let mut out = vec![T::default(); x.len()];
         out.par_chunks_mut(hw).zip(x.par_chunks(hw)).enumerate().for_each(|(p, (o, xp))| {
-            let ch = p % c;
-            let a = gamma[ch].f() * self.inv_std[ch];
-            let (a, b) = (T::from(a), T::from(beta[ch].f() - a * self.mean[ch]));
-            for (ov, &xv) in o.iter_mut().zip(xp) {
-                let z = a * xv + b;
-                *ov = if self.silu { z * sigmoid(z) } else { z };
-            }
+            let (a, b) = self.affine(gamma, beta, p % c);
+            simd(
+                #[inline(always)]
+                || {
+                    for (ov, &xv) in o.iter_mut().zip(xp) {
+                        let z = a * xv + b;
+                        *ov = if self.silu { z * sigmoid(z) } else { z };
+                    }
+                },
+            )
         });
         out
     }
 
-    /// dz = dy·act'(z), recomputing z from x.
+    /// dz = dy·act'(z).
     #[inline(always)]
     fn dz<T: Float>(&self, z: T, dy: T) -> T {
         if self.silu {
@@ -122,6 +148,78 @@ impl BatchNormAct {
         } else {
             dy
         }
+    }
+
+    /// The whole backward pass on slices: dx, and Σdz·x̂ and Σdz per channel (the γ and β
+    /// gradients), appended to dx's buffer. Two passes over each (n, c) plane: the first writes dz
+    /// into dx's place and sums it (one `exp` per element), the second turns dz into dx in place.
+    fn backward<T: Float>(&self, x: &[T], dy: &[T], gamma: &[T], beta: &[T], (n, c, hw): (usize, usize, usize)) -> Vec<T> {
+        let mut buf = vec![T::default(); x.len() + 2 * c];
+        let gx = &mut buf[..x.len()];
+        let plane_sums: Vec<[f64; 2]> = gx
+            .par_chunks_mut(hw)
+            .zip(x.par_chunks(hw).zip(dy.par_chunks(hw)))
+            .enumerate()
+            .map(|(p, (o, (xp, dyp)))| {
+                let ch = p % c;
+                let (a, b) = self.affine(gamma, beta, ch);
+                let (mean, r) = (T::from(self.mean[ch]), T::from(self.inv_std[ch]));
+                simd(
+                    #[inline(always)]
+                    || {
+                        let (mut s_dz, mut s_dzx) = ([T::default(); LANES], [T::default(); LANES]);
+                        let mut rest = [0.0f64; 2];
+                        let mut oc = o.chunks_exact_mut(LANES);
+                        let (mut xc, mut dc) = (xp.chunks_exact(LANES), dyp.chunks_exact(LANES));
+                        for ((ov, xv), dv) in (&mut oc).zip(&mut xc).zip(&mut dc) {
+                            for l in 0..LANES {
+                                let dz = self.dz(a * xv[l] + b, dv[l]);
+                                ov[l] = dz;
+                                s_dz[l] += dz;
+                                s_dzx[l] += dz * ((xv[l] - mean) * r);
+                            }
+                        }
+                        for ((ov, &xv), &dv) in oc.into_remainder().iter_mut().zip(xc.remainder()).zip(dc.remainder()) {
+                            let dz = self.dz(a * xv + b, dv);
+                            *ov = dz;
+                            rest[0] += (dz * ((xv - mean) * r)).f();
+                            rest[1] += dz.f();
+                        }
+                        [rest[0] + s_dzx.iter().map(|v| v.f()).sum::<f64>(), rest[1] + s_dz.iter().map(|v| v.f()).sum::<f64>()]
+                    },
+                )
+            })
+            .collect();
+        let sums = channel_totals(plane_sums, c);
+        let m = (n * hw) as f64;
+        gx.par_chunks_mut(hw).zip(x.par_chunks(hw)).enumerate().for_each(|(p, (o, xp))| {
+            let ch = p % c;
+            let (g, r) = (gamma[ch].f(), self.inv_std[ch]);
+            // dx = g·r/m · (m·dz − Σdz − x̂·Σdz·x̂) with batch statistics, g·r·dz without.
+            if self.batch_stats {
+                let (k, mean, rt) = (T::from(g * r / m), T::from(self.mean[ch]), T::from(r));
+                let (mt, sdz, sdzx) = (T::from(m), T::from(sums[ch][1]), T::from(sums[ch][0]));
+                simd(
+                    #[inline(always)]
+                    || {
+                        for (ov, &xv) in o.iter_mut().zip(xp) {
+                            *ov = k * (mt * *ov - sdz - (xv - mean) * rt * sdzx);
+                        }
+                    },
+                )
+            } else {
+                let k = T::from(g * r);
+                simd(
+                    #[inline(always)]
+                    || o.iter_mut().for_each(|ov| *ov = k * *ov),
+                )
+            }
+        });
+        for (ch, [dzx, dz]) in sums.into_iter().enumerate() {
+            buf[x.len() + ch] = T::from(dzx);
+            buf[x.len() + c + ch] = T::from(dz);
+        }
+        buf
     }
 }
 
@@ -141,15 +239,7 @@ impl CustomOp3 for BatchNormAct {
     ) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/batch-norm");
         let (_, c, hw) = nchw(l1)?;
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(b)) => {
-                CpuStorage::F32(self.apply(contiguous(x, l1, "x")?, contiguous(g, l2, "gamma")?, contiguous(b, l3, "beta")?, c, hw))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(g), CpuStorage::F64(b)) => {
-                CpuStorage::F64(self.apply(contiguous(x, l1, "x")?, contiguous(g, l2, "gamma")?, contiguous(b, l3, "beta")?, c, hw))
-            }
-            _ => candle_core::bail!("batch norm supports f32 and f64 with matching dtypes"),
-        };
+        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "batch norm", |x, g, b| self.apply(x, g, b, c, hw));
         Ok((out, l1.shape().clone()))
     }
 
@@ -161,104 +251,45 @@ impl CustomOp3 for BatchNormAct {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let gamma_v: Vec<f64> = gamma.to_dtype(DType::F64)?.to_vec1()?;
-        let beta_v: Vec<f64> = beta.to_dtype(DType::F64)?.to_vec1()?;
         let grad = grad.contiguous()?;
-        let sums = x.apply_op2_no_bwd(&grad, &BnParamGrads { op: self.clone(), gamma: gamma_v.clone(), beta: beta_v.clone() })?;
-        let sums_v: Vec<Vec<f64>> = sums.to_dtype(DType::F64)?.to_vec2()?;
-        let gx = x.apply_op2_no_bwd(
-            &grad,
-            &BnInputGrad { op: self.clone(), gamma: gamma_v, beta: beta_v, sum_dz_xhat: sums_v[0].clone(), sum_dz: sums_v[1].clone() },
-        )?;
-        let dgamma = sums.get(0)?.to_dtype(gamma.dtype())?;
-        let dbeta = sums.get(1)?.to_dtype(gamma.dtype())?;
-        Ok((Some(gx), Some(dgamma), Some(dbeta)))
+        let out = x.apply_op2_no_bwd(&grad, &BnGrad { op: self.clone(), gamma: gamma.clone(), beta: beta.clone() })?;
+        let c = gamma.dim(0)?;
+        let gx = out.narrow(0, 0, x.elem_count())?.reshape(x.dims())?;
+        let sums = out.narrow(0, x.elem_count(), 2 * c)?.reshape((2, c))?;
+        Ok((Some(gx), Some(sums.get(0)?.to_dtype(gamma.dtype())?), Some(sums.get(1)?.to_dtype(gamma.dtype())?)))
     }
 }
 
-/// Σ dz·x̂ and Σ dz per channel: the γ and β gradients. `[2, C]`.
-struct BnParamGrads {
+/// The backward pass as one op of (x, dy): dx flattened, then Σdz·x̂ and Σdz per channel, in one
+/// buffer (a custom op has one output). γ and β are read from their tensors in the op.
+struct BnGrad {
     op: BatchNormAct,
-    gamma: Vec<f64>,
-    beta: Vec<f64>,
+    gamma: Tensor,
+    beta: Tensor,
 }
 
-impl BnParamGrads {
-    fn sums<T: Float>(&self, x: &[T], dy: &[T], n: usize, c: usize, hw: usize) -> Vec<[f64; 2]> {
-        let op = &self.op;
-        per_channel_sums::<2>(n, c, hw, |_, ch, i| {
-            let xhat = (x[i] - T::from(op.mean[ch])) * T::from(op.inv_std[ch]);
-            let dz = op.dz(T::from(self.gamma[ch]) * xhat + T::from(self.beta[ch]), dy[i]);
-            [(dz * xhat).f(), dz.f()]
-        })
-    }
-}
-
-impl CustomOp2 for BnParamGrads {
+impl CustomOp2 for BnGrad {
     fn name(&self) -> &'static str {
-        "batch-norm-act-param-grads"
+        "batch-norm-act-grad"
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/batch-norm-grad");
-        let (n, c, hw) = nchw(l1)?;
-        let out = float_dispatch2!(s1, l1, s2, l2, "batch norm backward", |x, dy| {
-            let sums = self.sums(x, dy, n, c, hw);
-            let mut out = vec![Float::from(0.0); 2 * c];
-            for (ch, [a, b]) in sums.into_iter().enumerate() {
-                out[ch] = Float::from(a);
-                out[c + ch] = Float::from(b);
-            }
-            out
-        });
-        Ok((out, Shape::from((2, c))))
-    }
-}
-
-struct BnInputGrad {
-    op: BatchNormAct,
-    gamma: Vec<f64>,
-    beta: Vec<f64>,
-    sum_dz_xhat: Vec<f64>,
-    sum_dz: Vec<f64>,
-}
-
-impl BnInputGrad {
-    fn run<T: Float>(&self, x: &[T], dy: &[T], n: usize, c: usize, hw: usize) -> Vec<T> {
-        let m = (n * hw) as f64;
-        let op = &self.op;
-        let mut gx = vec![T::default(); x.len()];
-        gx.par_chunks_mut(hw).enumerate().for_each(|(p, out)| {
-            let ch = p % c;
-            let (g, r) = (self.gamma[ch], op.inv_std[ch]);
-            let (gt, rt, mean, beta) = (T::from(g), T::from(r), T::from(op.mean[ch]), T::from(self.beta[ch]));
-            // dx = g·r/m · (m·dz − Σdz − x̂·Σdz·x̂) with batch statistics, g·r·dz without.
-            let (k, mt, sdz, sdzx) = if op.batch_stats {
-                (T::from(g * r / m), T::from(m), T::from(self.sum_dz[ch]), T::from(self.sum_dz_xhat[ch]))
-            } else {
-                (T::from(g * r), T::from(1.0), T::from(0.0), T::from(0.0))
+        let dims = nchw(l1)?;
+        let c = dims.1;
+        let (g_st, g_l) = self.gamma.storage_and_layout();
+        let (b_st, b_l) = self.beta.storage_and_layout();
+        let (candle_core::Storage::Cpu(g_st), candle_core::Storage::Cpu(b_st)) = (&*g_st, &*b_st) else {
+            candle_core::bail!("batch norm backward: gamma and beta must be on the CPU");
+        };
+        let out = float_dispatch3!(s1, l1, s2, l2, g_st, g_l, "batch norm backward", |x, dy, gamma| {
+            let beta = match b_st.as_slice::<_>() {
+                Ok(b) => contiguous(b, b_l, "beta")?,
+                Err(_) => candle_core::bail!("batch norm backward: beta's dtype differs from x's"),
             };
-            let base = p * hw;
-            for (j, o) in out.iter_mut().enumerate() {
-                let xhat = (x[base + j] - mean) * rt;
-                let dz = op.dz(gt * xhat + beta, dy[base + j]);
-                *o = k * (mt * dz - sdz - xhat * sdzx);
-            }
+            self.op.backward(x, dy, gamma, beta, dims)
         });
-        gx
-    }
-}
-
-impl CustomOp2 for BnInputGrad {
-    fn name(&self) -> &'static str {
-        "batch-norm-act-input-grad"
-    }
-
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let _profile = crate::util::profile::region("op/batch-norm-grad");
-        let (n, c, hw) = nchw(l1)?;
-        let out = float_dispatch2!(s1, l1, s2, l2, "batch norm backward", |x, dy| self.run(x, dy, n, c, hw));
-        Ok((out, l1.shape().clone()))
+        Ok((out, Shape::from(l1.shape().elem_count() + 2 * c)))
     }
 }
 
@@ -304,10 +335,11 @@ impl CustomOp2 for ChannelScale {
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale", |h, s| {
             let mut out = vec![Float::from(0.0); h.len()];
             out.par_chunks_mut(hw).zip(h.par_chunks(hw)).enumerate().for_each(|(p, (o, hp))| {
-                let sv = s[p].f();
-                for (ov, hv) in o.iter_mut().zip(hp) {
-                    *ov = Float::from(hv.f() * sv);
-                }
+                let sv = s[p];
+                simd(
+                    #[inline(always)]
+                    || o.iter_mut().zip(hp).for_each(|(ov, &hv)| *ov = hv * sv),
+                )
             });
             out
         });
@@ -334,10 +366,7 @@ impl CustomOp2 for DotPerPlane {
         let _profile = crate::util::profile::region("op/channel");
         let (n, c, hw) = nchw(l1)?;
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale backward", |a, b| {
-            a.par_chunks(hw)
-                .zip(b.par_chunks(hw))
-                .map(|(x, y)| Float::from(x.iter().zip(y).map(|(p, q)| p.f() * q.f()).sum::<f64>()))
-                .collect()
+            a.par_chunks(hw).zip(b.par_chunks(hw)).map(|(x, y)| simd(|| lane_dot(x, y))).collect()
         });
         Ok((out, Shape::from((n, c))))
     }
@@ -367,7 +396,7 @@ impl CustomOp1 for SpatialMean {
         let (n, c, hw) = nchw(l)?;
         let out = float_dispatch!(s, l, "spatial mean", |x| x
             .par_chunks(hw)
-            .map(|p| Float::from(p.iter().map(|v| v.f()).sum::<f64>() / hw as f64))
+            .map(|p| Float::from(simd(|| lane_sum(p)).f() / hw as f64))
             .collect());
         Ok((out, Shape::from((n, c))))
     }
@@ -544,6 +573,20 @@ mod tests {
         let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
         let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
         close(g1.get(h.as_tensor()).unwrap(), g2.get(h.as_tensor()).unwrap(), 1e-12);
+    }
+
+    /// A channel mean 1000× its spread: E[x²] − E[x]² in f32 would lose the variance entirely.
+    #[test]
+    fn f32_moments_keep_the_variance_of_a_channel_far_from_zero() {
+        let dev = Device::Cpu;
+        let x = (crate::util::rng::randn(150, 0.0, 1.0, (4, 3, 17, 19), DType::F64, &dev).unwrap() + 1000.0).unwrap();
+        let ours = channel_moments(&x.to_dtype(DType::F32).unwrap()).unwrap().to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+        let xf = x.to_dtype(DType::F32).unwrap().to_dtype(DType::F64).unwrap();
+        let reference = composite::channel_moments(&xf).unwrap().to_vec2::<f64>().unwrap();
+        for ch in 0..3 {
+            assert!((ours[0][ch] - reference[0][ch]).abs() < 1e-4, "mean {} vs {}", ours[0][ch], reference[0][ch]);
+            assert!((ours[1][ch] / reference[1][ch] - 1.0).abs() < 1e-4, "variance {} vs {}", ours[1][ch], reference[1][ch]);
+        }
     }
 
     #[test]

@@ -13,6 +13,8 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::simd;
+
 /// Padding in pixels: top, bottom, left, right.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Padding {
@@ -88,30 +90,38 @@ fn forward<T: Elem>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
     out.par_chunks_mut(plane_out).enumerate().for_each(|(p, o)| {
         let xp = &x[p * plane_in..(p + 1) * plane_in];
         let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
-        for (oy, orow) in o.chunks_exact_mut(g.wo).enumerate() {
-            for ky in 0..g.k {
-                let Some(iy) = g.row(oy, ky) else { continue };
-                let xrow = &xp[iy * g.w..(iy + 1) * g.w];
-                for (kx, &(lo, hi)) in cols.iter().enumerate() {
-                    if lo >= hi {
-                        continue;
+        simd(
+            #[inline(always)]
+            || forward_plane(g, &cols, xp, kp, o),
+        )
+    });
+    out
+}
+
+#[inline(always)]
+fn forward_plane<T: Elem>(g: &Geometry, cols: &[(usize, usize)], xp: &[T], kp: &[T], o: &mut [T]) {
+    for (oy, orow) in o.chunks_exact_mut(g.wo).enumerate() {
+        for ky in 0..g.k {
+            let Some(iy) = g.row(oy, ky) else { continue };
+            let xrow = &xp[iy * g.w..(iy + 1) * g.w];
+            for (kx, &(lo, hi)) in cols.iter().enumerate() {
+                if lo >= hi {
+                    continue;
+                }
+                let wv = kp[ky * g.k + kx];
+                if g.stride == 1 {
+                    let start = g.in_col(lo, kx);
+                    for (ov, xv) in orow[lo..hi].iter_mut().zip(&xrow[start..start + (hi - lo)]) {
+                        *ov += wv * *xv;
                     }
-                    let wv = kp[ky * g.k + kx];
-                    if g.stride == 1 {
-                        let start = g.in_col(lo, kx);
-                        for (ov, xv) in orow[lo..hi].iter_mut().zip(&xrow[start..start + (hi - lo)]) {
-                            *ov += wv * *xv;
-                        }
-                    } else {
-                        for (j, ov) in orow[lo..hi].iter_mut().enumerate() {
-                            *ov += wv * xrow[g.in_col(lo + j, kx)];
-                        }
+                } else {
+                    for (j, ov) in orow[lo..hi].iter_mut().enumerate() {
+                        *ov += wv * xrow[g.in_col(lo + j, kx)];
                     }
                 }
             }
         }
-    });
-    out
+    }
 }
 
 fn grad_input<T: Elem>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
@@ -121,68 +131,102 @@ fn grad_input<T: Elem>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
     gx.par_chunks_mut(plane_in).enumerate().for_each(|(p, gxp)| {
         let gp = &grad[p * plane_out..(p + 1) * plane_out];
         let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
-        for (oy, grow) in gp.chunks_exact(g.wo).enumerate() {
-            for ky in 0..g.k {
-                let Some(iy) = g.row(oy, ky) else { continue };
-                let xrow = &mut gxp[iy * g.w..(iy + 1) * g.w];
-                for (kx, &(lo, hi)) in cols.iter().enumerate() {
-                    if lo >= hi {
-                        continue;
-                    }
-                    let wv = kp[ky * g.k + kx];
-                    if g.stride == 1 {
-                        let start = g.in_col(lo, kx);
-                        for (xv, gv) in xrow[start..start + (hi - lo)].iter_mut().zip(&grow[lo..hi]) {
-                            *xv += wv * *gv;
-                        }
-                    } else {
-                        for (j, gv) in grow[lo..hi].iter().enumerate() {
-                            xrow[g.in_col(lo + j, kx)] += wv * *gv;
-                        }
-                    }
-                }
-            }
-        }
+        simd(
+            #[inline(always)]
+            || grad_input_plane(g, &cols, gp, kp, gxp),
+        )
     });
     gx
 }
 
-fn grad_kernel<T: Elem>(g: &Geometry, x: &[T], grad: &[T]) -> Vec<T> {
-    let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
-    let mut gw = vec![T::default(); g.c * kk];
-    gw.par_chunks_mut(kk).enumerate().for_each(|(c, gwc)| {
-        for n in 0..g.n {
-            let p = n * g.c + c;
-            let xp = &x[p * plane_in..(p + 1) * plane_in];
-            let gp = &grad[p * plane_out..(p + 1) * plane_out];
-            for ky in 0..g.k {
-                for kx in 0..g.k {
-                    let (lo, hi) = g.cols(kx);
-                    if lo >= hi {
-                        continue;
+#[inline(always)]
+fn grad_input_plane<T: Elem>(g: &Geometry, cols: &[(usize, usize)], gp: &[T], kp: &[T], gxp: &mut [T]) {
+    for (oy, grow) in gp.chunks_exact(g.wo).enumerate() {
+        for ky in 0..g.k {
+            let Some(iy) = g.row(oy, ky) else { continue };
+            let xrow = &mut gxp[iy * g.w..(iy + 1) * g.w];
+            for (kx, &(lo, hi)) in cols.iter().enumerate() {
+                if lo >= hi {
+                    continue;
+                }
+                let wv = kp[ky * g.k + kx];
+                if g.stride == 1 {
+                    let start = g.in_col(lo, kx);
+                    for (xv, gv) in xrow[start..start + (hi - lo)].iter_mut().zip(&grow[lo..hi]) {
+                        *xv += wv * *gv;
                     }
-                    let mut acc = T::default();
-                    for oy in 0..g.ho {
-                        let Some(iy) = g.row(oy, ky) else { continue };
-                        let grow = &gp[oy * g.wo + lo..oy * g.wo + hi];
-                        let xrow = &xp[iy * g.w..(iy + 1) * g.w];
-                        if g.stride == 1 {
-                            let start = g.in_col(lo, kx);
-                            for (gv, xv) in grow.iter().zip(&xrow[start..start + (hi - lo)]) {
-                                acc += *gv * *xv;
-                            }
-                        } else {
-                            for (j, gv) in grow.iter().enumerate() {
-                                acc += *gv * xrow[g.in_col(lo + j, kx)];
-                            }
-                        }
+                } else {
+                    for (j, gv) in grow[lo..hi].iter().enumerate() {
+                        xrow[g.in_col(lo + j, kx)] += wv * *gv;
                     }
-                    gwc[ky * g.k + kx] += acc;
                 }
             }
         }
+    }
+}
+
+fn grad_kernel<T: Elem>(g: &Geometry, x: &[T], grad: &[T]) -> Vec<T> {
+    let kk = g.k * g.k;
+    let mut gw = vec![T::default(); g.c * kk];
+    gw.par_chunks_mut(kk).enumerate().for_each(|(c, gwc)| {
+        simd(
+            #[inline(always)]
+            || grad_kernel_channel(g, x, grad, c, gwc),
+        )
     });
     gw
+}
+
+/// One channel's k×k kernel gradient, summed over the batch.
+#[inline(always)]
+fn grad_kernel_channel<T: Elem>(g: &Geometry, x: &[T], grad: &[T], c: usize, gwc: &mut [T]) {
+    let (plane_in, plane_out) = (g.h * g.w, g.ho * g.wo);
+    for n in 0..g.n {
+        let p = n * g.c + c;
+        let xp = &x[p * plane_in..(p + 1) * plane_in];
+        let gp = &grad[p * plane_out..(p + 1) * plane_out];
+        for ky in 0..g.k {
+            for kx in 0..g.k {
+                let (lo, hi) = g.cols(kx);
+                if lo >= hi {
+                    continue;
+                }
+                let mut acc = T::default();
+                for oy in 0..g.ho {
+                    let Some(iy) = g.row(oy, ky) else { continue };
+                    let grow = &gp[oy * g.wo + lo..oy * g.wo + hi];
+                    let xrow = &xp[iy * g.w..(iy + 1) * g.w];
+                    if g.stride == 1 {
+                        let start = g.in_col(lo, kx);
+                        acc += dot(grow, &xrow[start..start + (hi - lo)]);
+                    } else {
+                        for (j, gv) in grow.iter().enumerate() {
+                            acc += *gv * xrow[g.in_col(lo + j, kx)];
+                        }
+                    }
+                }
+                gwc[ky * g.k + kx] += acc;
+            }
+        }
+    }
+}
+
+/// Σ a·b with eight partial sums, so the loop vectorises (one running sum cannot be reordered).
+#[inline(always)]
+fn dot<T: Elem>(a: &[T], b: &[T]) -> T {
+    const L: usize = 8;
+    let mut acc = [T::default(); L];
+    let (mut ac, mut bc) = (a.chunks_exact(L), b.chunks_exact(L));
+    for (av, bv) in (&mut ac).zip(&mut bc) {
+        for l in 0..L {
+            acc[l] += av[l] * bv[l];
+        }
+    }
+    let mut total = T::default();
+    for (&p, &q) in ac.remainder().iter().zip(bc.remainder()) {
+        total += p * q;
+    }
+    acc.iter().fold(total, |s, &v| s + v)
 }
 
 fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {

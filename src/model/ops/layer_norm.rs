@@ -9,15 +9,22 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::{float_dispatch3, row_block, Float};
+use super::{float_dispatch3, lane_dot, lane_sum, row_block, simd, Float, LANES};
 
+/// Mean and 1/√(var + ε) of a row, the variance from the centred values (two passes; the row
+/// is in L1 for the second).
+#[inline(always)]
 fn row_stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
     let d = T::from(x.len() as f64);
-    let mut sum = T::default();
-    x.iter().for_each(|&v| sum += v);
-    let mean = sum / d;
-    let mut sq = T::default();
-    x.iter().for_each(|&v| sq += (v - mean) * (v - mean));
+    let mean = lane_sum(x) / d;
+    let mut acc = [T::default(); LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] += (c[l] - mean) * (c[l] - mean);
+        }
+    }
+    let sq = chunks.remainder().iter().fold(lane_sum(&acc), |s, &v| s + (v - mean) * (v - mean));
     let inv_std = T::from(1.0) / (sq / d + T::from(eps)).sqrt();
     (mean, inv_std)
 }
@@ -32,12 +39,17 @@ impl LayerNormOp {
         let mut out = vec![T::default(); x.len()];
         let block = row_block(x.len() / d) * d;
         out.par_chunks_mut(block).zip(x.par_chunks(block)).for_each(|(o, x)| {
-            for (orow, xrow) in o.chunks_mut(d).zip(x.chunks(d)) {
-                let (mean, r) = row_stats(xrow, self.eps);
-                for (((o, &x), &w), &b) in orow.iter_mut().zip(xrow).zip(w).zip(b) {
-                    *o = (x - mean) * r * w + b;
-                }
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for (orow, xrow) in o.chunks_mut(d).zip(x.chunks(d)) {
+                        let (mean, r) = row_stats(xrow, self.eps);
+                        for (((o, &x), &w), &b) in orow.iter_mut().zip(xrow).zip(w).zip(b) {
+                            *o = (x - mean) * r * w + b;
+                        }
+                    }
+                },
+            )
         });
         out
     }
@@ -109,23 +121,29 @@ impl LayerNormGrad {
             .map(|((dx, x), dy)| {
                 let mut acc = vec![T::default(); 2 * d];
                 let (dw, db) = acc.split_at_mut(d);
-                for ((dxrow, xrow), grow) in dx.chunks_mut(d).zip(x.chunks(d)).zip(dy.chunks(d)) {
-                    let (mean, r) = row_stats(xrow, self.eps);
-                    let (mut sum_g, mut sum_gx) = (T::default(), T::default());
-                    for (((&xv, &g), &wv), (dwv, dbv)) in xrow.iter().zip(grow).zip(w).zip(dw.iter_mut().zip(db.iter_mut())) {
-                        let xhat = (xv - mean) * r;
-                        let gh = g * wv;
-                        sum_g += gh;
-                        sum_gx += gh * xhat;
-                        *dwv += g * xhat;
-                        *dbv += g;
-                    }
-                    let (mg, mgx) = (sum_g * inv_d, sum_gx * inv_d);
-                    for (((o, &xv), &g), &wv) in dxrow.iter_mut().zip(xrow).zip(grow).zip(w) {
-                        let xhat = (xv - mean) * r;
-                        *o = r * (g * wv - mg - xhat * mgx);
-                    }
-                }
+                let mut gh = vec![T::default(); d];
+                simd(
+                    #[inline(always)]
+                    || {
+                        for ((dxrow, xrow), grow) in dx.chunks_mut(d).zip(x.chunks(d)).zip(dy.chunks(d)) {
+                            let (mean, r) = row_stats(xrow, self.eps);
+                            // x̂ waits in dx's row and ĝ in a scratch row, so the sums vectorise.
+                            for (((o, &xv), (&g, &wv)), ((dwv, dbv), ghv)) in
+                                dxrow.iter_mut().zip(xrow).zip(grow.iter().zip(w)).zip(dw.iter_mut().zip(db.iter_mut()).zip(gh.iter_mut()))
+                            {
+                                let xhat = (xv - mean) * r;
+                                *o = xhat;
+                                *ghv = g * wv;
+                                *dwv += g * xhat;
+                                *dbv += g;
+                            }
+                            let (mg, mgx) = (lane_sum(&gh) * inv_d, lane_dot(&gh, dxrow) * inv_d);
+                            for (o, &g) in dxrow.iter_mut().zip(&gh) {
+                                *o = r * (g - mg - *o * mgx);
+                            }
+                        }
+                    },
+                );
                 acc
             })
             .collect();

@@ -20,8 +20,9 @@ fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
 /// f32 or f64. Per-element arithmetic runs in the storage's own precision (f32 math is about
 /// twice as fast and vectorises twice as wide); constants are prepared in f64. `erf` is
 /// `fast_math`'s in f32 (libm's scalar `erff` was 3.5% of a ViT-Ti step) and libm's in f64, the
-/// precision the gradient checks run in. `exp` stays the system's: `fast_math::exp` in the
-/// BatchNorm SiLU made its backward slower (657 against 490 ms per B0 step).
+/// precision the gradient checks run in; `exp` likewise (libm's `expf` is a scalar call, which
+/// keeps SiLU and softmax loops from vectorising: with `fast_math::exp` and [`simd`], a B0
+/// step's BatchNorm backward went from 273 to 147 ms).
 trait Float:
     Copy
     + Send
@@ -50,7 +51,7 @@ impl Float for f32 {
         v as f32
     }
     fn exp(self) -> Self {
-        f32::exp(self)
+        fast_math::exp(self)
     }
     fn sqrt(self) -> Self {
         f32::sqrt(self)
@@ -131,6 +132,58 @@ macro_rules! float_dispatch3 {
 }
 
 pub(crate) use {float_dispatch, float_dispatch2, float_dispatch3};
+
+/// Runs `f` inside a function compiled for AVX2 and FMA when the CPU has them, so the element
+/// loops inlined into it vectorise 8 wide with fused multiply-adds. The crate is built for
+/// baseline x86-64 (SSE2, 4 wide) so the binary runs on any x86-64; this picks the wider code at
+/// run time, per call, as gemm does for its matmul kernels. Call it inside each parallel task:
+/// code in rayon's closures is compiled on its own and does not inherit the features.
+#[inline(always)]
+pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        // SAFETY: the CPU has the features `wide` is compiled for (checked just above).
+        return unsafe { wide(f) };
+    }
+    f()
+}
+
+/// Independent partial sums in the reductions below: enough for a loop to vectorise (one running
+/// sum is a chain the compiler may not reorder; 16 f32 are two AVX2 registers) and shorter
+/// chains than one running sum, so less rounding.
+const LANES: usize = 16;
+
+/// Σ x in lane-wise partial sums.
+#[inline(always)]
+fn lane_sum<T: Float>(x: &[T]) -> T {
+    let mut acc = [T::default(); LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    let rest = chunks.remainder().iter().fold(T::default(), |s, &v| s + v);
+    acc.iter().fold(rest, |s, &v| s + v)
+}
+
+/// Σ a·b in lane-wise partial sums.
+#[inline(always)]
+fn lane_dot<T: Float>(a: &[T], b: &[T]) -> T {
+    let mut acc = [T::default(); LANES];
+    let (mut ac, mut bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (av, bv) in (&mut ac).zip(&mut bc) {
+        for l in 0..LANES {
+            acc[l] += av[l] * bv[l];
+        }
+    }
+    let rest = ac.remainder().iter().zip(bc.remainder()).fold(T::default(), |s, (&p, &q)| s + p * q);
+    acc.iter().fold(rest, |s, &v| s + v)
+}
 
 /// Row blocks for reductions over rows: enough blocks to keep every thread busy, each long
 /// enough that its partial sums cost little next to the pass itself.

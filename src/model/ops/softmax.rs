@@ -7,6 +7,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
+use super::{lane_dot, lane_sum, simd, Float};
+
 fn rows<'a, T>(data: &'a [T], l: &Layout) -> Result<(&'a [T], usize)> {
     let d = *l.dims().last().unwrap_or(&1);
     match l.contiguous_offsets() {
@@ -22,18 +24,20 @@ macro_rules! softmax_rows {
         let scale = $scale as $t;
         let mut out = vec![0 as $t; $x.len()];
         out.par_chunks_mut($d).zip($x.par_chunks($d)).enumerate().for_each(|(row, (o, r))| {
-            match $bias(row) {
-                Some(b) => o.iter_mut().zip(r).zip(b).for_each(|((o, &v), &b)| *o = scale * v + b as $t),
-                None => o.iter_mut().zip(r).for_each(|(o, &v)| *o = scale * v),
-            }
-            let m = o.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max);
-            let mut sum = 0.0 as $t;
-            for ov in o.iter_mut() {
-                *ov = (*ov - m).exp();
-                sum += *ov;
-            }
-            let inv = 1.0 / sum;
-            o.iter_mut().for_each(|v| *v *= inv);
+            let bias = $bias(row);
+            simd(
+                #[inline(always)]
+                || {
+                    match bias {
+                        Some(b) => o.iter_mut().zip(r).zip(b).for_each(|((o, &v), &b)| *o = scale * v + b as $t),
+                        None => o.iter_mut().zip(r).for_each(|(o, &v)| *o = scale * v),
+                    }
+                    let m = o.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max);
+                    o.iter_mut().for_each(|v| *v = Float::exp(*v - m));
+                    let inv = 1.0 / lane_sum(o);
+                    o.iter_mut().for_each(|v| *v *= inv);
+                },
+            )
         });
         out
     }};
@@ -44,10 +48,15 @@ macro_rules! softmax_grad_rows {
         let scale = $scale as $t;
         let mut out = vec![0 as $t; $y.len()];
         out.par_chunks_mut($d).zip($y.par_chunks($d)).zip($dy.par_chunks($d)).for_each(|((o, y), g)| {
-            let dot: $t = y.iter().zip(g).map(|(a, b)| a * b).sum();
-            for ((ov, &yv), &gv) in o.iter_mut().zip(y).zip(g) {
-                *ov = scale * yv * (gv - dot);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    let dot: $t = lane_dot(y, g);
+                    for ((ov, &yv), &gv) in o.iter_mut().zip(y).zip(g) {
+                        *ov = scale * yv * (gv - dot);
+                    }
+                },
+            )
         });
         out
     }};
