@@ -20,6 +20,7 @@ use super::batch_norm::BatchNorm2d;
 use super::checkpoint::Checkpointing;
 use super::ops::channel::{channel_scale, spatial_mean};
 use super::ops::depthwise::{depthwise_conv2d, Padding};
+use super::ops::pointwise::pointwise_conv2d;
 use super::Ctx;
 use crate::util::rng::Rng;
 
@@ -201,19 +202,6 @@ fn conv_weight(vb: &VarBuilder, out: usize, inp: usize, k: usize) -> Result<Tens
     vb.get_with_hints((out, inp, k, k), "weight", Init::Randn { mean: 0.0, stdev: std })
 }
 
-/// A 1×1 convolution as a batched matmul over `[N, C, H·W]`: no im2col, no transposed-conv
-/// backward.
-fn pointwise(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let (n, c, h, wd) = x.dims4()?;
-    let out = w.dim(0)?;
-    let y = w.reshape((out, c))?.broadcast_matmul(&x.reshape((n, c, h * wd))?)?;
-    let y = match bias {
-        Some(b) => y.broadcast_add(&b.reshape((1, out, 1))?)?,
-        None => y,
-    };
-    y.reshape((n, out, h, wd))
-}
-
 struct Block {
     expand: Option<(Tensor, BatchNorm2d)>,
     dw_weight: Tensor,
@@ -288,7 +276,7 @@ impl Block {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut h = x.clone();
         if let Some((w, bn)) = &self.expand {
-            h = bn.forward_act(&pointwise(&h, w, None)?, ctx, true)?;
+            h = bn.forward_act(&pointwise_conv2d(&h, w)?, ctx, true)?;
         }
         h = match self.depthwise {
             DepthwiseImpl::Fused => depthwise_conv2d(&h, &self.dw_weight, self.stride, self.pad)?,
@@ -300,7 +288,7 @@ impl Block {
         let s = fc(&spatial_mean(&h)?, &self.se_reduce)?.silu()?;
         let s = candle_nn::ops::sigmoid(&fc(&s, &self.se_expand)?)?;
         h = channel_scale(&h, &s)?;
-        h = self.project_bn.forward(&pointwise(&h, &self.project, None)?, ctx)?;
+        h = self.project_bn.forward(&pointwise_conv2d(&h, &self.project)?, ctx)?;
         if !self.residual {
             return Ok(h);
         }

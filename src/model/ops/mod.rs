@@ -8,6 +8,7 @@ pub mod channel;
 pub mod depthwise;
 pub mod fast_math;
 pub mod layer_norm;
+pub mod pointwise;
 pub mod softmax;
 
 fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {

@@ -1,0 +1,231 @@
+//! 1×1 convolution of NCHW tensors as one op: per image, `y[n] = W·x[n]` with W `[out, c]` and
+//! x[n] `[c, h·w]`, so neither side is transposed or copied.
+//!
+//! As a broadcast matmul, candle's backward makes one weight gradient per image (`[n, out, c]`)
+//! and sums them on one thread. Here the images' products accumulate into one weight gradient
+//! inside the matmul kernel, and the input gradient `Wᵀ·dy[n]` reads W transposed in place.
+
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+use super::{float_dispatch2, Float};
+
+/// A matrix operand: data with row and column strides.
+#[derive(Clone, Copy)]
+struct Mat<'a, T> {
+    data: &'a [T],
+    row_stride: usize,
+    col_stride: usize,
+}
+
+/// `dst (m×n, row-major) = lhs (m×k) · rhs (k×n)`, or `dst += …` with `accumulate`, on the
+/// thread pool.
+fn gemm_into<T: Float>(dst: &mut [T], (m, n, k): (usize, usize, usize), lhs: Mat<T>, rhs: Mat<T>, accumulate: bool) {
+    let last = |mat: &Mat<T>, rows: usize, cols: usize| (rows - 1) * mat.row_stride + (cols - 1) * mat.col_stride;
+    assert!(dst.len() >= m * n && (m * k == 0 || last(&lhs, m, k) < lhs.data.len()) && (k * n == 0 || last(&rhs, k, n) < rhs.data.len()));
+    if m * n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // SAFETY: the assertion above keeps every element the strides reach inside its slice; gemm
+    // computes dst := α·dst + β·lhs·rhs, reading dst only when asked to.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr(),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            T::from(1.0),
+            T::from(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Dims {
+    n: usize,
+    c: usize,
+    out: usize,
+    hw: usize,
+}
+
+fn dims(x: &[usize], w: &[usize]) -> Result<Dims> {
+    match (x, w) {
+        ([n, c, h, wd], [out, wc, 1, 1]) if c == wc => Ok(Dims { n: *n, c: *c, out: *out, hw: h * wd }),
+        _ => candle_core::bail!("1x1 convolution: input {x:?} and weight {w:?} do not fit ([N, C, H, W] and [O, C, 1, 1])"),
+    }
+}
+
+struct Forward;
+
+impl Forward {
+    fn run<T: Float>(d: Dims, x: &[T], w: &[T]) -> Vec<T> {
+        let mut y = vec![T::default(); d.n * d.out * d.hw];
+        let wm = Mat { data: w, row_stride: d.c, col_stride: 1 };
+        for (yn, xn) in y.chunks_mut(d.out * d.hw).zip(x.chunks(d.c * d.hw)) {
+            gemm_into(yn, (d.out, d.hw, d.c), wm, Mat { data: xn, row_stride: d.hw, col_stride: 1 }, false);
+        }
+        y
+    }
+}
+
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        "pointwise-conv2d"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/pointwise");
+        let d = dims(l1.dims(), l2.dims())?;
+        let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution", |x, w| Self::run(d, x, w));
+        let (_, _, h, wd) = l1.shape().dims4()?;
+        Ok((out, Shape::from((d.n, d.out, h, wd))))
+    }
+
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let dx = w.apply_op2_no_bwd(&grad, &GradInput { input: x.dims().to_vec() })?;
+        let dw = x.apply_op2_no_bwd(&grad, &GradWeight { weight: w.dims().to_vec() })?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+/// `dx[n] = Wᵀ·dy[n]`. Arguments: the weight and the output gradient.
+struct GradInput {
+    input: Vec<usize>,
+}
+
+impl CustomOp2 for GradInput {
+    fn name(&self) -> &'static str {
+        "pointwise-conv2d-grad-input"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/pointwise-grad");
+        let d = dims(&self.input, l1.dims())?;
+        if l2.dims() != [d.n, d.out, self.input[2], self.input[3]] {
+            candle_core::bail!("1x1 convolution backward: gradient {:?} does not fit input {:?}", l2.dims(), self.input);
+        }
+        let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution backward", |w, dy| {
+            let mut dx = vec![Float::from(0.0); d.n * d.c * d.hw];
+            let wt = Mat { data: w, row_stride: 1, col_stride: d.c };
+            for (dxn, dyn_) in dx.chunks_mut(d.c * d.hw).zip(dy.chunks(d.out * d.hw)) {
+                gemm_into(dxn, (d.c, d.hw, d.out), wt, Mat { data: dyn_, row_stride: d.hw, col_stride: 1 }, false);
+            }
+            dx
+        });
+        Ok((out, Shape::from(self.input.clone())))
+    }
+}
+
+/// `dW = Σ_n dy[n]·x[n]ᵀ`, accumulated in place. Arguments: the input and the output gradient.
+struct GradWeight {
+    weight: Vec<usize>,
+}
+
+impl CustomOp2 for GradWeight {
+    fn name(&self) -> &'static str {
+        "pointwise-conv2d-grad-weight"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/pointwise-grad");
+        let d = dims(l1.dims(), &self.weight)?;
+        let (_, _, h, wd) = l1.shape().dims4()?;
+        if l2.dims() != [d.n, d.out, h, wd] {
+            candle_core::bail!("1x1 convolution backward: gradient {:?} does not fit input {:?}", l2.dims(), l1.dims());
+        }
+        let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution backward", |x, dy| {
+            let mut dw = vec![Float::from(0.0); d.out * d.c];
+            for (i, (xn, dyn_)) in x.chunks(d.c * d.hw).zip(dy.chunks(d.out * d.hw)).enumerate() {
+                let lhs = Mat { data: dyn_, row_stride: d.hw, col_stride: 1 };
+                gemm_into(&mut dw, (d.out, d.c, d.hw), lhs, Mat { data: xn, row_stride: 1, col_stride: d.hw }, i > 0);
+            }
+            dw
+        });
+        Ok((out, Shape::from(self.weight.clone())))
+    }
+}
+
+/// 1×1 convolution without bias: `x` `[N, C, H, W]`, `w` `[O, C, 1, 1]` → `[N, O, H, W]`.
+pub fn pointwise_conv2d(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F64) || x.dtype() != w.dtype() {
+        return composite(x, w);
+    }
+    x.contiguous()?.apply_op2(&w.contiguous()?, Forward)
+}
+
+/// The same as a batched matmul of candle primitives: what GPUs and other dtypes run, and what
+/// the tests hold the op to.
+pub fn composite(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (n, c, h, wd) = x.dims4()?;
+    let out = w.dim(0)?;
+    let y = w.reshape((out, c))?.broadcast_matmul(&x.reshape((n, c, h * wd))?)?;
+    y.reshape((n, out, h, wd))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ops::testing::{check_fd, max_abs, max_diff};
+    use candle_core::{Device, Var};
+
+    fn inputs(dtype: DType, (n, c, o, h, w): (usize, usize, usize, usize, usize)) -> (Var, Var, Tensor) {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&crate::util::rng::randn(160, 0.0, 1.0, (n, c, h, w), dtype, &dev).unwrap()).unwrap();
+        let wt = Var::from_tensor(&crate::util::rng::randn(161, 0.0, 0.5, (o, c, 1, 1), dtype, &dev).unwrap()).unwrap();
+        let up = crate::util::rng::randn(162, 0.0, 1.0, (n, o, h, w), dtype, &dev).unwrap();
+        (x, wt, up)
+    }
+
+    #[test]
+    fn matches_the_batched_matmul_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            for shape in [(3, 5, 7, 4, 6), (1, 16, 3, 1, 1), (2, 1, 9, 5, 3)] {
+                let (x, w, up) = inputs(dtype, shape);
+                let ours = pointwise_conv2d(&x, &w).unwrap();
+                let reference = composite(&x, &w).unwrap();
+                assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{dtype:?} {shape:?} forward");
+                let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                for v in [&x, &w] {
+                    let (a, b) = (g1.get(v).unwrap(), g2.get(v).unwrap());
+                    assert_eq!(a.dims(), v.dims());
+                    assert!(max_diff(a, b) <= tol * max_abs(b), "{dtype:?} {shape:?} gradient");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let (x, w, up) = inputs(DType::F64, (2, 3, 4, 3, 5));
+        let grads = (pointwise_conv2d(&x, &w).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let loss = |x: &Tensor, w: &Tensor| (pointwise_conv2d(x, w).unwrap() * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+        let err_x = check_fd(|t| loss(t, &w), &x, grads.get(&x).unwrap(), &[0, 7, 29, 89]);
+        let err_w = check_fd(|t| loss(&x, t), &w, grads.get(&w).unwrap(), &[0, 5, 11]);
+        assert!(err_x < 1e-7 && err_w < 1e-7, "{err_x} {err_w}");
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_errors() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((1, 3, 2, 2), DType::F32, &dev).unwrap();
+        let err = pointwise_conv2d(&x, &Tensor::zeros((4, 2, 1, 1), DType::F32, &dev).unwrap()).unwrap_err().to_string();
+        assert!(err.contains("do not fit"), "{err}");
+        assert!(pointwise_conv2d(&x, &Tensor::zeros((4, 3, 3, 3), DType::F32, &dev).unwrap()).is_err());
+    }
+}
