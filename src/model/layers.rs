@@ -5,9 +5,11 @@
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
+use super::ops::attention as fused_attention;
 use super::ops::bias::bias_act;
 pub use super::ops::bias::Activation;
 use super::ops::layer_norm::layer_norm;
+use super::ops::linear::linear_bias;
 use super::ops::softmax::scaled_masked_softmax;
 
 /// LayerNorm over the last dimension (our fused op with its own backward).
@@ -67,11 +69,12 @@ impl Linear {
             Some(last) if *last == in_dim => *last = out_dim,
             _ => candle_core::bail!("linear layer of {in_dim} inputs applied to a tensor of shape {:?}", x.dims()),
         }
-        let y = x.reshape(((), in_dim))?.matmul(&self.weight.t()?)?;
+        let x = x.reshape(((), in_dim))?;
         let y = match (&self.bias, act) {
-            (Some(b), act) => bias_act(&y, b, act)?,
-            (None, Activation::Identity) => y,
-            (None, Activation::GeluErf) => y.gelu_erf()?,
+            (Some(b), Activation::Identity) => linear_bias(&x, &self.weight, b)?,
+            (Some(b), act) => bias_act(&x.matmul(&self.weight.t()?)?, b, act)?,
+            (None, Activation::Identity) => x.matmul(&self.weight.t()?)?,
+            (None, Activation::GeluErf) => x.matmul(&self.weight.t()?)?.gelu_erf()?,
         };
         y.reshape(shape)
     }
@@ -94,6 +97,15 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuil
 /// `[batch, len, heads * head_dim]`. `key_bias` (`[batch, len]`: 0 for tokens, a large negative
 /// number for padding) is added to every query's scores before the softmax.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
+    if fused_attention::fused(q, k, v) {
+        return fused_attention::attention(q, k, v, heads, key_bias);
+    }
+    composed_attention(q, k, v, heads, key_bias)
+}
+
+/// [`attention`] from candle primitives and the fused softmax: what GPUs and bf16 towers run,
+/// and what the tests hold the fused attention to.
+pub fn composed_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
     let _profile = crate::util::profile::region("op/attention");
     let (b, l, d) = q.dims3()?;
     let hd = d / heads;

@@ -135,7 +135,7 @@ struct ColumnSums;
 
 /// Blocks of rows summed in parallel, the block sums then added in block order: the same result
 /// on every run with the same thread count.
-fn column_sums<T: Float>(x: &[T], cols: usize) -> Vec<T> {
+pub(super) fn column_sums<T: Float>(x: &[T], cols: usize) -> Vec<T> {
     let rows = x.len() / cols;
     let block = row_block(rows) * cols;
     let partial: Vec<Vec<T>> = x

@@ -3,11 +3,14 @@
 
 use candle_core::{Layout, Result};
 
+pub mod attention;
 pub mod bias;
 pub mod channel;
 pub mod depthwise;
 pub mod fast_math;
 pub mod layer_norm;
+pub mod linear;
+mod matmul;
 pub mod pointwise;
 pub mod softmax;
 
@@ -26,6 +29,7 @@ fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
 /// step's BatchNorm backward went from 273 to 147 ms).
 trait Float:
     Copy
+    + PartialOrd
     + Send
     + Sync
     + Default

@@ -7,52 +7,8 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
+use super::matmul::{gemm_into, Dims as Product, Mat};
 use super::{float_dispatch2, Float};
-
-/// A matrix operand: data with row and column strides.
-#[derive(Clone, Copy)]
-struct Mat<'a, T> {
-    data: &'a [T],
-    row_stride: usize,
-    col_stride: usize,
-}
-
-/// `dst (m×n, row-major) = lhs (m×k) · rhs (k×n)`, or `dst += …` with `accumulate`, on the
-/// thread pool.
-fn gemm_into<T: Float>(dst: &mut [T], (m, n, k): (usize, usize, usize), lhs: Mat<T>, rhs: Mat<T>, accumulate: bool) {
-    let last = |mat: &Mat<T>, rows: usize, cols: usize| (rows - 1) * mat.row_stride + (cols - 1) * mat.col_stride;
-    assert!(dst.len() >= m * n && (m * k == 0 || last(&lhs, m, k) < lhs.data.len()) && (k * n == 0 || last(&rhs, k, n) < rhs.data.len()));
-    if m * n == 0 {
-        return;
-    }
-    let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
-    // SAFETY: the assertion above keeps every element the strides reach inside its slice; gemm
-    // computes dst := α·dst + β·lhs·rhs, reading dst only when asked to.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            T::from(1.0),
-            T::from(1.0),
-            false,
-            false,
-            false,
-            parallelism,
-        )
-    }
-}
 
 #[derive(Clone, Copy)]
 struct Dims {
@@ -74,9 +30,9 @@ struct Forward;
 impl Forward {
     fn run<T: Float>(d: Dims, x: &[T], w: &[T]) -> Vec<T> {
         let mut y = vec![T::default(); d.n * d.out * d.hw];
-        let wm = Mat { data: w, row_stride: d.c, col_stride: 1 };
+        let product = Product { m: d.out, n: d.hw, k: d.c };
         for (yn, xn) in y.chunks_mut(d.out * d.hw).zip(x.chunks(d.c * d.hw)) {
-            gemm_into(yn, (d.out, d.hw, d.c), wm, Mat { data: xn, row_stride: d.hw, col_stride: 1 }, false);
+            gemm_into(yn, d.hw, product, Mat::rows(w, 0, d.c), Mat::rows(xn, 0, d.hw), false);
         }
         y
     }
@@ -121,9 +77,9 @@ impl CustomOp2 for GradInput {
         }
         let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution backward", |w, dy| {
             let mut dx = vec![Float::from(0.0); d.n * d.c * d.hw];
-            let wt = Mat { data: w, row_stride: 1, col_stride: d.c };
+            let product = Product { m: d.c, n: d.hw, k: d.out };
             for (dxn, dyn_) in dx.chunks_mut(d.c * d.hw).zip(dy.chunks(d.out * d.hw)) {
-                gemm_into(dxn, (d.c, d.hw, d.out), wt, Mat { data: dyn_, row_stride: d.hw, col_stride: 1 }, false);
+                gemm_into(dxn, d.hw, product, Mat::transposed(w, 0, d.c), Mat::rows(dyn_, 0, d.hw), false);
             }
             dx
         });
@@ -150,9 +106,9 @@ impl CustomOp2 for GradWeight {
         }
         let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution backward", |x, dy| {
             let mut dw = vec![Float::from(0.0); d.out * d.c];
+            let product = Product { m: d.out, n: d.c, k: d.hw };
             for (i, (xn, dyn_)) in x.chunks(d.c * d.hw).zip(dy.chunks(d.out * d.hw)).enumerate() {
-                let lhs = Mat { data: dyn_, row_stride: d.hw, col_stride: 1 };
-                gemm_into(&mut dw, (d.out, d.c, d.hw), lhs, Mat { data: xn, row_stride: 1, col_stride: d.hw }, i > 0);
+                gemm_into(&mut dw, d.c, product, Mat::rows(dyn_, 0, d.hw), Mat::transposed(xn, 0, d.hw), i > 0);
             }
             dw
         });

@@ -17,49 +17,53 @@ fn rows<'a, T>(data: &'a [T], l: &Layout) -> Result<(&'a [T], usize)> {
     }
 }
 
-/// Rows of `scale·x + bias` softmaxed; `bias(row)` gives the additive key bias of a row (a
-/// padding mask), or none.
-macro_rules! softmax_rows {
-    ($x:expr, $d:expr, $t:ty, $scale:expr, $bias:expr) => {{
-        let scale = $scale as $t;
-        let mut out = vec![0 as $t; $x.len()];
-        out.par_chunks_mut($d).zip($x.par_chunks($d)).enumerate().for_each(|(row, (o, r))| {
-            let bias = $bias(row);
-            simd(
-                #[inline(always)]
-                || {
-                    match bias {
-                        Some(b) => o.iter_mut().zip(r).zip(b).for_each(|((o, &v), &b)| *o = scale * v + b as $t),
-                        None => o.iter_mut().zip(r).for_each(|(o, &v)| *o = scale * v),
-                    }
-                    let m = o.iter().copied().fold(<$t>::NEG_INFINITY, <$t>::max);
-                    o.iter_mut().for_each(|v| *v = Float::exp(*v - m));
-                    let inv = 1.0 / lane_sum(o);
-                    o.iter_mut().for_each(|v| *v *= inv);
-                },
-            )
-        });
-        out
-    }};
+/// `row ← softmax(scale·row + bias)` in place; `bias` (a padding mask) may be absent.
+#[inline(always)]
+pub(super) fn softmax_row_in_place<T: Float>(row: &mut [T], scale: T, bias: Option<&[f32]>) {
+    match bias {
+        Some(b) => row.iter_mut().zip(b).for_each(|(v, &b)| *v = scale * *v + T::from(b as f64)),
+        None => row.iter_mut().for_each(|v| *v = scale * *v),
+    }
+    let m = row.iter().fold(T::from(f64::NEG_INFINITY), |m, &v| if v > m { v } else { m });
+    row.iter_mut().for_each(|v| *v = (*v - m).exp());
+    let inv = T::from(1.0) / lane_sum(row);
+    row.iter_mut().for_each(|v| *v = *v * inv);
 }
 
-macro_rules! softmax_grad_rows {
-    ($y:expr, $dy:expr, $d:expr, $t:ty, $scale:expr) => {{
-        let scale = $scale as $t;
-        let mut out = vec![0 as $t; $y.len()];
-        out.par_chunks_mut($d).zip($y.par_chunks($d)).zip($dy.par_chunks($d)).for_each(|((o, y), g)| {
+/// The gradient of `softmax(scale·x + bias)` with respect to x, from its output `y` and the
+/// output's gradient `g`: `scale·y·(g − Σ y·g)`.
+#[inline(always)]
+pub(super) fn softmax_grad_row<T: Float>(out: &mut [T], y: &[T], g: &[T], scale: T) {
+    let dot = lane_dot(y, g);
+    for ((o, &yv), &gv) in out.iter_mut().zip(y).zip(g) {
+        *o = scale * yv * (gv - dot);
+    }
+}
+
+impl Softmax {
+    fn run<T: Float>(&self, x: &[T], d: usize) -> Vec<T> {
+        let mut out = x.to_vec();
+        let scale = T::from(self.scale);
+        out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
+            let bias = self.bias_of(row, d);
             simd(
                 #[inline(always)]
-                || {
-                    let dot: $t = lane_dot(y, g);
-                    for ((ov, &yv), &gv) in o.iter_mut().zip(y).zip(g) {
-                        *ov = scale * yv * (gv - dot);
-                    }
-                },
+                || softmax_row_in_place(o, scale, bias),
             )
         });
         out
-    }};
+    }
+}
+
+fn softmax_grad<T: Float>(y: &[T], dy: &[T], d: usize, scale: f64) -> Vec<T> {
+    let mut out = vec![T::default(); y.len()];
+    out.par_chunks_mut(d).zip(y.par_chunks(d)).zip(dy.par_chunks(d)).for_each(|((o, y), g)| {
+        simd(
+            #[inline(always)]
+            || softmax_grad_row(o, y, g, T::from(scale)),
+        )
+    });
+    out
 }
 
 /// `softmax(scale·x + key_bias)` over the last dimension. `key_bias` (f32, one value per batch
@@ -89,11 +93,11 @@ impl CustomOp1 for Softmax {
         let out = match s {
             CpuStorage::F32(x) => {
                 let (x, d) = rows(x, l)?;
-                CpuStorage::F32(softmax_rows!(x, d, f32, self.scale, |row| self.bias_of(row, d)))
+                CpuStorage::F32(self.run(x, d))
             }
             CpuStorage::F64(x) => {
                 let (x, d) = rows(x, l)?;
-                CpuStorage::F64(softmax_rows!(x, d, f64, self.scale, |row| self.bias_of(row, d)))
+                CpuStorage::F64(self.run(x, d))
             }
             _ => candle_core::bail!("softmax supports f32 and f64"),
         };
@@ -119,11 +123,11 @@ impl CustomOp2 for SoftmaxGrad {
         let out = match (s1, s2) {
             (CpuStorage::F32(y), CpuStorage::F32(g)) => {
                 let ((y, d), (g, _)) = (rows(y, l1)?, rows(g, l2)?);
-                CpuStorage::F32(softmax_grad_rows!(y, g, d, f32, self.scale))
+                CpuStorage::F32(softmax_grad(y, g, d, self.scale))
             }
             (CpuStorage::F64(y), CpuStorage::F64(g)) => {
                 let ((y, d), (g, _)) = (rows(y, l1)?, rows(g, l2)?);
-                CpuStorage::F64(softmax_grad_rows!(y, g, d, f64, self.scale))
+                CpuStorage::F64(softmax_grad(y, g, d, self.scale))
             }
             _ => candle_core::bail!("softmax backward supports f32 and f64 with matching dtypes"),
         };

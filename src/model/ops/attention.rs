@@ -1,0 +1,360 @@
+//! Multi-head attention over `[batch, len, heads·head_dim]` tensors as two ops, scores+softmax
+//! and probabilities·values, that read each head's columns in place through strided matmuls.
+//!
+//! Composed, every head split and merge is a transposed copy (q, k, v and the context: four
+//! activation-sized tensors per block, each kept for the backward pass along with its source),
+//! and the raw scores stay alive next to the probabilities. Here the graph keeps q, k, v, the
+//! probabilities and the context only. Each (image, head) pair is one task; its products run on
+//! the task's thread.
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::matmul::{gemm_serial, gemm_shared, Dims, Mat, SharedDst};
+use super::softmax::{softmax_grad_row, softmax_row_in_place};
+use super::{contiguous, float_dispatch2, float_dispatch3, simd, Float};
+
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    batch: usize,
+    len: usize,
+    width: usize,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl Geometry {
+    fn new(dims: &[usize], heads: usize) -> Result<Self> {
+        match dims {
+            [batch, len, width] if heads > 0 && width % heads == 0 => {
+                Ok(Geometry { batch: *batch, len: *len, width: *width, heads, head_dim: width / heads })
+            }
+            _ => candle_core::bail!("attention: {dims:?} is not [batch, len, width] with width divisible by {heads} heads"),
+        }
+    }
+
+    /// Where head `h` of batch element `b` starts in a `[batch, len, width]` buffer.
+    fn head_offset(&self, task: usize) -> usize {
+        (task / self.heads) * self.len * self.width + (task % self.heads) * self.head_dim
+    }
+
+    fn tasks(&self) -> usize {
+        self.batch * self.heads
+    }
+
+    fn check(&self, what: &str, dims: &[usize], want: &[usize]) -> Result<()> {
+        if dims != want {
+            candle_core::bail!("attention: {what} is {dims:?}, expected {want:?}");
+        }
+        Ok(())
+    }
+
+    fn probs_dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.len, self.len]
+    }
+
+    fn token_dims(&self) -> [usize; 3] {
+        [self.batch, self.len, self.width]
+    }
+}
+
+/// Borrows a CPU tensor's contiguous data as `&[T]` for the closure.
+fn with_cpu_slice<T: Float + candle_core::WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else { candle_core::bail!("attention: operands must be on the CPU") };
+    f(contiguous(cpu.as_slice::<T>()?, layout, "attention operand")?)
+}
+
+/// `softmax(scale·q·kᵀ + key_bias)` per head: `[batch, heads, len, len]`.
+struct Scores {
+    g: Geometry,
+    scale: f64,
+    /// `[batch, len]`: added to every query's scores of that batch element.
+    key_bias: Option<Vec<f32>>,
+}
+
+impl Scores {
+    fn run<T: Float>(&self, q: &[T], k: &[T]) -> Vec<T> {
+        let g = self.g;
+        let (l, scale) = (g.len, T::from(self.scale));
+        let mut probs = vec![T::default(); g.tasks() * l * l];
+        probs.par_chunks_mut(l * l).enumerate().for_each(|(task, p)| {
+            let off = g.head_offset(task);
+            let d = Dims { m: l, n: l, k: g.head_dim };
+            gemm_serial(p, l, d, Mat::rows(q, off, g.width), Mat::transposed(k, off, g.width));
+            let bias = self.key_bias.as_ref().map(|b| &b[(task / g.heads) * l..(task / g.heads + 1) * l]);
+            simd(
+                #[inline(always)]
+                || p.chunks_mut(l).for_each(|row| softmax_row_in_place(row, scale, bias)),
+            )
+        });
+        probs
+    }
+}
+
+impl CustomOp2 for Scores {
+    fn name(&self) -> &'static str {
+        "attention-scores"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/attention");
+        self.g.check("q", l1.dims(), &self.g.token_dims())?;
+        self.g.check("k", l2.dims(), &self.g.token_dims())?;
+        let out = float_dispatch2!(s1, l1, s2, l2, "attention scores", |q, k| self.run(q, k));
+        Ok((out, Shape::from(self.g.probs_dims().to_vec())))
+    }
+
+    fn bwd(&self, q: &Tensor, k: &Tensor, probs: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let op = ScoresGrad { g: self.g, scale: self.scale, q: q.clone(), k: k.clone() };
+        let both = probs.apply_op2_no_bwd(&grad.contiguous()?, &op)?;
+        let n = q.elem_count();
+        Ok((Some(both.narrow(0, 0, n)?.reshape(q.dims())?), Some(both.narrow(0, n, n)?.reshape(k.dims())?)))
+    }
+}
+
+/// dS = scale·P·(dP − Σ P·dP) per row, then dq = dS·k and dk = dSᵀ·q per head: `[dq | dk]`.
+struct ScoresGrad {
+    g: Geometry,
+    scale: f64,
+    q: Tensor,
+    k: Tensor,
+}
+
+impl ScoresGrad {
+    fn run<T: Float>(&self, p: &[T], dp: &[T], q: &[T], k: &[T]) -> Vec<T> {
+        let g = self.g;
+        let (l, n) = (g.len, g.batch * g.len * g.width);
+        let mut out = vec![T::default(); 2 * n];
+        let dst = SharedDst::new(&mut out);
+        (0..g.tasks()).into_par_iter().for_each(|task| {
+            let (pt, dpt) = (&p[task * l * l..(task + 1) * l * l], &dp[task * l * l..(task + 1) * l * l]);
+            let mut ds = vec![T::default(); l * l];
+            simd(
+                #[inline(always)]
+                || {
+                    for ((o, y), gr) in ds.chunks_mut(l).zip(pt.chunks(l)).zip(dpt.chunks(l)) {
+                        softmax_grad_row(o, y, gr, T::from(self.scale));
+                    }
+                },
+            );
+            let off = g.head_offset(task);
+            let d = Dims { m: l, n: g.head_dim, k: l };
+            // SAFETY: each task writes only its own head's columns of its own batch element.
+            unsafe {
+                gemm_shared(&dst, off, g.width, d, Mat::rows(&ds, 0, l), Mat::rows(k, off, g.width));
+                gemm_shared(&dst, n + off, g.width, d, Mat::transposed(&ds, 0, l), Mat::rows(q, off, g.width));
+            }
+        });
+        out
+    }
+}
+
+impl CustomOp2 for ScoresGrad {
+    fn name(&self) -> &'static str {
+        "attention-scores-grad"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/attention-grad");
+        self.g.check("probabilities", l1.dims(), &self.g.probs_dims())?;
+        self.g.check("their gradient", l2.dims(), &self.g.probs_dims())?;
+        let out = match (s1, s2) {
+            (CpuStorage::F32(p), CpuStorage::F32(dp)) => {
+                let (p, dp) = (contiguous(p, l1, "p")?, contiguous(dp, l2, "dp")?);
+                CpuStorage::F32(with_cpu_slice(&self.q, |q| with_cpu_slice(&self.k, |k| Ok(self.run(p, dp, q, k))))?)
+            }
+            (CpuStorage::F64(p), CpuStorage::F64(dp)) => {
+                let (p, dp) = (contiguous(p, l1, "p")?, contiguous(dp, l2, "dp")?);
+                CpuStorage::F64(with_cpu_slice(&self.q, |q| with_cpu_slice(&self.k, |k| Ok(self.run(p, dp, q, k))))?)
+            }
+            _ => candle_core::bail!("attention backward supports f32 and f64 with matching dtypes"),
+        };
+        Ok((out, Shape::from(2 * self.g.batch * self.g.len * self.g.width)))
+    }
+}
+
+/// probabilities · v per head, written into each head's columns: `[batch, len, width]`.
+struct Context {
+    g: Geometry,
+}
+
+impl Context {
+    fn run<T: Float>(&self, p: &[T], v: &[T]) -> Vec<T> {
+        let g = self.g;
+        let l = g.len;
+        let mut out = vec![T::default(); g.batch * l * g.width];
+        let dst = SharedDst::new(&mut out);
+        (0..g.tasks()).into_par_iter().for_each(|task| {
+            let off = g.head_offset(task);
+            let d = Dims { m: l, n: g.head_dim, k: l };
+            // SAFETY: each task writes only its own head's columns of its own batch element.
+            unsafe { gemm_shared(&dst, off, g.width, d, Mat::rows(p, task * l * l, l), Mat::rows(v, off, g.width)) }
+        });
+        out
+    }
+}
+
+impl CustomOp2 for Context {
+    fn name(&self) -> &'static str {
+        "attention-context"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/attention");
+        self.g.check("probabilities", l1.dims(), &self.g.probs_dims())?;
+        self.g.check("v", l2.dims(), &self.g.token_dims())?;
+        let out = float_dispatch2!(s1, l1, s2, l2, "attention context", |p, v| self.run(p, v));
+        Ok((out, Shape::from(self.g.token_dims().to_vec())))
+    }
+
+    fn bwd(&self, p: &Tensor, v: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let both = p.apply_op3_no_bwd(v, &grad.contiguous()?, &ContextGrad { g: self.g })?;
+        let np = p.elem_count();
+        Ok((Some(both.narrow(0, 0, np)?.reshape(p.dims())?), Some(both.narrow(0, np, v.elem_count())?.reshape(v.dims())?)))
+    }
+}
+
+/// dP = dctx·vᵀ and dv = Pᵀ·dctx per head: `[dP | dv]`.
+struct ContextGrad {
+    g: Geometry,
+}
+
+impl ContextGrad {
+    fn run<T: Float>(&self, p: &[T], v: &[T], dc: &[T]) -> Vec<T> {
+        let g = self.g;
+        let l = g.len;
+        let np = g.tasks() * l * l;
+        let mut out = vec![T::default(); np + g.batch * l * g.width];
+        let dst = SharedDst::new(&mut out);
+        (0..g.tasks()).into_par_iter().for_each(|task| {
+            let off = g.head_offset(task);
+            // SAFETY: each task writes only its own probability block and its own head's columns.
+            unsafe {
+                let d = Dims { m: l, n: l, k: g.head_dim };
+                gemm_shared(&dst, task * l * l, l, d, Mat::rows(dc, off, g.width), Mat::transposed(v, off, g.width));
+                let d = Dims { m: l, n: g.head_dim, k: l };
+                gemm_shared(&dst, np + off, g.width, d, Mat::transposed(p, task * l * l, l), Mat::rows(dc, off, g.width));
+            }
+        });
+        out
+    }
+}
+
+impl CustomOp3 for ContextGrad {
+    fn name(&self) -> &'static str {
+        "attention-context-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/attention-grad");
+        self.g.check("probabilities", l1.dims(), &self.g.probs_dims())?;
+        self.g.check("v", l2.dims(), &self.g.token_dims())?;
+        self.g.check("the context gradient", l3.dims(), &self.g.token_dims())?;
+        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "attention context backward", |p, v, dc| self.run(p, v, dc));
+        let g = self.g;
+        Ok((out, Shape::from(g.tasks() * g.len * g.len + g.batch * g.len * g.width)))
+    }
+}
+
+/// Whether [`attention`] runs the fused ops for these operands (CPU, f32 / f64, one dtype).
+pub fn fused(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) && k.dtype() == q.dtype() && v.dtype() == q.dtype()
+}
+
+/// `softmax(q·kᵀ/√head_dim + key_bias)·v` per head on `[batch, len, heads·head_dim]` operands;
+/// `key_bias` is `[batch, len]` (0 for tokens, a large negative number for padding). Needs
+/// [`fused`] operands.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
+    let g = Geometry::new(q.dims(), heads)?;
+    g.check("k", k.dims(), &g.token_dims())?;
+    g.check("v", v.dims(), &g.token_dims())?;
+    let key_bias = match key_bias {
+        Some(b) => {
+            g.check("the key bias", b.dims(), &[g.batch, g.len])?;
+            Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        }
+        None => None,
+    };
+    let scores = Scores { g, scale: 1.0 / (g.head_dim as f64).sqrt(), key_bias };
+    let probs = q.contiguous()?.apply_op2(&k.contiguous()?, scores)?;
+    probs.apply_op2(&v.contiguous()?, Context { g })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layers::composed_attention;
+    use crate::model::ops::testing::{check_fd, max_abs, max_diff};
+    use candle_core::{Device, Var};
+
+    fn operands(dtype: DType, (b, l, w): (usize, usize, usize)) -> [Var; 3] {
+        let v = |seed| Var::from_tensor(&crate::util::rng::randn(seed, 0.0, 1.0, (b, l, w), dtype, &Device::Cpu).unwrap()).unwrap();
+        [v(180), v(181), v(182)]
+    }
+
+    /// Batch element 1 masks its last three keys, element 0 none.
+    fn mask(dtype: DType, b: usize, l: usize) -> Tensor {
+        let m: Vec<f64> = (0..b * l).map(|i| if i / l == 1 && i % l >= l - 3 { -1e9 } else { 0.0 }).collect();
+        Tensor::from_vec(m, (b, l), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    #[test]
+    fn matches_the_composed_attention_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            for (shape, heads) in [((2, 7, 12), 3), ((3, 5, 8), 1), ((2, 19, 32), 4)] {
+                let [q, k, v] = operands(dtype, shape);
+                for bias in [None, Some(mask(dtype, shape.0, shape.1))] {
+                    let ours = attention(&q, &k, &v, heads, bias.as_ref()).unwrap();
+                    let reference = composed_attention(&q, &k, &v, heads, bias.as_ref()).unwrap();
+                    let what = format!("{dtype:?} {shape:?} {heads} heads, mask {}", bias.is_some());
+                    assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{what}");
+                    let up = crate::util::rng::randn(183, 0.0, 1.0, ours.dims(), dtype, &Device::Cpu).unwrap();
+                    let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                    let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                    for t in [&q, &k, &v] {
+                        let (a, r) = (g1.get(t).unwrap(), g2.get(t).unwrap());
+                        assert!(max_diff(a, r) <= tol * max_abs(r), "{what}: gradient");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let [q, k, v] = operands(DType::F64, (2, 5, 6));
+        let m = mask(DType::F64, 2, 5);
+        let up = crate::util::rng::randn(184, 0.0, 1.0, (2, 5, 6), DType::F64, &Device::Cpu).unwrap();
+        let loss = |q: &Tensor, k: &Tensor, v: &Tensor| (attention(q, k, v, 2, Some(&m)).unwrap() * &up).unwrap().sum_all().unwrap();
+        let g = loss(&q, &k, &v).backward().unwrap();
+        let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
+        let at = [0, 7, 31, 44, 59];
+        let errs = [
+            check_fd(|t| scalar(loss(t, &k, &v)), &q, g.get(&q).unwrap(), &at),
+            check_fd(|t| scalar(loss(&q, t, &v)), &k, g.get(&k).unwrap(), &at),
+            check_fd(|t| scalar(loss(&q, &k, t)), &v, g.get(&v).unwrap(), &at),
+        ];
+        assert!(errs.iter().all(|e| *e < 1e-7), "{errs:?}");
+        // Masked keys (element 1, keys 2..5) get no attention, so their k and v no gradient.
+        let dv = g.get(&v).unwrap().narrow(0, 1, 1).unwrap().narrow(1, 2, 3).unwrap();
+        assert_eq!(max_abs(&dv), 0.0);
+    }
+
+    #[test]
+    fn operands_that_do_not_fit_are_errors() {
+        let [q, k, _] = operands(DType::F32, (2, 4, 6));
+        let v = Tensor::zeros((2, 5, 6), DType::F32, &Device::Cpu).unwrap();
+        let err = attention(&q, &k, &v, 2, None).unwrap_err().to_string();
+        assert!(err.contains("v is [2, 5, 6]"), "{err}");
+        assert!(attention(&q, &k, &k, 4, None).unwrap_err().to_string().contains("divisible by 4 heads"));
+    }
+}

@@ -1,0 +1,170 @@
+//! `x·Wᵀ + b` over `[rows, in]` as one op: the bias is written first and the product accumulated
+//! onto it inside the matmul kernel.
+//!
+//! Composed (a matmul, then a bias add), the graph holds the product before the bias as well as
+//! after it: one more activation-sized tensor per layer kept until the backward pass ends (five
+//! per transformer block), and one more pass over it each way.
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::bias::column_sums;
+use super::matmul::{gemm_into, Dims, Mat};
+use super::{float_dispatch3, Float};
+
+fn shapes(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
+    match (x, w) {
+        ([rows, i], [o, wi]) if i == wi => Ok((*rows, *i, *o)),
+        _ => candle_core::bail!("linear layer: input {x:?} does not fit weight {w:?} ([rows, in] and [out, in])"),
+    }
+}
+
+struct LinearBias;
+
+impl LinearBias {
+    fn run<T: Float>(x: &[T], w: &[T], b: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+        let mut y = Vec::with_capacity(rows * out);
+        for _ in 0..rows {
+            y.extend_from_slice(b);
+        }
+        gemm_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), true);
+        y
+    }
+}
+
+impl CustomOp3 for LinearBias {
+    fn name(&self) -> &'static str {
+        "linear-bias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/linear");
+        let (rows, inp, out) = shapes(l1.dims(), l2.dims())?;
+        if l3.dims() != [out] {
+            candle_core::bail!("linear layer: bias {:?} for {out} outputs", l3.dims());
+        }
+        let y = float_dispatch3!(s1, l1, s2, l2, s3, l3, "linear layer", |x, w, b| Self::run(x, w, b, (rows, inp, out)));
+        Ok((y, Shape::from((rows, out))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (rows, inp, out) = shapes(x.dims(), w.dims())?;
+        // One storage holding [dx (rows·in) | dW (out·in) | db (out)]; the gradients are views.
+        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LinearBiasGrad)?;
+        let dx = all.narrow(0, 0, rows * inp)?.reshape((rows, inp))?;
+        let dw = all.narrow(0, rows * inp, out * inp)?.reshape((out, inp))?;
+        Ok((Some(dx), Some(dw), Some(all.narrow(0, rows * inp + out * inp, out)?)))
+    }
+}
+
+/// dx = dy·W, dW = dyᵀ·x, db = column sums of dy.
+struct LinearBiasGrad;
+
+impl LinearBiasGrad {
+    fn run<T: Float>(x: &[T], w: &[T], dy: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+        let mut all = vec![T::default(); rows * inp + out * inp + out];
+        let (dx, rest) = all.split_at_mut(rows * inp);
+        let (dw, db) = rest.split_at_mut(out * inp);
+        gemm_into(dx, inp, Dims { m: rows, n: inp, k: out }, Mat::rows(dy, 0, out), Mat::rows(w, 0, inp), false);
+        gemm_into(dw, inp, Dims { m: out, n: inp, k: rows }, Mat::transposed(dy, 0, out), Mat::rows(x, 0, inp), false);
+        db.copy_from_slice(&column_sums(dy, out));
+        all
+    }
+}
+
+impl CustomOp3 for LinearBiasGrad {
+    fn name(&self) -> &'static str {
+        "linear-bias-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/linear-grad");
+        let (rows, inp, out) = shapes(l1.dims(), l2.dims())?;
+        if l3.dims() != [rows, out] {
+            candle_core::bail!("linear layer backward: gradient {:?} for output [{rows}, {out}]", l3.dims());
+        }
+        let all = float_dispatch3!(s1, l1, s2, l2, s3, l3, "linear layer backward", |x, w, dy| Self::run(x, w, dy, (rows, inp, out)));
+        Ok((all, Shape::from(rows * inp + out * inp + out)))
+    }
+}
+
+/// `x·Wᵀ + b` for `x` `[rows, in]`, `w` `[out, in]`, `b` `[out]`: one op on the CPU in f32 / f64,
+/// a matmul and a broadcast add elsewhere.
+pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && w.dtype() == x.dtype() && b.dtype() == x.dtype();
+    if !fused {
+        return x.matmul(&w.t()?)?.broadcast_add(b);
+    }
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBias)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ops::testing::{check_fd, max_abs, max_diff};
+    use candle_core::{Device, Var};
+
+    fn inputs(dtype: DType, (rows, inp, out): (usize, usize, usize)) -> [Var; 3] {
+        let dev = Device::Cpu;
+        let v =
+            |seed, shape: &[usize], std| Var::from_tensor(&crate::util::rng::randn(seed, 0.1, std, shape, dtype, &dev).unwrap()).unwrap();
+        [v(170, &[rows, inp], 1.0), v(171, &[out, inp], 0.5), v(172, &[out], 0.5)]
+    }
+
+    #[test]
+    fn matches_matmul_plus_bias_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            for shape in [(7, 5, 3), (1, 9, 4), (33, 16, 20)] {
+                let [x, w, b] = inputs(dtype, shape);
+                let ours = linear_bias(&x, &w, &b).unwrap();
+                let reference = x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
+                assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{dtype:?} {shape:?}");
+                let up = crate::util::rng::randn(173, 0.0, 1.0, ours.dims(), dtype, &Device::Cpu).unwrap();
+                let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                for v in [&x, &w, &b] {
+                    let (a, r) = (g1.get(v).unwrap(), g2.get(v).unwrap());
+                    assert_eq!(a.dims(), v.dims());
+                    assert!(max_diff(a, r) <= tol * max_abs(r), "{dtype:?} {shape:?} gradient");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let [x, w, b] = inputs(DType::F64, (4, 3, 5));
+        let up = crate::util::rng::randn(174, 0.0, 1.0, (4, 5), DType::F64, &Device::Cpu).unwrap();
+        let loss = |x: &Tensor, w: &Tensor, b: &Tensor| (linear_bias(x, w, b).unwrap() * &up).unwrap().sum_all().unwrap();
+        let g = loss(&x, &w, &b).backward().unwrap();
+        let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
+        let errs = [
+            check_fd(|t| scalar(loss(t, &w, &b)), &x, g.get(&x).unwrap(), &[0, 5, 11]),
+            check_fd(|t| scalar(loss(&x, t, &b)), &w, g.get(&w).unwrap(), &[0, 7, 14]),
+            check_fd(|t| scalar(loss(&x, &w, t)), &b, g.get(&b).unwrap(), &[0, 4]),
+        ];
+        assert!(errs.iter().all(|e| *e < 1e-7), "{errs:?}");
+    }
+}
