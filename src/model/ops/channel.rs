@@ -402,9 +402,10 @@ impl CustomOp1 for SpatialMean {
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let (_, _, h, w) = x.dims4()?;
-        let ones = Tensor::ones(x.dims(), x.dtype(), x.device())?;
-        Ok(Some(ones.apply_op2_no_bwd(&(grad.contiguous()? / (h * w) as f64)?, &ChannelScale)?))
+        let (n, c, h, w) = x.dims4()?;
+        // A broadcast view: the gradient store adds it to the input's other gradient (the
+        // channel scaling's) without a full-size tensor of its own.
+        Ok(Some((grad / (h * w) as f64)?.reshape((n, c, 1, 1))?.broadcast_as(x.dims())?))
     }
 }
 
