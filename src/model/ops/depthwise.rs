@@ -13,7 +13,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::simd;
+use super::{lane_sum, simd, Float};
 
 /// Padding in pixels: top, bottom, left, right.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,13 +77,9 @@ impl Geometry {
     }
 }
 
-trait Elem: Copy + Send + Sync + Default + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + std::ops::AddAssign {}
-impl Elem for f32 {}
-impl Elem for f64 {}
-
 // Loop order: output row outermost, so the row being accumulated stays in L1 while the k×k
 // taps stream over at most k input rows.
-fn forward<T: Elem>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
+fn forward<T: Float>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
     let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
     let mut out = vec![T::default(); g.n * g.c * plane_out];
@@ -99,7 +95,7 @@ fn forward<T: Elem>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
 }
 
 #[inline(always)]
-fn forward_plane<T: Elem>(g: &Geometry, cols: &[(usize, usize)], xp: &[T], kp: &[T], o: &mut [T]) {
+fn forward_plane<T: Float>(g: &Geometry, cols: &[(usize, usize)], xp: &[T], kp: &[T], o: &mut [T]) {
     for (oy, orow) in o.chunks_exact_mut(g.wo).enumerate() {
         for ky in 0..g.k {
             let Some(iy) = g.row(oy, ky) else { continue };
@@ -124,7 +120,7 @@ fn forward_plane<T: Elem>(g: &Geometry, cols: &[(usize, usize)], xp: &[T], kp: &
     }
 }
 
-fn grad_input<T: Elem>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
+fn grad_input<T: Float>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
     let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
     let mut gx = vec![T::default(); g.n * g.c * plane_in];
@@ -140,7 +136,7 @@ fn grad_input<T: Elem>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
 }
 
 #[inline(always)]
-fn grad_input_plane<T: Elem>(g: &Geometry, cols: &[(usize, usize)], gp: &[T], kp: &[T], gxp: &mut [T]) {
+fn grad_input_plane<T: Float>(g: &Geometry, cols: &[(usize, usize)], gp: &[T], kp: &[T], gxp: &mut [T]) {
     for (oy, grow) in gp.chunks_exact(g.wo).enumerate() {
         for ky in 0..g.k {
             let Some(iy) = g.row(oy, ky) else { continue };
@@ -165,7 +161,7 @@ fn grad_input_plane<T: Elem>(g: &Geometry, cols: &[(usize, usize)], gp: &[T], kp
     }
 }
 
-fn grad_kernel<T: Elem>(g: &Geometry, x: &[T], grad: &[T]) -> Vec<T> {
+fn grad_kernel<T: Float>(g: &Geometry, x: &[T], grad: &[T]) -> Vec<T> {
     let kk = g.k * g.k;
     let mut gw = vec![T::default(); g.c * kk];
     gw.par_chunks_mut(kk).enumerate().for_each(|(c, gwc)| {
@@ -181,7 +177,7 @@ fn grad_kernel<T: Elem>(g: &Geometry, x: &[T], grad: &[T]) -> Vec<T> {
 /// elementwise into a row of partial sums (all k² rows stay in L1), summed once at the end: no
 /// horizontal reduction per image row, and the loops vectorise like the forward pass's.
 #[inline(always)]
-fn grad_kernel_channel<T: Elem>(g: &Geometry, x: &[T], grad: &[T], c: usize, gwc: &mut [T]) {
+fn grad_kernel_channel<T: Float>(g: &Geometry, x: &[T], grad: &[T], c: usize, gwc: &mut [T]) {
     let (plane_in, plane_out) = (g.h * g.w, g.ho * g.wo);
     let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
     let mut partial = vec![T::default(); g.k * g.k * g.wo];
@@ -213,23 +209,8 @@ fn grad_kernel_channel<T: Elem>(g: &Geometry, x: &[T], grad: &[T], c: usize, gwc
         }
     }
     for (gv, row) in gwc.iter_mut().zip(partial.chunks_exact(g.wo)) {
-        *gv += sum(row);
+        *gv += lane_sum(row);
     }
-}
-
-/// Σ a with eight partial sums, so the loop vectorises (one running sum cannot be reordered).
-#[inline(always)]
-fn sum<T: Elem>(a: &[T]) -> T {
-    const L: usize = 8;
-    let mut acc = [T::default(); L];
-    let mut chunks = a.chunks_exact(L);
-    for c in &mut chunks {
-        for l in 0..L {
-            acc[l] += c[l];
-        }
-    }
-    let rest = chunks.remainder().iter().fold(T::default(), |s, &v| s + v);
-    acc.iter().fold(rest, |s, &v| s + v)
 }
 
 fn slice<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
