@@ -420,6 +420,92 @@ pub fn spatial_mean(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(SpatialMean)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Stochastic depth on a residual branch
+
+/// `h·keep[n] + x`: each sample's residual branch scaled by its own factor (0 drops it), added to
+/// the shortcut in one pass. Composed, the scaled branch is one more activation-sized tensor per
+/// block, kept until the backward pass ends, and one more pass each way.
+struct ScaledResidual {
+    keep: Vec<f64>,
+}
+
+impl ScaledResidual {
+    fn run<T: Float>(&self, h: &[T], x: &[T]) -> Vec<T> {
+        let per_sample = h.len() / self.keep.len().max(1);
+        let mut out = vec![T::default(); h.len()];
+        out.par_chunks_mut(per_sample.max(1))
+            .zip(h.par_chunks(per_sample.max(1)).zip(x.par_chunks(per_sample.max(1))))
+            .enumerate()
+            .for_each(|(n, (o, (hs, xs)))| {
+                let k = T::from(self.keep[n]);
+                simd(
+                    #[inline(always)]
+                    || o.iter_mut().zip(hs.iter().zip(xs)).for_each(|(o, (&hv, &xv))| *o = hv * k + xv),
+                )
+            });
+        out
+    }
+
+    fn scale<T: Float>(&self, dy: &[T]) -> Vec<T> {
+        let per_sample = dy.len() / self.keep.len().max(1);
+        let mut out = vec![T::default(); dy.len()];
+        out.par_chunks_mut(per_sample.max(1)).zip(dy.par_chunks(per_sample.max(1))).enumerate().for_each(|(n, (o, g))| {
+            let k = T::from(self.keep[n]);
+            simd(
+                #[inline(always)]
+                || o.iter_mut().zip(g).for_each(|(o, &gv)| *o = gv * k),
+            )
+        });
+        out
+    }
+}
+
+impl CustomOp2 for ScaledResidual {
+    fn name(&self) -> &'static str {
+        "scaled-residual"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/channel");
+        if l1.dims() != l2.dims() || l1.dims().first() != Some(&self.keep.len()) {
+            candle_core::bail!("scaled residual: branch {:?}, shortcut {:?}, {} sample factors", l1.dims(), l2.dims(), self.keep.len());
+        }
+        let out = float_dispatch2!(s1, l1, s2, l2, "scaled residual", |h, x| self.run(h, x));
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(&self, _h: &Tensor, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let dh = grad.apply_op1_no_bwd(&ScaleGrad(self))?;
+        Ok((Some(dh), Some(grad)))
+    }
+}
+
+/// The branch's gradient: dy·keep[n].
+struct ScaleGrad<'a>(&'a ScaledResidual);
+
+impl CustomOp1 for ScaleGrad<'_> {
+    fn name(&self) -> &'static str {
+        "scaled-residual-grad"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/channel");
+        let out = float_dispatch!(s, l, "scaled residual backward", |dy| self.0.scale(dy));
+        Ok((out, l.shape().clone()))
+    }
+}
+
+/// `h·keep[n] + x` for `h` and `x` of one shape whose first dimension is the batch, `keep` one
+/// factor per sample (stochastic depth: 0 or 1/(1−p)).
+pub fn scaled_residual(h: &Tensor, keep: &[f64], x: &Tensor) -> Result<Tensor> {
+    if !h.device().is_cpu() || !matches!(h.dtype(), DType::F32 | DType::F64) || x.dtype() != h.dtype() {
+        return composite::scaled_residual(h, keep, x);
+    }
+    h.contiguous()?.apply_op2(&x.contiguous()?, ScaledResidual { keep: keep.to_vec() })
+}
+
 /// The same ops composed from candle primitives, which have kernels on every device: what GPUs
 /// run (the fused CPU ops above have no CUDA kernels yet) and what the tests hold the fused ops to.
 pub mod composite {
@@ -464,6 +550,13 @@ pub mod composite {
     pub fn channel_scale(h: &Tensor, s: &Tensor) -> Result<Tensor> {
         let (n, c, _, _) = h.dims4()?;
         h.broadcast_mul(&s.reshape((n, c, 1, 1))?)
+    }
+
+    pub fn scaled_residual(h: &Tensor, keep: &[f64], x: &Tensor) -> Result<Tensor> {
+        let mut shape = vec![1; h.rank()];
+        shape[0] = keep.len();
+        let keep = Tensor::from_slice(keep, shape, h.device())?.to_dtype(h.dtype())?;
+        h.broadcast_mul(&keep)? + x
     }
 
     pub fn spatial_mean(x: &Tensor) -> Result<Tensor> {
@@ -588,6 +681,31 @@ mod tests {
             assert!((ours[0][ch] - reference[0][ch]).abs() < 1e-4, "mean {} vs {}", ours[0][ch], reference[0][ch]);
             assert!((ours[1][ch] / reference[1][ch] - 1.0).abs() < 1e-4, "variance {} vs {}", ours[1][ch], reference[1][ch]);
         }
+    }
+
+    #[test]
+    fn scaled_residual_matches_the_composed_ops() {
+        let dev = Device::Cpu;
+        for dtype in [DType::F64, DType::F32] {
+            let h = Var::from_tensor(&crate::util::rng::randn(190, 0.0, 1.0, (3, 4, 5, 6), dtype, &dev).unwrap()).unwrap();
+            let x = Var::from_tensor(&crate::util::rng::randn(191, 0.0, 1.0, (3, 4, 5, 6), dtype, &dev).unwrap()).unwrap();
+            let keep = [1.25, 0.0, 1.25];
+            let ours = scaled_residual(&h, &keep, &x).unwrap();
+            let reference = composite::scaled_residual(&h, &keep, &x).unwrap();
+            close(&ours, &reference, 1e-6);
+            let up = crate::util::rng::randn(192, 0.0, 1.0, ours.dims(), dtype, &dev).unwrap();
+            let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&h, &x] {
+                close(g1.get(v.as_tensor()).unwrap(), g2.get(v.as_tensor()).unwrap(), 1e-6);
+            }
+            // The dropped sample's branch gets exactly no gradient.
+            let dropped = g1.get(h.as_tensor()).unwrap().get(1).unwrap().abs().unwrap().sum_all().unwrap();
+            assert_eq!(dropped.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), 0.0);
+        }
+        let wrong =
+            scaled_residual(&Tensor::zeros((2, 3), DType::F32, &dev).unwrap(), &[1.0], &Tensor::zeros((2, 3), DType::F32, &dev).unwrap());
+        assert!(wrong.unwrap_err().to_string().contains("1 sample factors"));
     }
 
     #[test]
