@@ -7,12 +7,12 @@
 //! probabilities and the context only. Each (image, head) pair is one task; its products run on
 //! the task's thread.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::matmul::{gemm_serial, gemm_shared, Dims, Mat, SharedDst};
 use super::softmax::{softmax_grad_row, softmax_row_in_place};
-use super::{contiguous, float_dispatch2, float_dispatch3, simd, Float};
+use super::{float_dispatch2, float_dispatch3, simd, with_cpu_slice, Float};
 
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
@@ -56,13 +56,6 @@ impl Geometry {
     fn token_dims(&self) -> [usize; 3] {
         [self.batch, self.len, self.width]
     }
-}
-
-/// Borrows a CPU tensor's contiguous data as `&[T]` for the closure.
-fn with_cpu_slice<T: Float + candle_core::WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cpu(cpu) = &*storage else { candle_core::bail!("attention: operands must be on the CPU") };
-    f(contiguous(cpu.as_slice::<T>()?, layout, "attention operand")?)
 }
 
 /// `softmax(scale·q·kᵀ + key_bias)` per head: `[batch, heads, len, len]`.
@@ -159,17 +152,9 @@ impl CustomOp2 for ScoresGrad {
         let _profile = crate::util::profile::region("op/attention-grad");
         self.g.check("probabilities", l1.dims(), &self.g.probs_dims())?;
         self.g.check("their gradient", l2.dims(), &self.g.probs_dims())?;
-        let out = match (s1, s2) {
-            (CpuStorage::F32(p), CpuStorage::F32(dp)) => {
-                let (p, dp) = (contiguous(p, l1, "p")?, contiguous(dp, l2, "dp")?);
-                CpuStorage::F32(with_cpu_slice(&self.q, |q| with_cpu_slice(&self.k, |k| Ok(self.run(p, dp, q, k))))?)
-            }
-            (CpuStorage::F64(p), CpuStorage::F64(dp)) => {
-                let (p, dp) = (contiguous(p, l1, "p")?, contiguous(dp, l2, "dp")?);
-                CpuStorage::F64(with_cpu_slice(&self.q, |q| with_cpu_slice(&self.k, |k| Ok(self.run(p, dp, q, k))))?)
-            }
-            _ => candle_core::bail!("attention backward supports f32 and f64 with matching dtypes"),
-        };
+        let out = float_dispatch2!(s1, l1, s2, l2, "attention backward", |p, dp| {
+            with_cpu_slice(&self.q, "attention's q", |q| with_cpu_slice(&self.k, "attention's k", |k| Ok(self.run(p, dp, q, k))))?
+        });
         Ok((out, Shape::from(2 * self.g.batch * self.g.len * self.g.width)))
     }
 }

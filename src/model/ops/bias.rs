@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{float_dispatch, float_dispatch2, float_dispatch3, row_block, simd, Float};
+use super::{float_dispatch, float_dispatch2, float_dispatch3, last_dim, row_block, simd, Float};
 
 /// What follows the bias add.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,10 +21,6 @@ pub enum Activation {
 
 /// Elements per parallel task of the elementwise passes.
 const TASK_ELEMS: usize = 16 * 1024;
-
-fn last_dim(l: &Layout) -> usize {
-    l.dims().last().copied().unwrap_or(1).max(1)
-}
 
 #[inline(always)]
 fn gelu<T: Float>(z: T) -> T {

@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{contiguous, float_dispatch, float_dispatch2, float_dispatch3, lane_dot, lane_sum, simd, Float, LANES};
+use super::{float_dispatch, float_dispatch2, float_dispatch3, lane_dot, lane_sum, simd, with_cpu_slice, Float, LANES};
 
 fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
     match l.dims() {
@@ -277,17 +277,10 @@ impl CustomOp2 for BnGrad {
         let _profile = crate::util::profile::region("op/batch-norm-grad");
         let dims = nchw(l1)?;
         let c = dims.1;
-        let (g_st, g_l) = self.gamma.storage_and_layout();
-        let (b_st, b_l) = self.beta.storage_and_layout();
-        let (candle_core::Storage::Cpu(g_st), candle_core::Storage::Cpu(b_st)) = (&*g_st, &*b_st) else {
-            candle_core::bail!("batch norm backward: gamma and beta must be on the CPU");
-        };
-        let out = float_dispatch3!(s1, l1, s2, l2, g_st, g_l, "batch norm backward", |x, dy, gamma| {
-            let beta = match b_st.as_slice::<_>() {
-                Ok(b) => contiguous(b, b_l, "beta")?,
-                Err(_) => candle_core::bail!("batch norm backward: beta's dtype differs from x's"),
-            };
-            self.op.backward(x, dy, gamma, beta, dims)
+        let out = float_dispatch2!(s1, l1, s2, l2, "batch norm backward", |x, dy| {
+            with_cpu_slice(&self.gamma, "batch norm's gamma", |gamma| {
+                with_cpu_slice(&self.beta, "batch norm's beta", |beta| Ok(self.op.backward(x, dy, gamma, beta, dims)))
+            })?
         });
         Ok((out, Shape::from(l1.shape().elem_count() + 2 * c)))
     }
@@ -446,19 +439,6 @@ impl ScaledResidual {
             });
         out
     }
-
-    fn scale<T: Float>(&self, dy: &[T]) -> Vec<T> {
-        let per_sample = dy.len() / self.keep.len().max(1);
-        let mut out = vec![T::default(); dy.len()];
-        out.par_chunks_mut(per_sample.max(1)).zip(dy.par_chunks(per_sample.max(1))).enumerate().for_each(|(n, (o, g))| {
-            let k = T::from(self.keep[n]);
-            simd(
-                #[inline(always)]
-                || o.iter_mut().zip(g).for_each(|(o, &gv)| *o = gv * k),
-            )
-        });
-        out
-    }
 }
 
 impl CustomOp2 for ScaledResidual {
@@ -468,37 +448,25 @@ impl CustomOp2 for ScaledResidual {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/channel");
-        if l1.dims() != l2.dims() || l1.dims().first() != Some(&self.keep.len()) {
+        if l1.dims() != l2.dims() || l1.dims().len() != 4 || l1.dims()[0] != self.keep.len() {
             candle_core::bail!("scaled residual: branch {:?}, shortcut {:?}, {} sample factors", l1.dims(), l2.dims(), self.keep.len());
         }
         let out = float_dispatch2!(s1, l1, s2, l2, "scaled residual", |h, x| self.run(h, x));
         Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(&self, _h: &Tensor, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, h: &Tensor, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // The branch's gradient is dy·keep[n]: the channel scaling with one factor per plane.
+        let (n, c, _, _) = h.dims4()?;
+        let planes: Vec<f64> = self.keep.iter().flat_map(|&k| std::iter::repeat_n(k, c)).collect();
+        let factors = Tensor::from_vec(planes, (n, c), h.device())?.to_dtype(h.dtype())?;
         let grad = grad.contiguous()?;
-        let dh = grad.apply_op1_no_bwd(&ScaleGrad(self))?;
-        Ok((Some(dh), Some(grad)))
+        Ok((Some(grad.apply_op2_no_bwd(&factors, &ChannelScale)?), Some(grad)))
     }
 }
 
-/// The branch's gradient: dy·keep[n].
-struct ScaleGrad<'a>(&'a ScaledResidual);
-
-impl CustomOp1 for ScaleGrad<'_> {
-    fn name(&self) -> &'static str {
-        "scaled-residual-grad"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let _profile = crate::util::profile::region("op/channel");
-        let out = float_dispatch!(s, l, "scaled residual backward", |dy| self.0.scale(dy));
-        Ok((out, l.shape().clone()))
-    }
-}
-
-/// `h·keep[n] + x` for `h` and `x` of one shape whose first dimension is the batch, `keep` one
-/// factor per sample (stochastic depth: 0 or 1/(1−p)).
+/// `h·keep[n] + x` for NCHW `h` and `x` of one shape, `keep` one factor per sample (stochastic
+/// depth: 0 or 1/(1−p)).
 pub fn scaled_residual(h: &Tensor, keep: &[f64], x: &Tensor) -> Result<Tensor> {
     if !h.device().is_cpu() || !matches!(h.dtype(), DType::F32 | DType::F64) || x.dtype() != h.dtype() {
         return composite::scaled_residual(h, keep, x);

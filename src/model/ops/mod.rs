@@ -21,6 +21,23 @@ fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
     }
 }
 
+/// Length of the last dimension (rows of a `[.., cols]` tensor), at least 1.
+fn last_dim(l: &Layout) -> usize {
+    l.dims().last().copied().unwrap_or(1).max(1)
+}
+
+/// Borrows the contiguous CPU data of a tensor an op reads besides its inputs (a backward op's
+/// saved operands, a layer's parameters) as `&[T]` for `f`; `T` must be the tensor's dtype.
+fn with_cpu_slice<T: Float + candle_core::WithDType, R>(
+    t: &candle_core::Tensor,
+    what: &str,
+    f: impl FnOnce(&[T]) -> Result<R>,
+) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else { candle_core::bail!("{what} must be on the CPU") };
+    f(contiguous(cpu.as_slice::<T>()?, layout, what)?)
+}
+
 /// f32 or f64. Per-element arithmetic runs in the storage's own precision (f32 math is about
 /// twice as fast and vectorises twice as wide); constants are prepared in f64. `erf` is
 /// `fast_math`'s in f32 (libm's scalar `erff` was 3.5% of a ViT-Ti step) and libm's in f64, the
@@ -28,7 +45,8 @@ fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
 /// keeps SiLU and softmax loops from vectorising: with `fast_math::exp` and [`simd`], a B0
 /// step's BatchNorm backward went from 273 to 147 ms).
 trait Float:
-    Copy
+    candle_core::WithDType
+    + Copy
     + PartialOrd
     + Send
     + Sync
@@ -36,6 +54,7 @@ trait Float:
     + 'static
     + std::ops::Add<Output = Self>
     + std::ops::AddAssign
+    + std::ops::MulAssign
     + std::ops::Sub<Output = Self>
     + std::ops::Mul<Output = Self>
     + std::ops::Div<Output = Self>

@@ -7,15 +7,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::{lane_dot, lane_sum, simd, Float};
-
-fn rows<'a, T>(data: &'a [T], l: &Layout) -> Result<(&'a [T], usize)> {
-    let d = *l.dims().last().unwrap_or(&1);
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok((&data[a..b], d.max(1))),
-        None => candle_core::bail!("softmax input must be contiguous"),
-    }
-}
+use super::{float_dispatch, float_dispatch2, lane_dot, lane_sum, last_dim, simd, Float};
 
 /// `row ← softmax(scale·row + bias)` in place; `bias` (a padding mask) may be absent.
 #[inline(always)]
@@ -27,7 +19,7 @@ pub(super) fn softmax_row_in_place<T: Float>(row: &mut [T], scale: T, bias: Opti
     let m = row.iter().fold(T::from(f64::NEG_INFINITY), |m, &v| if v > m { v } else { m });
     row.iter_mut().for_each(|v| *v = (*v - m).exp());
     let inv = T::from(1.0) / lane_sum(row);
-    row.iter_mut().for_each(|v| *v = *v * inv);
+    row.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// The gradient of `softmax(scale·x + bias)` with respect to x, from its output `y` and the
@@ -37,21 +29,6 @@ pub(super) fn softmax_grad_row<T: Float>(out: &mut [T], y: &[T], g: &[T], scale:
     let dot = lane_dot(y, g);
     for ((o, &yv), &gv) in out.iter_mut().zip(y).zip(g) {
         *o = scale * yv * (gv - dot);
-    }
-}
-
-impl Softmax {
-    fn run<T: Float>(&self, x: &[T], d: usize) -> Vec<T> {
-        let mut out = x.to_vec();
-        let scale = T::from(self.scale);
-        out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
-            let bias = self.bias_of(row, d);
-            simd(
-                #[inline(always)]
-                || softmax_row_in_place(o, scale, bias),
-            )
-        });
-        out
     }
 }
 
@@ -75,6 +52,19 @@ struct Softmax {
 }
 
 impl Softmax {
+    fn run<T: Float>(&self, x: &[T], d: usize) -> Vec<T> {
+        let mut out = x.to_vec();
+        let scale = T::from(self.scale);
+        out.par_chunks_mut(d).enumerate().for_each(|(row, o)| {
+            let bias = self.bias_of(row, d);
+            simd(
+                #[inline(always)]
+                || softmax_row_in_place(o, scale, bias),
+            )
+        });
+        out
+    }
+
     fn bias_of(&self, row: usize, d: usize) -> Option<&[f32]> {
         self.key_bias.as_ref().map(|(b, rows_per_batch)| {
             let batch = row / rows_per_batch;
@@ -90,17 +80,8 @@ impl CustomOp1 for Softmax {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/softmax");
-        let out = match s {
-            CpuStorage::F32(x) => {
-                let (x, d) = rows(x, l)?;
-                CpuStorage::F32(self.run(x, d))
-            }
-            CpuStorage::F64(x) => {
-                let (x, d) = rows(x, l)?;
-                CpuStorage::F64(self.run(x, d))
-            }
-            _ => candle_core::bail!("softmax supports f32 and f64"),
-        };
+        let d = last_dim(l);
+        let out = float_dispatch!(s, l, "softmax", |x| self.run(x, d));
         Ok((out, l.shape().clone()))
     }
 
@@ -120,17 +101,8 @@ impl CustomOp2 for SoftmaxGrad {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/softmax-grad");
-        let out = match (s1, s2) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => {
-                let ((y, d), (g, _)) = (rows(y, l1)?, rows(g, l2)?);
-                CpuStorage::F32(softmax_grad(y, g, d, self.scale))
-            }
-            (CpuStorage::F64(y), CpuStorage::F64(g)) => {
-                let ((y, d), (g, _)) = (rows(y, l1)?, rows(g, l2)?);
-                CpuStorage::F64(softmax_grad(y, g, d, self.scale))
-            }
-            _ => candle_core::bail!("softmax backward supports f32 and f64 with matching dtypes"),
-        };
+        let d = last_dim(l1);
+        let out = float_dispatch2!(s1, l1, s2, l2, "softmax backward", |y, g| softmax_grad(y, g, d, self.scale));
         Ok((out, l1.shape().clone()))
     }
 }
