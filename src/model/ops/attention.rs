@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use super::matmul::{gemm_serial, gemm_shared, Dims, Mat, SharedDst};
 use super::softmax::{softmax_grad_row, softmax_row_in_place};
-use super::{float_dispatch2, float_dispatch3, simd, with_cpu_slice, Float};
+use super::{float_dispatch2, float_dispatch3, output_buffer, simd, with_cpu_slice, Float};
 
 #[derive(Clone, Copy, Debug)]
 struct Geometry {
@@ -70,7 +70,8 @@ impl Scores {
     fn run<T: Float>(&self, q: &[T], k: &[T]) -> Vec<T> {
         let g = self.g;
         let (l, scale) = (g.len, T::from(self.scale));
-        let mut probs = vec![T::default(); g.tasks() * l * l];
+        // SAFETY: each task's product fills its own l×l block.
+        let mut probs = unsafe { output_buffer::<T>(g.tasks() * l * l) };
         probs.par_chunks_mut(l * l).enumerate().for_each(|(task, p)| {
             let off = g.head_offset(task);
             let d = Dims { m: l, n: l, k: g.head_dim };
@@ -118,11 +119,13 @@ impl ScoresGrad {
     fn run<T: Float>(&self, p: &[T], dp: &[T], q: &[T], k: &[T]) -> Vec<T> {
         let g = self.g;
         let (l, n) = (g.len, g.batch * g.len * g.width);
-        let mut out = vec![T::default(); 2 * n];
+        // SAFETY: every (image, head) task fills its head's columns of dq and dk.
+        let mut out = unsafe { output_buffer::<T>(2 * n) };
         let dst = SharedDst::new(&mut out);
         (0..g.tasks()).into_par_iter().for_each(|task| {
             let (pt, dpt) = (&p[task * l * l..(task + 1) * l * l], &dp[task * l * l..(task + 1) * l * l]);
-            let mut ds = vec![T::default(); l * l];
+            // SAFETY: softmax_grad_row writes every element of each row.
+            let mut ds = unsafe { output_buffer::<T>(l * l) };
             simd(
                 #[inline(always)]
                 || {
@@ -168,7 +171,8 @@ impl Context {
     fn run<T: Float>(&self, p: &[T], v: &[T]) -> Vec<T> {
         let g = self.g;
         let l = g.len;
-        let mut out = vec![T::default(); g.batch * l * g.width];
+        // SAFETY: every (image, head) task fills its head's columns.
+        let mut out = unsafe { output_buffer::<T>(g.batch * l * g.width) };
         let dst = SharedDst::new(&mut out);
         (0..g.tasks()).into_par_iter().for_each(|task| {
             let off = g.head_offset(task);
@@ -210,7 +214,8 @@ impl ContextGrad {
         let g = self.g;
         let l = g.len;
         let np = g.tasks() * l * l;
-        let mut out = vec![T::default(); np + g.batch * l * g.width];
+        // SAFETY: every task fills its probability block and its head's columns.
+        let mut out = unsafe { output_buffer::<T>(np + g.batch * l * g.width) };
         let dst = SharedDst::new(&mut out);
         (0..g.tasks()).into_par_iter().for_each(|task| {
             let off = g.head_offset(task);

@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{float_dispatch, float_dispatch2, float_dispatch3, last_dim, row_block, simd, Float};
+use super::{float_dispatch, float_dispatch2, float_dispatch3, last_dim, output_buffer, row_block, simd, Float};
 
 /// What follows the bias add.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,7 +39,8 @@ struct BiasAct(Activation);
 
 impl BiasAct {
     fn run<T: Float>(&self, y: &[T], b: &[T], cols: usize) -> Vec<T> {
-        let mut out = vec![T::default(); y.len()];
+        // SAFETY: the loop below writes every element.
+        let mut out = unsafe { output_buffer::<T>(y.len()) };
         let task = (TASK_ELEMS / cols).max(1) * cols;
         out.par_chunks_mut(task).zip(y.par_chunks(task)).for_each(|(o, y)| {
             simd(
@@ -88,7 +89,8 @@ struct GeluGrad;
 
 impl GeluGrad {
     fn run<T: Float>(y: &[T], b: &[T], dy: &[T], cols: usize) -> Vec<T> {
-        let mut out = vec![T::default(); y.len()];
+        // SAFETY: the loop below writes every element.
+        let mut out = unsafe { output_buffer::<T>(y.len()) };
         let task = (TASK_ELEMS / cols).max(1) * cols;
         out.par_chunks_mut(task).zip(y.par_chunks(task)).zip(dy.par_chunks(task)).for_each(|((o, y), g)| {
             simd(

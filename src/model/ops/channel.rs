@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{float_dispatch, float_dispatch2, float_dispatch3, lane_dot, lane_sum, simd, with_cpu_slice, Float, LANES};
+use super::{float_dispatch, float_dispatch2, float_dispatch3, lane_dot, lane_sum, output_buffer, simd, with_cpu_slice, Float, LANES};
 
 fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
     match l.dims() {
@@ -123,7 +123,8 @@ impl BatchNormAct {
     }
 
     fn apply<T: Float>(&self, x: &[T], gamma: &[T], beta: &[T], c: usize, hw: usize) -> Vec<T> {
-        let mut out = vec![T::default(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut out = unsafe { output_buffer::<T>(x.len()) };
         out.par_chunks_mut(hw).zip(x.par_chunks(hw)).enumerate().for_each(|(p, (o, xp))| {
             let (a, b) = self.affine(gamma, beta, p % c);
             simd(
@@ -154,7 +155,8 @@ impl BatchNormAct {
     /// gradients), appended to dx's buffer. Two passes over each (n, c) plane: the first writes dz
     /// into dx's place and sums it (one `exp` per element), the second turns dz into dx in place.
     fn backward<T: Float>(&self, x: &[T], dy: &[T], gamma: &[T], beta: &[T], (n, c, hw): (usize, usize, usize)) -> Vec<T> {
-        let mut buf = vec![T::default(); x.len() + 2 * c];
+        // SAFETY: the first pass writes every dz, the last lines the 2·c sums.
+        let mut buf = unsafe { output_buffer::<T>(x.len() + 2 * c) };
         let gx = &mut buf[..x.len()];
         let plane_sums: Vec<[f64; 2]> = gx
             .par_chunks_mut(hw)
@@ -326,7 +328,8 @@ impl CustomOp2 for ChannelScale {
         let _profile = crate::util::profile::region("op/channel");
         let (_, _, hw) = nchw(l1)?;
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale", |h, s| {
-            let mut out = vec![Float::from(0.0); h.len()];
+            // SAFETY: the loop below writes every element.
+            let mut out = unsafe { output_buffer(h.len()) };
             out.par_chunks_mut(hw).zip(h.par_chunks(hw)).enumerate().for_each(|(p, (o, hp))| {
                 let sv = s[p];
                 simd(
@@ -426,7 +429,8 @@ struct ScaledResidual {
 impl ScaledResidual {
     fn run<T: Float>(&self, h: &[T], x: &[T]) -> Vec<T> {
         let per_sample = h.len() / self.keep.len().max(1);
-        let mut out = vec![T::default(); h.len()];
+        // SAFETY: the loop below writes every element.
+        let mut out = unsafe { output_buffer::<T>(h.len()) };
         out.par_chunks_mut(per_sample.max(1))
             .zip(h.par_chunks(per_sample.max(1)).zip(x.par_chunks(per_sample.max(1))))
             .enumerate()

@@ -13,7 +13,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{lane_sum, simd, Float};
+use super::{lane_sum, output_buffer, simd, Float};
 
 /// Padding in pixels: top, bottom, left, right.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,43 +77,133 @@ impl Geometry {
     }
 }
 
+impl Geometry {
+    /// Where input columns `≡ phase (mod stride)` start in a row split by [`split_row`].
+    fn phase_start(&self, phase: usize) -> usize {
+        (0..phase).map(|q| (self.w.saturating_sub(q)).div_ceil(self.stride)).sum()
+    }
+
+    /// Per kernel column: the valid output columns `lo..hi` and where, in a (split) input row,
+    /// the run of inputs they read starts. Consecutive output columns read consecutive entries of
+    /// a split row, so every tap is a contiguous run at any stride.
+    fn taps(&self) -> Vec<Tap> {
+        (0..self.k)
+            .map(|kx| {
+                let (lo, hi) = self.cols(kx);
+                let start = if lo >= hi {
+                    0
+                } else {
+                    let ic = self.in_col(lo, kx);
+                    if self.stride == 1 {
+                        ic
+                    } else {
+                        self.phase_start(ic % self.stride) + ic / self.stride
+                    }
+                };
+                Tap { lo, hi, start }
+            })
+            .collect()
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Tap {
+    lo: usize,
+    hi: usize,
+    start: usize,
+}
+
+/// Reorders each row's columns by phase (column mod stride: all of phase 0, then phase 1, …).
+/// Strided reads and scatters do not vectorise; on split rows each tap is a contiguous run.
+#[inline(always)]
+fn split_rows<T: Copy>(g: &Geometry, src: &[T], dst: &mut [T]) {
+    for (s, d) in src.chunks_exact(g.w).zip(dst.chunks_exact_mut(g.w)) {
+        if g.stride == 2 {
+            // The common case, as pairs the compiler turns into shuffles.
+            let (even, odd) = d.split_at_mut(g.w.div_ceil(2));
+            for ((e, o), pair) in even.iter_mut().zip(odd.iter_mut()).zip(s.chunks_exact(2)) {
+                (*e, *o) = (pair[0], pair[1]);
+            }
+            if g.w % 2 == 1 {
+                even[even.len() - 1] = s[g.w - 1];
+            }
+            continue;
+        }
+        let mut o = 0;
+        for phase in 0..g.stride {
+            for &v in s.iter().skip(phase).step_by(g.stride) {
+                d[o] = v;
+                o += 1;
+            }
+        }
+    }
+}
+
+/// The inverse of [`split_rows`].
+#[inline(always)]
+fn merge_rows<T: Copy>(g: &Geometry, src: &[T], dst: &mut [T]) {
+    for (s, d) in src.chunks_exact(g.w).zip(dst.chunks_exact_mut(g.w)) {
+        if g.stride == 2 {
+            let (even, odd) = s.split_at(g.w.div_ceil(2));
+            for ((e, o), pair) in even.iter().zip(odd).zip(d.chunks_exact_mut(2)) {
+                (pair[0], pair[1]) = (*e, *o);
+            }
+            if g.w % 2 == 1 {
+                d[g.w - 1] = even[even.len() - 1];
+            }
+            continue;
+        }
+        let mut o = 0;
+        for phase in 0..g.stride {
+            for v in d.iter_mut().skip(phase).step_by(g.stride) {
+                *v = s[o];
+                o += 1;
+            }
+        }
+    }
+}
+
 // Loop order: output row outermost, so the row being accumulated stays in L1 while the k×k
 // taps stream over at most k input rows.
 fn forward<T: Float>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
-    let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
-    let mut out = vec![T::default(); g.n * g.c * plane_out];
-    out.par_chunks_mut(plane_out).enumerate().for_each(|(p, o)| {
-        let xp = &x[p * plane_in..(p + 1) * plane_in];
-        let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
-        simd(
-            #[inline(always)]
-            || forward_plane(g, &cols, xp, kp, o),
-        )
-    });
+    let taps = g.taps();
+    // SAFETY: each task zeroes its own plane before accumulating into it (zeroing there, on
+    // the task's thread and just before use, rather than all up front on one).
+    let mut out = unsafe { output_buffer::<T>(g.n * g.c * plane_out) };
+    out.par_chunks_mut(plane_out).enumerate().for_each_init(
+        || if g.stride > 1 { vec![T::default(); plane_in] } else { Vec::new() },
+        |split, (p, o)| {
+            let xp = &x[p * plane_in..(p + 1) * plane_in];
+            let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
+            simd(
+                #[inline(always)]
+                || {
+                    o.fill(T::default());
+                    if g.stride > 1 {
+                        split_rows(g, xp, split);
+                        forward_plane(g, &taps, split, kp, o)
+                    } else {
+                        forward_plane(g, &taps, xp, kp, o)
+                    }
+                },
+            )
+        },
+    );
     out
 }
 
+/// `xp` is the input plane, its rows split by phase when the stride is over 1.
 #[inline(always)]
-fn forward_plane<T: Float>(g: &Geometry, cols: &[(usize, usize)], xp: &[T], kp: &[T], o: &mut [T]) {
+fn forward_plane<T: Float>(g: &Geometry, taps: &[Tap], xp: &[T], kp: &[T], o: &mut [T]) {
     for (oy, orow) in o.chunks_exact_mut(g.wo).enumerate() {
         for ky in 0..g.k {
             let Some(iy) = g.row(oy, ky) else { continue };
             let xrow = &xp[iy * g.w..(iy + 1) * g.w];
-            for (kx, &(lo, hi)) in cols.iter().enumerate() {
-                if lo >= hi {
-                    continue;
-                }
+            for (kx, t) in taps.iter().enumerate() {
                 let wv = kp[ky * g.k + kx];
-                if g.stride == 1 {
-                    let start = g.in_col(lo, kx);
-                    for (ov, xv) in orow[lo..hi].iter_mut().zip(&xrow[start..start + (hi - lo)]) {
-                        *ov += wv * *xv;
-                    }
-                } else {
-                    for (j, ov) in orow[lo..hi].iter_mut().enumerate() {
-                        *ov += wv * xrow[g.in_col(lo + j, kx)];
-                    }
+                for (ov, xv) in orow[t.lo..t.hi].iter_mut().zip(&xrow[t.start..t.start + (t.hi - t.lo)]) {
+                    *ov += wv * *xv;
                 }
             }
         }
@@ -122,39 +212,44 @@ fn forward_plane<T: Float>(g: &Geometry, cols: &[(usize, usize)], xp: &[T], kp: 
 
 fn grad_input<T: Float>(g: &Geometry, grad: &[T], kernel: &[T]) -> Vec<T> {
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
-    let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
-    let mut gx = vec![T::default(); g.n * g.c * plane_in];
-    gx.par_chunks_mut(plane_in).enumerate().for_each(|(p, gxp)| {
-        let gp = &grad[p * plane_out..(p + 1) * plane_out];
-        let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
-        simd(
-            #[inline(always)]
-            || grad_input_plane(g, &cols, gp, kp, gxp),
-        )
-    });
+    let taps = g.taps();
+    // SAFETY: each task zeroes its plane (or, at stride > 1, its split scratch plane, which it
+    // then merges over all of its plane) before accumulating.
+    let mut gx = unsafe { output_buffer::<T>(g.n * g.c * plane_in) };
+    gx.par_chunks_mut(plane_in).enumerate().for_each_init(
+        || if g.stride > 1 { vec![T::default(); plane_in] } else { Vec::new() },
+        |split, (p, gxp)| {
+            let gp = &grad[p * plane_out..(p + 1) * plane_out];
+            let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
+            simd(
+                #[inline(always)]
+                || {
+                    if g.stride > 1 {
+                        split.fill(T::default());
+                        grad_input_plane(g, &taps, gp, kp, split);
+                        merge_rows(g, split, gxp);
+                    } else {
+                        gxp.fill(T::default());
+                        grad_input_plane(g, &taps, gp, kp, gxp)
+                    }
+                },
+            )
+        },
+    );
     gx
 }
 
+/// Accumulates into `gxp`, whose rows are split by phase when the stride is over 1.
 #[inline(always)]
-fn grad_input_plane<T: Float>(g: &Geometry, cols: &[(usize, usize)], gp: &[T], kp: &[T], gxp: &mut [T]) {
+fn grad_input_plane<T: Float>(g: &Geometry, taps: &[Tap], gp: &[T], kp: &[T], gxp: &mut [T]) {
     for (oy, grow) in gp.chunks_exact(g.wo).enumerate() {
         for ky in 0..g.k {
             let Some(iy) = g.row(oy, ky) else { continue };
             let xrow = &mut gxp[iy * g.w..(iy + 1) * g.w];
-            for (kx, &(lo, hi)) in cols.iter().enumerate() {
-                if lo >= hi {
-                    continue;
-                }
+            for (kx, t) in taps.iter().enumerate() {
                 let wv = kp[ky * g.k + kx];
-                if g.stride == 1 {
-                    let start = g.in_col(lo, kx);
-                    for (xv, gv) in xrow[start..start + (hi - lo)].iter_mut().zip(&grow[lo..hi]) {
-                        *xv += wv * *gv;
-                    }
-                } else {
-                    for (j, gv) in grow[lo..hi].iter().enumerate() {
-                        xrow[g.in_col(lo + j, kx)] += wv * *gv;
-                    }
+                for (xv, gv) in xrow[t.start..t.start + (t.hi - t.lo)].iter_mut().zip(&grow[t.lo..t.hi]) {
+                    *xv += wv * *gv;
                 }
             }
         }
@@ -179,30 +274,25 @@ fn grad_kernel<T: Float>(g: &Geometry, x: &[T], grad: &[T]) -> Vec<T> {
 #[inline(always)]
 fn grad_kernel_channel<T: Float>(g: &Geometry, x: &[T], grad: &[T], c: usize, gwc: &mut [T]) {
     let (plane_in, plane_out) = (g.h * g.w, g.ho * g.wo);
-    let cols: Vec<(usize, usize)> = (0..g.k).map(|kx| g.cols(kx)).collect();
+    let taps = g.taps();
     let mut partial = vec![T::default(); g.k * g.k * g.wo];
+    let mut split = if g.stride > 1 { vec![T::default(); plane_in] } else { Vec::new() };
     for n in 0..g.n {
         let p = n * g.c + c;
-        let xp = &x[p * plane_in..(p + 1) * plane_in];
+        let mut xp = &x[p * plane_in..(p + 1) * plane_in];
+        if g.stride > 1 {
+            split_rows(g, xp, &mut split);
+            xp = &split;
+        }
         let gp = &grad[p * plane_out..(p + 1) * plane_out];
         for (oy, grow) in gp.chunks_exact(g.wo).enumerate() {
             for ky in 0..g.k {
                 let Some(iy) = g.row(oy, ky) else { continue };
                 let xrow = &xp[iy * g.w..(iy + 1) * g.w];
-                for (kx, &(lo, hi)) in cols.iter().enumerate() {
-                    if lo >= hi {
-                        continue;
-                    }
+                for (kx, t) in taps.iter().enumerate() {
                     let acc = &mut partial[(ky * g.k + kx) * g.wo..(ky * g.k + kx + 1) * g.wo];
-                    if g.stride == 1 {
-                        let start = g.in_col(lo, kx);
-                        for ((a, gv), xv) in acc[lo..hi].iter_mut().zip(&grow[lo..hi]).zip(&xrow[start..start + (hi - lo)]) {
-                            *a += *gv * *xv;
-                        }
-                    } else {
-                        for (j, (a, gv)) in acc[lo..hi].iter_mut().zip(&grow[lo..hi]).enumerate() {
-                            *a += *gv * xrow[g.in_col(lo + j, kx)];
-                        }
+                    for ((a, gv), xv) in acc[t.lo..t.hi].iter_mut().zip(&grow[t.lo..t.hi]).zip(&xrow[t.start..t.start + (t.hi - t.lo)]) {
+                        *a += *gv * *xv;
                     }
                 }
             }

@@ -9,7 +9,7 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::{float_dispatch3, lane_dot, lane_sum, row_block, simd, Float, LANES};
+use super::{float_dispatch3, lane_dot, lane_sum, output_buffer, row_block, simd, Float, LANES};
 
 /// Mean and 1/√(var + ε) of a row, the variance from the centred values (two passes; the row
 /// is in L1 for the second).
@@ -36,7 +36,8 @@ struct LayerNormOp {
 impl LayerNormOp {
     fn run<T: Float>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let d = w.len();
-        let mut out = vec![T::default(); x.len()];
+        // SAFETY: the loop below writes every element.
+        let mut out = unsafe { output_buffer::<T>(x.len()) };
         let block = row_block(x.len() / d) * d;
         out.par_chunks_mut(block).zip(x.par_chunks(block)).for_each(|(o, x)| {
             simd(
@@ -110,8 +111,10 @@ impl LayerNormGrad {
     fn run<T: Float>(&self, x: &[T], w: &[T], dy: &[T]) -> Vec<T> {
         let d = w.len();
         let n = x.len() / d;
-        let mut out = vec![T::default(); x.len() + 2 * d];
+        // SAFETY: the row loop writes every element of dx; the parameter sums are zeroed here.
+        let mut out = unsafe { output_buffer::<T>(x.len() + 2 * d) };
         let (dx, params) = out.split_at_mut(n * d);
+        params.fill(T::default());
         let block = row_block(n) * d;
         let inv_d = T::from(1.0 / d as f64);
         let partial: Vec<Vec<T>> = dx

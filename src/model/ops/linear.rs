@@ -9,7 +9,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 use super::bias::column_sums;
 use super::matmul::{gemm_into, Dims, Mat};
-use super::{float_dispatch3, Float};
+use super::{float_dispatch3, output_buffer, Float};
 
 fn shapes(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
     match (x, w) {
@@ -76,7 +76,8 @@ struct LinearBiasGrad;
 
 impl LinearBiasGrad {
     fn run<T: Float>(x: &[T], w: &[T], dy: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
-        let mut all = vec![T::default(); rows * inp + out * inp + out];
+        // SAFETY: the two products and the column sums fill dx, dW and db.
+        let mut all = unsafe { output_buffer::<T>(rows * inp + out * inp + out) };
         let (dx, rest) = all.split_at_mut(rows * inp);
         let (dw, db) = rest.split_at_mut(out * inp);
         gemm_into(dx, inp, Dims { m: rows, n: inp, k: out }, Mat::rows(dy, 0, out), Mat::rows(w, 0, inp), false);

@@ -75,6 +75,16 @@ unsafe fn gemm_raw<T: Float>(
         return;
     }
     assert!(offset + (d.m - 1) * dst_rs + d.n <= dst.1, "matrix product outside its destination");
+    if d.k == 0 {
+        // An empty sum: the product is zero. Written here because callers' destinations may be
+        // unfilled buffers (`output_buffer`) and gemm need not touch them when k = 0.
+        if !accumulate {
+            for i in 0..d.m {
+                std::slice::from_raw_parts_mut(dst.0.add(offset + i * dst_rs), d.n).fill(T::default());
+            }
+        }
+        return;
+    }
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // gemm computes dst := α·dst + β·lhs·rhs, reading dst only when asked to.
     gemm::gemm(

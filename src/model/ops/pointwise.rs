@@ -8,7 +8,7 @@
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
 use super::matmul::{gemm_into, Dims as Product, Mat};
-use super::{float_dispatch2, Float};
+use super::{float_dispatch2, output_buffer, Float};
 
 #[derive(Clone, Copy)]
 struct Dims {
@@ -29,7 +29,8 @@ struct Forward;
 
 impl Forward {
     fn run<T: Float>(d: Dims, x: &[T], w: &[T]) -> Vec<T> {
-        let mut y = vec![T::default(); d.n * d.out * d.hw];
+        // SAFETY: each image's product fills its own output plane block.
+        let mut y = unsafe { output_buffer::<T>(d.n * d.out * d.hw) };
         let product = Product { m: d.out, n: d.hw, k: d.c };
         for (yn, xn) in y.chunks_mut(d.out * d.hw).zip(x.chunks(d.c * d.hw)) {
             gemm_into(yn, d.hw, product, Mat::rows(w, 0, d.c), Mat::rows(xn, 0, d.hw), false);
@@ -76,7 +77,8 @@ impl CustomOp2 for GradInput {
             candle_core::bail!("1x1 convolution backward: gradient {:?} does not fit input {:?}", l2.dims(), self.input);
         }
         let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution backward", |w, dy| {
-            let mut dx = vec![Float::from(0.0); d.n * d.c * d.hw];
+            // SAFETY: each image's product fills its own block.
+            let mut dx = unsafe { output_buffer(d.n * d.c * d.hw) };
             let product = Product { m: d.c, n: d.hw, k: d.out };
             for (dxn, dyn_) in dx.chunks_mut(d.c * d.hw).zip(dy.chunks(d.out * d.hw)) {
                 gemm_into(dxn, d.hw, product, Mat::transposed(w, 0, d.c), Mat::rows(dyn_, 0, d.hw), false);

@@ -7,7 +7,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
-use super::{float_dispatch, float_dispatch2, lane_dot, lane_sum, last_dim, simd, Float};
+use super::{float_dispatch, float_dispatch2, lane_dot, lane_sum, last_dim, output_buffer, simd, Float};
 
 /// `row ← softmax(scale·row + bias)` in place; `bias` (a padding mask) may be absent.
 #[inline(always)]
@@ -33,7 +33,8 @@ pub(super) fn softmax_grad_row<T: Float>(out: &mut [T], y: &[T], g: &[T], scale:
 }
 
 fn softmax_grad<T: Float>(y: &[T], dy: &[T], d: usize, scale: f64) -> Vec<T> {
-    let mut out = vec![T::default(); y.len()];
+    // SAFETY: softmax_grad_row writes every element of each row.
+    let mut out = unsafe { output_buffer::<T>(y.len()) };
     out.par_chunks_mut(d).zip(y.par_chunks(d)).zip(dy.par_chunks(d)).for_each(|((o, y), g)| {
         simd(
             #[inline(always)]
