@@ -11,6 +11,7 @@
 use candle_core::{DType, Result, Tensor, Var};
 
 use super::ops::channel::{batch_norm_act, channel_moments, Statistics};
+use super::ops::conv_norm::{conv_norm, Conv, Norm};
 use super::Ctx;
 use candle_nn::{Init, VarBuilder};
 
@@ -55,26 +56,44 @@ impl BatchNorm2d {
 
     /// BatchNorm followed by SiLU when `silu`, as one fused op.
     pub fn forward_act(&self, x: &Tensor, ctx: &Ctx, silu: bool) -> Result<Tensor> {
-        let batch_stats = ctx.train && !self.frozen;
-        let (mean, var) = if batch_stats {
-            let (n, _, h, w) = x.dims4()?;
-            let count = (n * h * w) as f64;
-            let m: Vec<Vec<f64>> = channel_moments(x)?.to_dtype(DType::F64)?.to_vec2()?;
-            let mo = self.momentum;
-            let blend = |running: &Var, batch: Vec<f64>| -> Result<()> {
-                let old: Vec<f64> = running.as_tensor().to_dtype(DType::F64)?.to_vec1()?;
-                let new: Vec<f64> = old.iter().zip(&batch).map(|(o, b)| (1.0 - mo) * o + mo * b).collect();
-                running.set(&Tensor::from_vec(new, old.len(), running.device())?.to_dtype(running.dtype())?)
-            };
-            if ctx.update_stats {
-                blend(&self.running_mean, m[0].clone())?;
-                blend(&self.running_var, m[1].iter().map(|v| v * count / (count - 1.0).max(1.0)).collect())?;
-            }
-            (m[0].clone(), m[1].clone())
-        } else {
-            (self.running_mean.as_tensor().to_dtype(DType::F64)?.to_vec1()?, self.running_var.as_tensor().to_dtype(DType::F64)?.to_vec1()?)
-        };
+        let (mean, var, batch_stats) = self.statistics(x, ctx)?;
         batch_norm_act(x, &Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats }, &self.weight, &self.bias, silu)
+    }
+
+    /// `conv` of `x` and `w`, then this BatchNorm (+ SiLU), as one graph node where the operands
+    /// allow it (see `ops::conv_norm`), else as the two ops.
+    pub fn conv_forward_act(&self, conv: Conv, x: &Tensor, w: &Tensor, ctx: &Ctx, silu: bool) -> Result<Tensor> {
+        if !Conv::fusable(x, w, &self.weight) {
+            return self.forward_act(&conv.apply(x, w)?, ctx, silu);
+        }
+        let z = conv.forward_detached(x, w)?;
+        let (mean, var, batch_stats) = self.statistics(&z, ctx)?;
+        let stats = Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats };
+        conv_norm(conv, x, w, z, &Norm { stats: &stats, gamma: &self.weight, beta: &self.bias, silu })
+    }
+
+    /// The mean and variance to normalise `x` with, and whether they are the batch's own. With
+    /// the batch's, the running averages take them in (when the context says to).
+    fn statistics(&self, x: &Tensor, ctx: &Ctx) -> Result<(Vec<f64>, Vec<f64>, bool)> {
+        let batch_stats = ctx.train && !self.frozen;
+        if !batch_stats {
+            let host = |v: &Var| v.as_tensor().to_dtype(DType::F64)?.to_vec1::<f64>();
+            return Ok((host(&self.running_mean)?, host(&self.running_var)?, false));
+        }
+        let (n, _, h, w) = x.dims4()?;
+        let count = (n * h * w) as f64;
+        let m: Vec<Vec<f64>> = channel_moments(x)?.to_dtype(DType::F64)?.to_vec2()?;
+        let mo = self.momentum;
+        let blend = |running: &Var, batch: Vec<f64>| -> Result<()> {
+            let old: Vec<f64> = running.as_tensor().to_dtype(DType::F64)?.to_vec1()?;
+            let new: Vec<f64> = old.iter().zip(&batch).map(|(o, b)| (1.0 - mo) * o + mo * b).collect();
+            running.set(&Tensor::from_vec(new, old.len(), running.device())?.to_dtype(running.dtype())?)
+        };
+        if ctx.update_stats {
+            blend(&self.running_mean, m[0].clone())?;
+            blend(&self.running_var, m[1].iter().map(|v| v * count / (count - 1.0).max(1.0)).collect())?;
+        }
+        Ok((m[0].clone(), m[1].clone(), true))
     }
 }
 
@@ -131,5 +150,31 @@ mod tests {
         let s = (1.0f32 + 1e-3).sqrt();
         assert!((y[0] - 1.0 / s).abs() < 1e-5 && (y[3] - 4.0 / s).abs() < 1e-5);
         assert_eq!(layer.running_mean.as_tensor().to_vec1::<f32>().unwrap(), vec![0.0, 0.0]);
+    }
+    /// The fused convolution + BatchNorm path against the convolution op and the BatchNorm op:
+    /// output, input and weight gradients, and the running statistics it updates.
+    #[test]
+    fn fused_conv_path_matches_the_separate_ops() {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&crate::util::rng::randn(51, 0.2, 1.0, (2, 3, 5, 4), DType::F32, &dev).unwrap()).unwrap();
+        let w = Var::from_tensor(&crate::util::rng::randn(52, 0.0, 0.5, (2, 3, 1, 1), DType::F32, &dev).unwrap()).unwrap();
+        let (vm1, vm2) = (VarMap::new(), VarMap::new());
+        let (a, b) = (bn(&vm1, false), bn(&vm2, false));
+        for ctx in [Ctx::train(0), Ctx::EVAL] {
+            let ya = a.conv_forward_act(Conv::Pointwise, x.as_tensor(), w.as_tensor(), &ctx, true).unwrap();
+            let yb = b.forward_act(&Conv::Pointwise.apply(x.as_tensor(), w.as_tensor()).unwrap(), &ctx, true).unwrap();
+            let diff =
+                |p: &Tensor, q: &Tensor| (p - q).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+            assert!(diff(&ya, &yb) < 1e-5);
+            let (ga, gb) =
+                (ya.sqr().unwrap().sum_all().unwrap().backward().unwrap(), yb.sqr().unwrap().sum_all().unwrap().backward().unwrap());
+            for v in [&x, &w] {
+                assert!(diff(ga.get(v.as_tensor()).unwrap(), gb.get(v.as_tensor()).unwrap()) < 1e-4);
+            }
+            for (p, q) in [(&a.running_mean, &b.running_mean), (&a.running_var, &b.running_var)] {
+                assert!(diff(p.as_tensor(), q.as_tensor()) < 1e-6);
+            }
+        }
+        assert!(a.running_mean.as_tensor().abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "statistics were updated");
     }
 }

@@ -19,8 +19,8 @@ use serde::{Deserialize, Serialize};
 use super::batch_norm::BatchNorm2d;
 use super::checkpoint::Checkpointing;
 use super::ops::channel::{channel_scale, scaled_residual, spatial_mean};
-use super::ops::depthwise::{depthwise_conv2d, Padding};
-use super::ops::pointwise::pointwise_conv2d;
+use super::ops::conv_norm::Conv;
+use super::ops::depthwise::Padding;
 use super::Ctx;
 use crate::util::rng::Rng;
 
@@ -276,19 +276,20 @@ impl Block {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut h = x.clone();
         if let Some((w, bn)) = &self.expand {
-            h = bn.forward_act(&pointwise_conv2d(&h, w)?, ctx, true)?;
+            h = bn.conv_forward_act(Conv::Pointwise, &h, w, ctx, true)?;
         }
         h = match self.depthwise {
-            DepthwiseImpl::Fused => depthwise_conv2d(&h, &self.dw_weight, self.stride, self.pad)?,
-            DepthwiseImpl::Candle => candle_depthwise(&h, &self.dw_weight, self.stride, self.pad)?,
+            DepthwiseImpl::Fused => {
+                self.dw_norm.conv_forward_act(Conv::Depthwise { stride: self.stride, pad: self.pad }, &h, &self.dw_weight, ctx, true)?
+            }
+            DepthwiseImpl::Candle => self.dw_norm.forward_act(&candle_depthwise(&h, &self.dw_weight, self.stride, self.pad)?, ctx, true)?,
         };
-        h = self.dw_norm.forward_act(&h, ctx, true)?;
         // Squeeze-and-excitation on [N, C] vectors: the 1×1 convolutions are plain matmuls.
         let fc = |s: &Tensor, (w, b): &(Tensor, Tensor)| s.matmul(&w.flatten_from(1)?.t()?)?.broadcast_add(b);
         let s = fc(&spatial_mean(&h)?, &self.se_reduce)?.silu()?;
         let s = candle_nn::ops::sigmoid(&fc(&s, &self.se_expand)?)?;
         h = channel_scale(&h, &s)?;
-        h = self.project_bn.forward(&pointwise_conv2d(&h, &self.project)?, ctx)?;
+        h = self.project_bn.conv_forward_act(Conv::Pointwise, &h, &self.project, ctx, false)?;
         if !self.residual {
             return Ok(h);
         }

@@ -103,7 +103,7 @@ pub fn channel_moments(x: &Tensor) -> Result<Tensor> {
 /// `y = act(γ·(x − μ)·r + β)` with per-channel μ and r = 1/√(σ² + ε) given. With `batch_stats`,
 /// μ and σ² are the batch's own and the backward pass differentiates through them.
 #[derive(Clone)]
-struct BatchNormAct {
+pub(super) struct BatchNormAct {
     mean: Vec<f64>,
     inv_std: Vec<f64>,
     batch_stats: bool,
@@ -116,13 +116,22 @@ fn sigmoid<T: Float>(z: T) -> T {
 }
 
 impl BatchNormAct {
+    pub(super) fn new(stats: &Statistics, silu: bool) -> Self {
+        BatchNormAct {
+            mean: stats.mean.to_vec(),
+            inv_std: stats.var.iter().map(|v| 1.0 / (v + stats.eps).sqrt()).collect(),
+            batch_stats: stats.from_batch,
+            silu,
+        }
+    }
+
     /// `z = a·x + b` per channel: the normalisation and affine map folded together.
     fn affine<T: Float>(&self, gamma: &[T], beta: &[T], ch: usize) -> (T, T) {
         let a = gamma[ch].f() * self.inv_std[ch];
         (T::from(a), T::from(beta[ch].f() - a * self.mean[ch]))
     }
 
-    fn apply<T: Float>(&self, x: &[T], gamma: &[T], beta: &[T], c: usize, hw: usize) -> Vec<T> {
+    pub(super) fn apply<T: Float>(&self, x: &[T], gamma: &[T], beta: &[T], c: usize, hw: usize) -> Vec<T> {
         // SAFETY: the loop below writes every element.
         let mut out = unsafe { output_buffer::<T>(x.len()) };
         out.par_chunks_mut(hw).zip(x.par_chunks(hw)).enumerate().for_each(|(p, (o, xp))| {
@@ -264,10 +273,10 @@ impl CustomOp3 for BatchNormAct {
 
 /// The backward pass as one op of (x, dy): dx flattened, then Σdz·x̂ and Σdz per channel, in one
 /// buffer (a custom op has one output). γ and β are read from their tensors in the op.
-struct BnGrad {
-    op: BatchNormAct,
-    gamma: Tensor,
-    beta: Tensor,
+pub(super) struct BnGrad {
+    pub op: BatchNormAct,
+    pub gamma: Tensor,
+    pub beta: Tensor,
 }
 
 impl CustomOp2 for BnGrad {
@@ -304,12 +313,7 @@ pub fn batch_norm_act(x: &Tensor, stats: &Statistics, gamma: &Tensor, beta: &Ten
     }
     let dtype = x.dtype();
     let cd = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
-    let op = BatchNormAct {
-        mean: stats.mean.to_vec(),
-        inv_std: stats.var.iter().map(|v| 1.0 / (v + stats.eps).sqrt()).collect(),
-        batch_stats: stats.from_batch,
-        silu,
-    };
+    let op = BatchNormAct::new(stats, silu);
     let y = x.to_dtype(cd)?.contiguous()?.apply_op3(&gamma.to_dtype(cd)?.contiguous()?, &beta.to_dtype(cd)?.contiguous()?, op)?;
     y.to_dtype(dtype)
 }

@@ -352,11 +352,23 @@ impl CustomOp2 for Forward {
     }
 
     fn bwd(&self, x: &Tensor, kernel: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
-        let gx = grad.apply_op2_no_bwd(kernel, &GradInput { stride: self.stride, pad: self.pad, input: x.dims().to_vec() })?;
-        let gk = x.apply_op2_no_bwd(&grad, &GradKernel { stride: self.stride, pad: self.pad, kernel: kernel.dims().to_vec() })?;
+        let (gx, gk) = backward(x, kernel, self.stride, self.pad, grad)?;
         Ok((Some(gx), Some(gk)))
     }
+}
+
+/// The forward pass as a graph leaf (no backward recorded): for ops that differentiate through
+/// it themselves. `x` and `kernel` are contiguous f32 or f64 of one dtype.
+pub(super) fn forward_detached(x: &Tensor, kernel: &Tensor, stride: usize, pad: Padding) -> Result<Tensor> {
+    x.apply_op2_no_bwd(kernel, &Forward { stride, pad })
+}
+
+/// The gradients of the input and of the kernel, given the output's.
+pub(super) fn backward(x: &Tensor, kernel: &Tensor, stride: usize, pad: Padding, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    let grad = grad.contiguous()?;
+    let gx = grad.apply_op2_no_bwd(kernel, &GradInput { stride, pad, input: x.dims().to_vec() })?;
+    let gk = x.apply_op2_no_bwd(&grad, &GradKernel { stride, pad, kernel: kernel.dims().to_vec() })?;
+    Ok((gx, gk))
 }
 
 struct GradInput {

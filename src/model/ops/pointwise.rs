@@ -53,11 +53,23 @@ impl CustomOp2 for Forward {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let grad = grad.contiguous()?;
-        let dx = w.apply_op2_no_bwd(&grad, &GradInput { input: x.dims().to_vec() })?;
-        let dw = x.apply_op2_no_bwd(&grad, &GradWeight { weight: w.dims().to_vec() })?;
+        let (dx, dw) = backward(x, w, grad)?;
         Ok((Some(dx), Some(dw)))
     }
+}
+
+/// The forward pass as a graph leaf (no backward recorded): for ops that differentiate through
+/// it themselves. `x` and `w` are contiguous f32 or f64 of one dtype.
+pub(super) fn forward_detached(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.apply_op2_no_bwd(w, &Forward)
+}
+
+/// The gradients of the input and of the weight, given the output's.
+pub(super) fn backward(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    let grad = grad.contiguous()?;
+    let dx = w.apply_op2_no_bwd(&grad, &GradInput { input: x.dims().to_vec() })?;
+    let dw = x.apply_op2_no_bwd(&grad, &GradWeight { weight: w.dims().to_vec() })?;
+    Ok((dx, dw))
 }
 
 /// `dx[n] = Wᵀ·dy[n]`. Arguments: the weight and the output gradient.
