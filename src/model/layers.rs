@@ -6,10 +6,9 @@ use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use super::ops::attention as fused_attention;
-use super::ops::bias::bias_act;
 pub use super::ops::bias::Activation;
 use super::ops::layer_norm::layer_norm;
-use super::ops::linear::linear_bias;
+use super::ops::linear::{linear_bias, linear_bias_act};
 use super::ops::softmax::scaled_masked_softmax;
 
 /// LayerNorm over the last dimension (our fused op with its own backward).
@@ -72,7 +71,7 @@ impl Linear {
         let x = x.reshape(((), in_dim))?;
         let y = match (&self.bias, act) {
             (Some(b), Activation::Identity) => linear_bias(&x, &self.weight, b)?,
-            (Some(b), act) => bias_act(&x.matmul(&self.weight.t()?)?, b, act)?,
+            (Some(b), act) => linear_bias_act(&x, &self.weight, b, act)?,
             (None, Activation::Identity) => x.matmul(&self.weight.t()?)?,
             (None, Activation::GeluErf) => x.matmul(&self.weight.t()?)?.gelu_erf()?,
         };

@@ -11,7 +11,7 @@ use candle_nn::{Init, VarBuilder};
 use super::checkpoint::Checkpointing;
 use super::config::{ImagePooling, VitConfig};
 use super::layers::{attention, linear, scaled_normal, Activation, LayerNorm, Linear};
-use super::ops::bias::bias_act;
+use super::ops::linear::linear_bias;
 
 struct Block {
     norm1: LayerNorm,
@@ -101,10 +101,9 @@ impl Vit {
         let weight = self.patch_weight.reshape((width, ()))?;
         let patches = self.patchify(images)?;
         let (np, pd) = (patches.dim(1)?, patches.dim(2)?);
-        // One 2-D matmul over all patches of the batch (a broadcast weight would get one gradient
-        // per image, summed on one thread).
-        let tokens = patches.reshape((b * np, pd))?.matmul(&weight.t()?)?;
-        let tokens = bias_act(&tokens, &self.patch_bias, Activation::Identity)?.reshape((b, np, width))?;
+        // One 2-D product over all patches of the batch (a broadcast weight would get one
+        // gradient per image, summed on one thread); the pixels get no gradient.
+        let tokens = linear_bias(&patches.reshape((b * np, pd))?, &weight, &self.patch_bias)?.reshape((b, np, width))?;
         let cls = self.cls_token.broadcast_as((b, 1, width))?;
         let mut x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.pos)?;
         for block in &self.blocks {

@@ -35,10 +35,10 @@ fn gelu_slope<T: Float>(z: T) -> T {
     cdf + z * pdf
 }
 
-struct BiasAct(Activation);
+pub(super) struct BiasAct(pub Activation);
 
 impl BiasAct {
-    fn run<T: Float>(&self, y: &[T], b: &[T], cols: usize) -> Vec<T> {
+    pub(super) fn run<T: Float>(&self, y: &[T], b: &[T], cols: usize) -> Vec<T> {
         // SAFETY: the loop below writes every element.
         let mut out = unsafe { output_buffer::<T>(y.len()) };
         let task = (TASK_ELEMS / cols).max(1) * cols;
@@ -85,7 +85,7 @@ impl CustomOp2 for BiasAct {
 }
 
 /// `dz = dy · gelu'(y + b)`, recomputing the pre-activation.
-struct GeluGrad;
+pub(super) struct GeluGrad;
 
 impl GeluGrad {
     fn run<T: Float>(y: &[T], b: &[T], dy: &[T], cols: usize) -> Vec<T> {

@@ -7,7 +7,9 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::bias::column_sums;
+use std::sync::Mutex;
+
+use super::bias::{bias_act, column_sums, Activation, BiasAct, GeluGrad};
 use super::matmul::{gemm_into, Dims, Mat};
 use super::{float_dispatch3, output_buffer, Float};
 
@@ -63,24 +65,41 @@ impl CustomOp3 for LinearBias {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (rows, inp, out) = shapes(x.dims(), w.dims())?;
+        // An input outside the graph (a ViT's image patches) needs no gradient: its product,
+        // as large as the layer's weight gradient, is skipped.
+        let input_grad = x.track_op();
+        let dx_len = if input_grad { rows * inp } else { 0 };
         // One storage holding [dx (rows·in) | dW (out·in) | db (out)]; the gradients are views.
-        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LinearBiasGrad)?;
-        let dx = all.narrow(0, 0, rows * inp)?.reshape((rows, inp))?;
-        let dw = all.narrow(0, rows * inp, out * inp)?.reshape((out, inp))?;
-        Ok((Some(dx), Some(dw), Some(all.narrow(0, rows * inp + out * inp, out)?)))
+        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &LinearBiasGrad { input_grad })?;
+        let dx = if input_grad { Some(all.narrow(0, 0, dx_len)?.reshape((rows, inp))?) } else { None };
+        let dw = all.narrow(0, dx_len, out * inp)?.reshape((out, inp))?;
+        Ok((dx, Some(dw), Some(all.narrow(0, dx_len + out * inp, out)?)))
     }
 }
 
-/// dx = dy·W, dW = dyᵀ·x, db = column sums of dy.
-struct LinearBiasGrad;
+/// dx = dy·W (unless `input_grad` is off), dW = dyᵀ·x, db = column sums of dy.
+struct LinearBiasGrad {
+    input_grad: bool,
+}
 
 impl LinearBiasGrad {
-    fn run<T: Float>(x: &[T], w: &[T], dy: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    fn dx_len(&self, rows: usize, inp: usize) -> usize {
+        if self.input_grad {
+            rows * inp
+        } else {
+            0
+        }
+    }
+
+    fn run<T: Float>(&self, x: &[T], w: &[T], dy: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+        let dx_len = self.dx_len(rows, inp);
         // SAFETY: the two products and the column sums fill dx, dW and db.
-        let mut all = unsafe { output_buffer::<T>(rows * inp + out * inp + out) };
-        let (dx, rest) = all.split_at_mut(rows * inp);
+        let mut all = unsafe { output_buffer::<T>(dx_len + out * inp + out) };
+        let (dx, rest) = all.split_at_mut(dx_len);
         let (dw, db) = rest.split_at_mut(out * inp);
-        gemm_into(dx, inp, Dims { m: rows, n: inp, k: out }, Mat::rows(dy, 0, out), Mat::rows(w, 0, inp), false);
+        if self.input_grad {
+            gemm_into(dx, inp, Dims { m: rows, n: inp, k: out }, Mat::rows(dy, 0, out), Mat::rows(w, 0, inp), false);
+        }
         gemm_into(dw, inp, Dims { m: out, n: inp, k: rows }, Mat::transposed(dy, 0, out), Mat::rows(x, 0, inp), false);
         db.copy_from_slice(&column_sums(dy, out));
         all
@@ -106,16 +125,89 @@ impl CustomOp3 for LinearBiasGrad {
         if l3.dims() != [rows, out] {
             candle_core::bail!("linear layer backward: gradient {:?} for output [{rows}, {out}]", l3.dims());
         }
-        let all = float_dispatch3!(s1, l1, s2, l2, s3, l3, "linear layer backward", |x, w, dy| Self::run(x, w, dy, (rows, inp, out)));
-        Ok((all, Shape::from(rows * inp + out * inp + out)))
+        let all = float_dispatch3!(s1, l1, s2, l2, s3, l3, "linear layer backward", |x, w, dy| self.run(x, w, dy, (rows, inp, out)));
+        Ok((all, Shape::from(self.dx_len(rows, inp) + out * inp + out)))
     }
+}
+
+/// `gelu(x·Wᵀ + b)`. The product before the bias is kept in the op for the backward pass: as a
+/// graph node of its own (the input of a bias + GELU op) it got a zero-filled gradient buffer and
+/// an add in every backward pass, an MLP's widest tensor each time.
+struct LinearBiasGelu {
+    product: Mutex<Option<Tensor>>,
+}
+
+impl LinearBiasGelu {
+    fn run<T: Float>(&self, x: &[T], w: &[T], b: &[T], (rows, inp, out): (usize, usize, usize)) -> Result<Vec<T>> {
+        // SAFETY: the product overwrites every element.
+        let mut y = unsafe { output_buffer::<T>(rows * out) };
+        gemm_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), false);
+        let activated = BiasAct(Activation::GeluErf).run(&y, b, out);
+        let product = Tensor::from_vec(y, (rows, out), &candle_core::Device::Cpu)?;
+        *self.product.lock().unwrap_or_else(|e| e.into_inner()) = Some(product);
+        Ok(activated)
+    }
+}
+
+impl CustomOp3 for LinearBiasGelu {
+    fn name(&self) -> &'static str {
+        "linear-bias-gelu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/linear");
+        let (rows, inp, out) = shapes(l1.dims(), l2.dims())?;
+        if l3.dims() != [out] {
+            candle_core::bail!("linear layer: bias {:?} for {out} outputs", l3.dims());
+        }
+        let y = float_dispatch3!(s1, l1, s2, l2, s3, l3, "linear layer", |x, w, b| self.run(x, w, b, (rows, inp, out))?);
+        Ok((y, Shape::from((rows, out))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some(product) = self.product.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+            candle_core::bail!("linear + GELU backward before its forward pass")
+        };
+        let dz = product.apply_op3_no_bwd(b, &grad.contiguous()?, &GeluGrad)?;
+        LinearBias.bwd(x, w, b, &product, &dz)
+    }
+}
+
+/// `act(x·Wᵀ + b)` for `x` `[rows, in]`, `w` `[out, in]`, `b` `[out]`: one op on the CPU in
+/// f32 / f64, candle's matmul and the bias (+ activation) op elsewhere.
+pub fn linear_bias_act(x: &Tensor, w: &Tensor, b: &Tensor, act: Activation) -> Result<Tensor> {
+    if act == Activation::Identity || !fusable(x, w, b) {
+        return match act {
+            Activation::Identity => linear_bias(x, w, b),
+            _ => bias_act(&x.matmul(&w.t()?)?, b, act),
+        };
+    }
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBiasGelu { product: Mutex::new(None) })
+}
+
+fn fusable(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && w.dtype() == x.dtype() && b.dtype() == x.dtype()
 }
 
 /// `x·Wᵀ + b` for `x` `[rows, in]`, `w` `[out, in]`, `b` `[out]`: one op on the CPU in f32 / f64,
 /// a matmul and a broadcast add elsewhere.
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let fused = x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && w.dtype() == x.dtype() && b.dtype() == x.dtype();
-    if !fused {
+    if !fusable(x, w, b) {
         return x.matmul(&w.t()?)?.broadcast_add(b);
     }
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBias)
@@ -159,6 +251,57 @@ mod tests {
         let [x, w, b] = inputs(DType::F64, (4, 3, 5));
         let up = crate::util::rng::randn(174, 0.0, 1.0, (4, 5), DType::F64, &Device::Cpu).unwrap();
         let loss = |x: &Tensor, w: &Tensor, b: &Tensor| (linear_bias(x, w, b).unwrap() * &up).unwrap().sum_all().unwrap();
+        let g = loss(&x, &w, &b).backward().unwrap();
+        let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
+        let errs = [
+            check_fd(|t| scalar(loss(t, &w, &b)), &x, g.get(&x).unwrap(), &[0, 5, 11]),
+            check_fd(|t| scalar(loss(&x, t, &b)), &w, g.get(&w).unwrap(), &[0, 7, 14]),
+            check_fd(|t| scalar(loss(&x, &w, t)), &b, g.get(&b).unwrap(), &[0, 4]),
+        ];
+        assert!(errs.iter().all(|e| *e < 1e-7), "{errs:?}");
+    }
+
+    /// An input outside the graph gets no gradient; the weight's and bias's are as before.
+    #[test]
+    fn an_untracked_input_gets_no_gradient() {
+        let [x, w, b] = inputs(DType::F64, (6, 4, 3));
+        let plain = x.as_tensor().detach();
+        let up = crate::util::rng::randn(175, 0.0, 1.0, (6, 3), DType::F64, &Device::Cpu).unwrap();
+        let g1 = (linear_bias(&plain, &w, &b).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let g2 = (linear_bias(&x, &w, &b).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(g1.get(&plain).is_none() && g2.get(&x).is_some());
+        for v in [&w, &b] {
+            assert!(max_diff(g1.get(v).unwrap(), g2.get(v).unwrap()) < 1e-12);
+        }
+    }
+
+    /// The fused linear + bias + GELU against candle's matmul followed by the bias + GELU op
+    /// (itself checked against candle's `gelu_erf`, whose derivative is good to 7e-7 only):
+    /// forward and every gradient, twice over one graph (the kept product must survive a first
+    /// backward pass), and against finite differences.
+    #[test]
+    fn linear_bias_gelu_matches_the_composition_and_finite_differences() {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
+            for shape in [(7, 5, 3), (1, 9, 4), (33, 16, 20)] {
+                let [x, w, b] = inputs(dtype, shape);
+                let ours = linear_bias_act(&x, &w, &b, Activation::GeluErf).unwrap();
+                let reference = bias_act(&x.matmul(&w.t().unwrap()).unwrap(), &b, Activation::GeluErf).unwrap();
+                assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{dtype:?} {shape:?}");
+                let up = crate::util::rng::randn(176, 0.0, 1.0, ours.dims(), dtype, &Device::Cpu).unwrap();
+                let loss = (ours * &up).unwrap().sum_all().unwrap();
+                let (g1, again) = (loss.backward().unwrap(), loss.backward().unwrap());
+                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                for v in [&x, &w, &b] {
+                    let (a, r) = (g1.get(v).unwrap(), g2.get(v).unwrap());
+                    assert!(max_diff(a, r) <= tol * max_abs(r), "{dtype:?} {shape:?} gradient");
+                    assert_eq!(max_diff(a, again.get(v).unwrap()), 0.0);
+                }
+            }
+        }
+        let [x, w, b] = inputs(DType::F64, (4, 3, 5));
+        let up = crate::util::rng::randn(177, 0.0, 1.0, (4, 5), DType::F64, &Device::Cpu).unwrap();
+        let loss =
+            |x: &Tensor, w: &Tensor, b: &Tensor| (linear_bias_act(x, w, b, Activation::GeluErf).unwrap() * &up).unwrap().sum_all().unwrap();
         let g = loss(&x, &w, &b).backward().unwrap();
         let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
         let errs = [
