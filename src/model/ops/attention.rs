@@ -1,13 +1,15 @@
-//! Multi-head attention over `[batch, len, heads·head_dim]` tensors as two ops, scores+softmax
-//! and probabilities·values, that read each head's columns in place through strided matmuls.
+//! Multi-head attention over `[batch, len, heads·head_dim]` tensors as one op (scores, softmax
+//! and probabilities·values) that reads each head's columns in place through strided matmuls.
 //!
 //! Composed, every head split and merge is a transposed copy (q, k, v and the context: four
 //! activation-sized tensors per block, each kept for the backward pass along with its source),
-//! and the raw scores stay alive next to the probabilities. Here the graph keeps q, k, v, the
-//! probabilities and the context only. Each (image, head) pair is one task; its products run on
-//! the task's thread.
+//! and the raw scores stay alive next to the probabilities. Here the graph keeps q, k, v and the
+//! context, and the op the probabilities. Each (image, head) pair is one task; its products run
+//! on the task's thread.
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use std::sync::Mutex;
+
 use rayon::prelude::*;
 
 use super::matmul::{gemm_serial, gemm_shared, Dims, Mat, SharedDst};
@@ -83,27 +85,6 @@ impl Scores {
             )
         });
         probs
-    }
-}
-
-impl CustomOp2 for Scores {
-    fn name(&self) -> &'static str {
-        "attention-scores"
-    }
-
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let _profile = crate::util::profile::region("op/attention");
-        self.g.check("q", l1.dims(), &self.g.token_dims())?;
-        self.g.check("k", l2.dims(), &self.g.token_dims())?;
-        let out = float_dispatch2!(s1, l1, s2, l2, "attention scores", |q, k| self.run(q, k));
-        Ok((out, Shape::from(self.g.probs_dims().to_vec())))
-    }
-
-    fn bwd(&self, q: &Tensor, k: &Tensor, probs: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = ScoresGrad { g: self.g, scale: self.scale, q: q.clone(), k: k.clone() };
-        let both = probs.apply_op2_no_bwd(&grad.contiguous()?, &op)?;
-        let n = q.elem_count();
-        Ok((Some(both.narrow(0, 0, n)?.reshape(q.dims())?), Some(both.narrow(0, n, n)?.reshape(k.dims())?)))
     }
 }
 
@@ -184,26 +165,6 @@ impl Context {
     }
 }
 
-impl CustomOp2 for Context {
-    fn name(&self) -> &'static str {
-        "attention-context"
-    }
-
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        let _profile = crate::util::profile::region("op/attention");
-        self.g.check("probabilities", l1.dims(), &self.g.probs_dims())?;
-        self.g.check("v", l2.dims(), &self.g.token_dims())?;
-        let out = float_dispatch2!(s1, l1, s2, l2, "attention context", |p, v| self.run(p, v));
-        Ok((out, Shape::from(self.g.token_dims().to_vec())))
-    }
-
-    fn bwd(&self, p: &Tensor, v: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let both = p.apply_op3_no_bwd(v, &grad.contiguous()?, &ContextGrad { g: self.g })?;
-        let np = p.elem_count();
-        Ok((Some(both.narrow(0, 0, np)?.reshape(p.dims())?), Some(both.narrow(0, np, v.elem_count())?.reshape(v.dims())?)))
-    }
-}
-
 /// dP = dctx·vᵀ and dv = Pᵀ·dctx per head: `[dP | dv]`.
 struct ContextGrad {
     g: Geometry,
@@ -255,6 +216,70 @@ impl CustomOp3 for ContextGrad {
     }
 }
 
+/// The whole attention of (q, k, v) as one graph node. The probabilities are kept in the op for
+/// the backward pass: as a node between two ops they got a zero-filled gradient buffer and an add
+/// in every backward pass, `[batch, heads, len, len]` per layer.
+struct Attention {
+    scores: Scores,
+    probs: Mutex<Option<Tensor>>,
+}
+
+impl Attention {
+    fn run<T: Float>(&self, q: &[T], k: &[T], v: &[T]) -> Result<Vec<T>> {
+        let g = self.scores.g;
+        let probs = self.scores.run(q, k);
+        let context = Context { g }.run(&probs, v);
+        let probs = Tensor::from_vec(probs, g.probs_dims().to_vec(), &candle_core::Device::Cpu)?;
+        *self.probs.lock().unwrap_or_else(|e| e.into_inner()) = Some(probs);
+        Ok(context)
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/attention");
+        let g = self.scores.g;
+        for (what, l) in [("q", l1), ("k", l2), ("v", l3)] {
+            g.check(what, l.dims(), &g.token_dims())?;
+        }
+        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "attention", |q, k, v| self.run(q, k, v)?);
+        Ok((out, Shape::from(g.token_dims().to_vec())))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let Some(p) = self.probs.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+            candle_core::bail!("attention backward before its forward pass")
+        };
+        let g = self.scores.g;
+        let (np, n) = (p.elem_count(), q.elem_count());
+        let dp_dv = p.apply_op3_no_bwd(v, &grad.contiguous()?, &ContextGrad { g })?;
+        let dp = dp_dv.narrow(0, 0, np)?.reshape(p.dims())?;
+        let op = ScoresGrad { g, scale: self.scores.scale, q: q.clone(), k: k.clone() };
+        let dq_dk = p.apply_op2_no_bwd(&dp, &op)?;
+        let reshape = |t: &Tensor, at: usize| t.narrow(0, at, n)?.reshape(q.dims());
+        Ok((Some(reshape(&dq_dk, 0)?), Some(reshape(&dq_dk, n)?), Some(reshape(&dp_dv, np)?)))
+    }
+}
+
 /// Whether [`attention`] runs the fused ops for these operands (CPU, f32 / f64, one dtype).
 pub fn fused(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     q.device().is_cpu() && matches!(q.dtype(), DType::F32 | DType::F64) && k.dtype() == q.dtype() && v.dtype() == q.dtype()
@@ -274,9 +299,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Opt
         }
         None => None,
     };
-    let scores = Scores { g, scale: 1.0 / (g.head_dim as f64).sqrt(), key_bias };
-    let probs = q.contiguous()?.apply_op2(&k.contiguous()?, scores)?;
-    probs.apply_op2(&v.contiguous()?, Context { g })
+    let op = Attention { scores: Scores { g, scale: 1.0 / (g.head_dim as f64).sqrt(), key_bias }, probs: Mutex::new(None) };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
 #[cfg(test)]
@@ -308,11 +332,14 @@ mod tests {
                     let what = format!("{dtype:?} {shape:?} {heads} heads, mask {}", bias.is_some());
                     assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{what}");
                     let up = crate::util::rng::randn(183, 0.0, 1.0, ours.dims(), dtype, &Device::Cpu).unwrap();
-                    let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                    let loss = (ours * &up).unwrap().sum_all().unwrap();
+                    // Twice over one graph: the probabilities the op keeps outlive a backward pass.
+                    let (g1, again) = (loss.backward().unwrap(), loss.backward().unwrap());
                     let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
                     for t in [&q, &k, &v] {
                         let (a, r) = (g1.get(t).unwrap(), g2.get(t).unwrap());
                         assert!(max_diff(a, r) <= tol * max_abs(r), "{what}: gradient");
+                        assert_eq!(max_diff(a, again.get(t).unwrap()), 0.0);
                     }
                 }
             }
