@@ -7,7 +7,7 @@ use candle_nn::{Embedding, VarBuilder};
 
 use super::checkpoint::Checkpointing;
 use super::config::{BertConfig, TextPooling};
-use super::layers::{attention, linear, scaled_normal, Activation, LayerNorm, Linear};
+use super::layers::{attention, linear, mlp_gelu, scaled_normal, LayerNorm, Linear};
 
 struct Layer {
     query: Linear,
@@ -43,8 +43,7 @@ impl Layer {
     fn forward(&self, x: &Tensor, mask_bias: &Tensor) -> Result<Tensor> {
         let ctx = attention(&self.query.forward(x)?, &self.key.forward(x)?, &self.value.forward(x)?, self.heads, Some(mask_bias))?;
         let x = self.attn_norm.forward(&(self.attn_out.forward(&ctx)? + x)?)?;
-        let h = self.intermediate.forward_act(&x, Activation::GeluErf)?;
-        self.out_norm.forward(&(self.output.forward(&h)? + x)?)
+        self.out_norm.forward(&(mlp_gelu(&self.intermediate, &self.output, &x)? + x)?)
     }
 }
 

@@ -8,7 +8,7 @@ use candle_nn::{Init, VarBuilder};
 use super::ops::attention as fused_attention;
 pub use super::ops::bias::Activation;
 use super::ops::layer_norm::layer_norm;
-use super::ops::linear::{linear_bias, linear_bias_act};
+use super::ops::linear::{linear_bias, linear_bias_act, mlp_gelu as fused_mlp};
 use super::ops::softmax::scaled_masked_softmax;
 
 /// LayerNorm over the last dimension (our fused op with its own backward).
@@ -77,6 +77,21 @@ impl Linear {
         };
         y.reshape(shape)
     }
+}
+
+/// A transformer's MLP: `fc2(gelu(fc1(x)))` over the last dimension, as one op where both layers
+/// have biases and the operands allow (see `ops::linear::mlp_gelu`).
+pub fn mlp_gelu(fc1: &Linear, fc2: &Linear, x: &Tensor) -> Result<Tensor> {
+    let (Some(b1), Some(b2)) = (&fc1.bias, &fc2.bias) else {
+        return fc2.forward(&fc1.forward_act(x, Activation::GeluErf)?);
+    };
+    let (in_dim, out_dim) = (fc1.weight.dim(1)?, fc2.weight.dim(0)?);
+    let mut shape = x.dims().to_vec();
+    match shape.last_mut() {
+        Some(last) if *last == in_dim => *last = out_dim,
+        _ => candle_core::bail!("MLP of {in_dim} inputs applied to a tensor of shape {:?}", x.dims()),
+    }
+    fused_mlp(&x.reshape(((), in_dim))?, (&fc1.weight, b1), (&fc2.weight, b2))?.reshape(shape)
 }
 
 impl Module for Linear {

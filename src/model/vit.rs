@@ -10,7 +10,7 @@ use candle_nn::{Init, VarBuilder};
 
 use super::checkpoint::Checkpointing;
 use super::config::{ImagePooling, VitConfig};
-use super::layers::{attention, linear, scaled_normal, Activation, LayerNorm, Linear};
+use super::layers::{attention, linear, mlp_gelu, scaled_normal, LayerNorm, Linear};
 use super::ops::linear::linear_bias;
 
 struct Block {
@@ -47,8 +47,7 @@ impl Block {
         let h = self.norm1.forward(x)?;
         let a = attention(&self.query.forward(&h)?, &self.key.forward(&h)?, &self.value.forward(&h)?, self.heads, None)?;
         let x = (self.proj.forward(&a)? + x)?;
-        let h = self.fc1.forward_act(&self.norm2.forward(&x)?, Activation::GeluErf)?;
-        self.fc2.forward(&h)? + x
+        mlp_gelu(&self.fc1, &self.fc2, &self.norm2.forward(&x)?)? + x
     }
 }
 
