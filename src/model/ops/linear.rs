@@ -312,31 +312,33 @@ mod tests {
         [v(170, &[rows, inp], 1.0), v(171, &[out, inp], 0.5), v(172, &[out], 0.5)]
     }
 
-    #[test]
-    fn matches_matmul_plus_bias_forward_and_backward() {
-        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+    type Op3 = fn(&Tensor, &Tensor, &Tensor) -> Tensor;
+
+    /// `ours` against `reference` on (x, W, b): forward and every gradient in f64 (1e-12) and
+    /// f32 (`f32_tol`), relative to the largest reference value, the gradients twice over one
+    /// graph (state an op keeps must outlive a backward pass); then `ours` against finite
+    /// differences in f64.
+    fn check_against(ours: Op3, reference: Op3, f32_tol: f64) {
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, f32_tol)] {
             for shape in [(7, 5, 3), (1, 9, 4), (33, 16, 20)] {
                 let [x, w, b] = inputs(dtype, shape);
-                let ours = linear_bias(&x, &w, &b).unwrap();
-                let reference = x.matmul(&w.t().unwrap()).unwrap().broadcast_add(&b).unwrap();
-                assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{dtype:?} {shape:?}");
-                let up = crate::util::rng::randn(173, 0.0, 1.0, ours.dims(), dtype, &Device::Cpu).unwrap();
-                let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
-                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let (y, r) = (ours(&x, &w, &b), reference(&x, &w, &b));
+                assert!(max_diff(&y, &r) <= tol * max_abs(&r), "{dtype:?} {shape:?}");
+                let up = crate::util::rng::randn(173, 0.0, 1.0, y.dims(), dtype, &Device::Cpu).unwrap();
+                let loss = (y * &up).unwrap().sum_all().unwrap();
+                let (g1, again) = (loss.backward().unwrap(), loss.backward().unwrap());
+                let g2 = (r * &up).unwrap().sum_all().unwrap().backward().unwrap();
                 for v in [&x, &w, &b] {
                     let (a, r) = (g1.get(v).unwrap(), g2.get(v).unwrap());
                     assert_eq!(a.dims(), v.dims());
                     assert!(max_diff(a, r) <= tol * max_abs(r), "{dtype:?} {shape:?} gradient");
+                    assert_eq!(max_diff(a, again.get(v).unwrap()), 0.0);
                 }
             }
         }
-    }
-
-    #[test]
-    fn gradients_match_finite_differences() {
         let [x, w, b] = inputs(DType::F64, (4, 3, 5));
         let up = crate::util::rng::randn(174, 0.0, 1.0, (4, 5), DType::F64, &Device::Cpu).unwrap();
-        let loss = |x: &Tensor, w: &Tensor, b: &Tensor| (linear_bias(x, w, b).unwrap() * &up).unwrap().sum_all().unwrap();
+        let loss = |x: &Tensor, w: &Tensor, b: &Tensor| (ours(x, w, b) * &up).unwrap().sum_all().unwrap();
         let g = loss(&x, &w, &b).backward().unwrap();
         let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
         let errs = [
@@ -345,6 +347,26 @@ mod tests {
             check_fd(|t| scalar(loss(&x, &w, t)), &b, g.get(&b).unwrap(), &[0, 4]),
         ];
         assert!(errs.iter().all(|e| *e < 1e-7), "{errs:?}");
+    }
+
+    #[test]
+    fn matches_matmul_plus_bias_and_finite_differences() {
+        check_against(
+            |x, w, b| linear_bias(x, w, b).unwrap(),
+            |x, w, b| x.matmul(&w.t().unwrap()).unwrap().broadcast_add(b).unwrap(),
+            1e-5,
+        );
+    }
+
+    /// Against candle's matmul and the bias + GELU op (itself checked against candle's
+    /// `gelu_erf`, whose derivative is good to 7e-7 only).
+    #[test]
+    fn linear_bias_gelu_matches_the_composition_and_finite_differences() {
+        check_against(
+            |x, w, b| linear_bias_act(x, w, b, Activation::GeluErf).unwrap(),
+            |x, w, b| bias_act(&x.matmul(&w.t().unwrap()).unwrap(), b, Activation::GeluErf).unwrap(),
+            2e-5,
+        );
     }
 
     /// An input outside the graph gets no gradient; the weight's and bias's are as before.
@@ -359,43 +381,6 @@ mod tests {
         for v in [&w, &b] {
             assert!(max_diff(g1.get(v).unwrap(), g2.get(v).unwrap()) < 1e-12);
         }
-    }
-
-    /// The fused linear + bias + GELU against candle's matmul followed by the bias + GELU op
-    /// (itself checked against candle's `gelu_erf`, whose derivative is good to 7e-7 only):
-    /// forward and every gradient, twice over one graph (the kept product must survive a first
-    /// backward pass), and against finite differences.
-    #[test]
-    fn linear_bias_gelu_matches_the_composition_and_finite_differences() {
-        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 2e-5)] {
-            for shape in [(7, 5, 3), (1, 9, 4), (33, 16, 20)] {
-                let [x, w, b] = inputs(dtype, shape);
-                let ours = linear_bias_act(&x, &w, &b, Activation::GeluErf).unwrap();
-                let reference = bias_act(&x.matmul(&w.t().unwrap()).unwrap(), &b, Activation::GeluErf).unwrap();
-                assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{dtype:?} {shape:?}");
-                let up = crate::util::rng::randn(176, 0.0, 1.0, ours.dims(), dtype, &Device::Cpu).unwrap();
-                let loss = (ours * &up).unwrap().sum_all().unwrap();
-                let (g1, again) = (loss.backward().unwrap(), loss.backward().unwrap());
-                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
-                for v in [&x, &w, &b] {
-                    let (a, r) = (g1.get(v).unwrap(), g2.get(v).unwrap());
-                    assert!(max_diff(a, r) <= tol * max_abs(r), "{dtype:?} {shape:?} gradient");
-                    assert_eq!(max_diff(a, again.get(v).unwrap()), 0.0);
-                }
-            }
-        }
-        let [x, w, b] = inputs(DType::F64, (4, 3, 5));
-        let up = crate::util::rng::randn(177, 0.0, 1.0, (4, 5), DType::F64, &Device::Cpu).unwrap();
-        let loss =
-            |x: &Tensor, w: &Tensor, b: &Tensor| (linear_bias_act(x, w, b, Activation::GeluErf).unwrap() * &up).unwrap().sum_all().unwrap();
-        let g = loss(&x, &w, &b).backward().unwrap();
-        let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
-        let errs = [
-            check_fd(|t| scalar(loss(t, &w, &b)), &x, g.get(&x).unwrap(), &[0, 5, 11]),
-            check_fd(|t| scalar(loss(&x, t, &b)), &w, g.get(&w).unwrap(), &[0, 7, 14]),
-            check_fd(|t| scalar(loss(&x, &w, t)), &b, g.get(&b).unwrap(), &[0, 4]),
-        ];
-        assert!(errs.iter().all(|e| *e < 1e-7), "{errs:?}");
     }
 
     /// The fused MLP against its two layers as separate ops: forward and every gradient (twice
