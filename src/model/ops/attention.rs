@@ -81,7 +81,11 @@ impl Scores {
             let bias = self.key_bias.as_ref().map(|b| &b[(task / g.heads) * l..(task / g.heads + 1) * l]);
             simd(
                 #[inline(always)]
-                || p.chunks_mut(l).for_each(|row| softmax_row_in_place(row, scale, bias)),
+                || {
+                    for row in p.chunks_mut(l) {
+                        softmax_row_in_place(row, scale, bias);
+                    }
+                },
             )
         });
         probs

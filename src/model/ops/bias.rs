@@ -30,8 +30,10 @@ fn gelu<T: Float>(z: T) -> T {
 /// d gelu(z) / dz = Φ(z) + z·φ(z).
 #[inline(always)]
 fn gelu_slope<T: Float>(z: T) -> T {
-    let cdf = T::from(0.5) * (T::from(1.0) + (z * T::from(std::f64::consts::FRAC_1_SQRT_2)).erf());
-    let pdf = T::from(1.0 / (2.0 * std::f64::consts::PI).sqrt()) * (T::from(-0.5) * z * z).exp();
+    // With a = z/√2: Φ(z) = (1 + erf a)/2 and φ(z) = e^(−a²)/√(2π).
+    let (erf, gauss) = (z * T::from(std::f64::consts::FRAC_1_SQRT_2)).erf_and_gauss();
+    let cdf = T::from(0.5) * (T::from(1.0) + erf);
+    let pdf = T::from(1.0 / (2.0 * std::f64::consts::PI).sqrt()) * gauss;
     cdf + z * pdf
 }
 
@@ -48,8 +50,16 @@ impl BiasAct {
                 || {
                     for (orow, yrow) in o.chunks_mut(cols).zip(y.chunks(cols)) {
                         match self.0 {
-                            Activation::Identity => orow.iter_mut().zip(yrow).zip(b).for_each(|((o, &y), &b)| *o = y + b),
-                            Activation::GeluErf => orow.iter_mut().zip(yrow).zip(b).for_each(|((o, &y), &b)| *o = gelu(y + b)),
+                            Activation::Identity => {
+                                for ((o, &y), &b) in orow.iter_mut().zip(yrow).zip(b) {
+                                    *o = y + b;
+                                }
+                            }
+                            Activation::GeluErf => {
+                                for ((o, &y), &b) in orow.iter_mut().zip(yrow).zip(b) {
+                                    *o = gelu(y + b);
+                                }
+                            }
                         }
                     }
                 },
@@ -144,7 +154,9 @@ pub(super) fn column_sums<T: Float>(x: &[T], cols: usize) -> Vec<T> {
                 #[inline(always)]
                 || {
                     for row in chunk.chunks(cols) {
-                        acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+                        for (a, &v) in acc.iter_mut().zip(row) {
+                            *a += v;
+                        }
                     }
                 },
             );

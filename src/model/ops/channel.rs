@@ -222,7 +222,11 @@ impl BatchNormAct {
                 let k = T::from(g * r);
                 simd(
                     #[inline(always)]
-                    || o.iter_mut().for_each(|ov| *ov = k * *ov),
+                    || {
+                        for ov in o.iter_mut() {
+                            *ov = k * *ov;
+                        }
+                    },
                 )
             }
         });
@@ -338,7 +342,11 @@ impl CustomOp2 for ChannelScale {
                 let sv = s[p];
                 simd(
                     #[inline(always)]
-                    || o.iter_mut().zip(hp).for_each(|(ov, &hv)| *ov = hv * sv),
+                    || {
+                        for (ov, &hv) in o.iter_mut().zip(hp) {
+                            *ov = hv * sv;
+                        }
+                    },
                 )
             });
             out
@@ -442,7 +450,11 @@ impl ScaledResidual {
                 let k = T::from(self.keep[n]);
                 simd(
                     #[inline(always)]
-                    || o.iter_mut().zip(hs.iter().zip(xs)).for_each(|(o, (&hv, &xv))| *o = hv * k + xv),
+                    || {
+                        for (o, (&hv, &xv)) in o.iter_mut().zip(hs.iter().zip(xs)) {
+                            *o = hv * k + xv;
+                        }
+                    },
                 )
             });
         out

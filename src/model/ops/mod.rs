@@ -80,6 +80,8 @@ trait Float:
     fn exp(self) -> Self;
     fn sqrt(self) -> Self;
     fn erf(self) -> Self;
+    /// `(erf(x), e^(−x²))`.
+    fn erf_and_gauss(self) -> (Self, Self);
 }
 
 impl Float for f32 {
@@ -98,6 +100,9 @@ impl Float for f32 {
     fn erf(self) -> Self {
         fast_math::erf(self)
     }
+    fn erf_and_gauss(self) -> (Self, Self) {
+        fast_math::erf_and_gauss(self)
+    }
 }
 
 impl Float for f64 {
@@ -115,6 +120,9 @@ impl Float for f64 {
     }
     fn erf(self) -> Self {
         candle_core::cpu::erf::erf_f64(self)
+    }
+    fn erf_and_gauss(self) -> (Self, Self) {
+        (Float::erf(self), (-self * self).exp())
     }
 }
 
@@ -172,23 +180,56 @@ macro_rules! float_dispatch3 {
 
 pub(crate) use {float_dispatch, float_dispatch2, float_dispatch3};
 
-/// Runs `f` inside a function compiled for AVX2 and FMA when the CPU has them, so the element
-/// loops inlined into it vectorise 8 wide with fused multiply-adds. The crate is built for
-/// baseline x86-64 (SSE2, 4 wide) so the binary runs on any x86-64; this picks the wider code at
-/// run time, per call, as gemm does for its matmul kernels. Call it inside each parallel task:
-/// code in rayon's closures is compiled on its own and does not inherit the features.
+/// Runs `f` inside a function compiled for AVX-512 (16 wide) or AVX2 and FMA (8 wide) when the
+/// CPU has them, so the element loops inlined into it vectorise with fused multiply-adds. The
+/// crate is built for baseline x86-64 (SSE2, 4 wide) so the binary runs on any x86-64; this picks
+/// the wider code at run time, per call, as gemm does for its matmul kernels. Call it inside each
+/// parallel task: code in rayon's closures is compiled on its own and does not inherit the
+/// features.
 #[inline(always)]
 pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
-            f()
+    {
+        if cpu::has_avx512() {
+            #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+            unsafe fn wide512<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            // SAFETY: the CPU has the features `wide512` is compiled for (`has_avx512`).
+            return unsafe { wide512(f) };
         }
-        // SAFETY: the CPU has the features `wide` is compiled for (checked just above).
-        return unsafe { wide(f) };
+        if cpu::has_avx2() {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn wide<R>(f: impl FnOnce() -> R) -> R {
+                f()
+            }
+            // SAFETY: the CPU has the features `wide` is compiled for (`has_avx2`).
+            return unsafe { wide(f) };
+        }
     }
     f()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod cpu {
+    use std::arch::is_x86_feature_detected as has;
+
+    pub fn has_avx512() -> bool {
+        // `ALIGN_NO_AVX512=1` keeps the 8-wide code, to compare the two on one machine.
+        static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *YES.get_or_init(|| {
+            std::env::var_os("ALIGN_NO_AVX512").is_none()
+                && has!("avx512f")
+                && has!("avx512bw")
+                && has!("avx512dq")
+                && has!("avx512vl")
+                && has_avx2()
+        })
+    }
+
+    pub fn has_avx2() -> bool {
+        has!("avx2") && has!("fma")
+    }
 }
 
 /// Independent partial sums in the reductions below: enough for a loop to vectorise (one running
@@ -208,6 +249,23 @@ fn lane_sum<T: Float>(x: &[T]) -> T {
     }
     let rest = chunks.remainder().iter().fold(T::default(), |s, &v| s + v);
     acc.iter().fold(rest, |s, &v| s + v)
+}
+
+/// The largest element (−∞ for an empty slice) in lane-wise partial maxima.
+#[inline(always)]
+fn lane_max<T: Float>(x: &[T]) -> T {
+    let mut acc = [T::from(f64::NEG_INFINITY); LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+        }
+    }
+    let mut m = T::from(f64::NEG_INFINITY);
+    for &v in chunks.remainder().iter().chain(&acc) {
+        m = if v > m { v } else { m };
+    }
+    m
 }
 
 /// Σ a·b in lane-wise partial sums.
