@@ -7,7 +7,7 @@ use candle_nn::{Embedding, VarBuilder};
 
 use super::checkpoint::Checkpointing;
 use super::config::{BertConfig, TextPooling};
-use super::layers::{attention, linear, mlp_gelu, scaled_normal, LayerNorm, Linear};
+use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
 
 struct Layer {
     query: Linear,
@@ -41,9 +41,9 @@ impl Layer {
 
     /// Post-norm block, as BERT has it.
     fn forward(&self, x: &Tensor, mask_bias: &Tensor) -> Result<Tensor> {
-        let ctx = attention(&self.query.forward(x)?, &self.key.forward(x)?, &self.value.forward(x)?, self.heads, Some(mask_bias))?;
-        let x = self.attn_norm.forward(&(self.attn_out.forward(&ctx)? + x)?)?;
-        self.out_norm.forward(&(mlp_gelu(&self.intermediate, &self.output, &x)? + x)?)
+        let proj = [&self.query, &self.key, &self.value, &self.attn_out];
+        let x = attention_branch(x, Norm::Post, &self.attn_norm, proj, self.heads, Some(mask_bias))?;
+        mlp_branch(&x, Norm::Post, &self.out_norm, &self.intermediate, &self.output)
     }
 }
 

@@ -9,6 +9,8 @@ use super::ops::attention as fused_attention;
 pub use super::ops::bias::Activation;
 use super::ops::layer_norm::layer_norm;
 use super::ops::linear::{linear_bias, linear_bias_act, mlp_gelu as fused_mlp};
+use super::ops::residual;
+pub use super::ops::residual::Norm;
 use super::ops::softmax::scaled_masked_softmax;
 
 /// LayerNorm over the last dimension (our fused op with its own backward).
@@ -134,6 +136,67 @@ pub fn composed_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_
         _ => scaled_masked_softmax(&scores, scale, key_bias)?,
     };
     probs.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))
+}
+
+/// A transformer layer's attention sub-layer on `x` `[batch, len, width]`: `x + O(A(LN(x)))`
+/// (pre-norm) or `LN(x + O(A(x)))` (post-norm), where A is the attention of the q, k and v
+/// projections (`proj[..3]`) and O the output projection (`proj[3]`). One op on the CPU in
+/// f32 / f64 (`ops::residual`), [`composed_attention_branch`] elsewhere.
+pub fn attention_branch(
+    x: &Tensor,
+    norm: Norm,
+    ln: &LayerNorm,
+    proj: [&Linear; 4],
+    heads: usize,
+    key_bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    if let Some(p) = fusable_params(x, ln, &proj) {
+        return residual::attention_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), [p[0], p[1], p[2], p[3]], heads, key_bias);
+    }
+    composed_attention_branch(x, norm, ln, proj, heads, key_bias)
+}
+
+/// [`attention_branch`] from the separate layers.
+pub fn composed_attention_branch(
+    x: &Tensor,
+    norm: Norm,
+    ln: &LayerNorm,
+    [q, k, v, o]: [&Linear; 4],
+    heads: usize,
+    key_bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let branch = |h: &Tensor| o.forward(&attention(&q.forward(h)?, &k.forward(h)?, &v.forward(h)?, heads, key_bias)?);
+    match norm {
+        Norm::Pre => branch(&ln.forward(x)?)? + x,
+        Norm::Post => ln.forward(&(branch(x)? + x)?),
+    }
+}
+
+/// A transformer layer's MLP sub-layer: `x + M(LN(x))` (pre-norm) or `LN(x + M(x))`
+/// (post-norm) with `M = fc2 ∘ GELU ∘ fc1`. One op on the CPU in f32 / f64, the separate layers
+/// elsewhere.
+pub fn mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear, fc2: &Linear) -> Result<Tensor> {
+    if let Some(p) = fusable_params(x, ln, &[fc1, fc2]) {
+        return residual::mlp_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), p[0], p[1]);
+    }
+    composed_mlp_branch(x, norm, ln, fc1, fc2)
+}
+
+/// [`mlp_branch`] from the separate layers.
+pub fn composed_mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear, fc2: &Linear) -> Result<Tensor> {
+    match norm {
+        Norm::Pre => mlp_gelu(fc1, fc2, &ln.forward(x)?)? + x,
+        Norm::Post => ln.forward(&(mlp_gelu(fc1, fc2, x)? + x)?),
+    }
+}
+
+/// The linear layers' (weight, bias) pairs when the residual-branch op can run them: every layer
+/// has a bias and every tensor suits `ops::residual::fusable`.
+fn fusable_params<'a>(x: &Tensor, ln: &'a LayerNorm, layers: &[&'a Linear]) -> Option<Vec<(&'a Tensor, &'a Tensor)>> {
+    let params = layers.iter().map(|l| l.bias.as_ref().map(|b| (&l.weight, b))).collect::<Option<Vec<_>>>()?;
+    let mut all = vec![&ln.weight, &ln.bias];
+    all.extend(params.iter().flat_map(|(w, b)| [*w, *b]));
+    residual::fusable(x, &all).then_some(params)
 }
 
 /// L2-normalises rows.

@@ -10,7 +10,7 @@ use candle_nn::{Init, VarBuilder};
 
 use super::checkpoint::Checkpointing;
 use super::config::{ImagePooling, VitConfig};
-use super::layers::{attention, linear, mlp_gelu, scaled_normal, LayerNorm, Linear};
+use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
 use super::ops::linear::linear_bias;
 
 struct Block {
@@ -44,10 +44,8 @@ impl Block {
 
     /// Pre-norm block.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.norm1.forward(x)?;
-        let a = attention(&self.query.forward(&h)?, &self.key.forward(&h)?, &self.value.forward(&h)?, self.heads, None)?;
-        let x = (self.proj.forward(&a)? + x)?;
-        mlp_gelu(&self.fc1, &self.fc2, &self.norm2.forward(&x)?)? + x
+        let x = attention_branch(x, Norm::Pre, &self.norm1, [&self.query, &self.key, &self.value, &self.proj], self.heads, None)?;
+        mlp_branch(&x, Norm::Pre, &self.norm2, &self.fc1, &self.fc2)
     }
 }
 

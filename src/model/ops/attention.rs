@@ -17,16 +17,16 @@ use super::softmax::{softmax_grad_row, softmax_row_in_place};
 use super::{float_dispatch2, float_dispatch3, output_buffer, simd, with_cpu_slice, Float};
 
 #[derive(Clone, Copy, Debug)]
-struct Geometry {
+pub(super) struct Geometry {
     batch: usize,
     len: usize,
     width: usize,
     heads: usize,
-    head_dim: usize,
+    pub head_dim: usize,
 }
 
 impl Geometry {
-    fn new(dims: &[usize], heads: usize) -> Result<Self> {
+    pub fn new(dims: &[usize], heads: usize) -> Result<Self> {
         match dims {
             [batch, len, width] if heads > 0 && width % heads == 0 => {
                 Ok(Geometry { batch: *batch, len: *len, width: *width, heads, head_dim: width / heads })
@@ -60,75 +60,64 @@ impl Geometry {
     }
 }
 
-/// `softmax(scale·q·kᵀ + key_bias)` per head: `[batch, heads, len, len]`.
-struct Scores {
-    g: Geometry,
-    scale: f64,
-    /// `[batch, len]`: added to every query's scores of that batch element.
-    key_bias: Option<Vec<f32>>,
-}
-
-impl Scores {
-    fn run<T: Float>(&self, q: &[T], k: &[T]) -> Vec<T> {
-        let g = self.g;
-        let (l, scale) = (g.len, T::from(self.scale));
-        // SAFETY: each task's product fills its own l×l block.
-        let mut probs = unsafe { output_buffer::<T>(g.tasks() * l * l) };
-        probs.par_chunks_mut(l * l).enumerate().for_each(|(task, p)| {
-            let off = g.head_offset(task);
-            let d = Dims { m: l, n: l, k: g.head_dim };
-            gemm_serial(p, l, d, Mat::rows(q, off, g.width), Mat::transposed(k, off, g.width));
-            let bias = self.key_bias.as_ref().map(|b| &b[(task / g.heads) * l..(task / g.heads + 1) * l]);
-            simd(
-                #[inline(always)]
-                || {
-                    for row in p.chunks_mut(l) {
-                        softmax_row_in_place(row, scale, bias);
-                    }
-                },
-            )
-        });
-        probs
-    }
+/// `softmax(scale·q·kᵀ + key_bias)` per head: `[batch, heads, len, len]`. `key_bias` is
+/// `[batch, len]`, added to every query's scores of that batch element.
+pub(super) fn scores<T: Float>(g: Geometry, scale: f64, key_bias: Option<&[f32]>, q: &[T], k: &[T]) -> Vec<T> {
+    let (l, scale) = (g.len, T::from(scale));
+    // SAFETY: each task's product fills its own l×l block.
+    let mut probs = unsafe { output_buffer::<T>(g.tasks() * l * l) };
+    probs.par_chunks_mut(l * l).enumerate().for_each(|(task, p)| {
+        let off = g.head_offset(task);
+        let d = Dims { m: l, n: l, k: g.head_dim };
+        gemm_serial(p, l, d, Mat::rows(q, off, g.width), Mat::transposed(k, off, g.width));
+        let bias = key_bias.map(|b| &b[(task / g.heads) * l..(task / g.heads + 1) * l]);
+        simd(
+            #[inline(always)]
+            || {
+                for row in p.chunks_mut(l) {
+                    softmax_row_in_place(row, scale, bias);
+                }
+            },
+        )
+    });
+    probs
 }
 
 /// dS = scale·P·(dP − Σ P·dP) per row, then dq = dS·k and dk = dSᵀ·q per head: `[dq | dk]`.
+pub(super) fn scores_grad<T: Float>(g: Geometry, scale: f64, p: &[T], dp: &[T], q: &[T], k: &[T]) -> Vec<T> {
+    let (l, n) = (g.len, g.batch * g.len * g.width);
+    // SAFETY: every (image, head) task fills its head's columns of dq and dk.
+    let mut out = unsafe { output_buffer::<T>(2 * n) };
+    let dst = SharedDst::new(&mut out);
+    (0..g.tasks()).into_par_iter().for_each(|task| {
+        let (pt, dpt) = (&p[task * l * l..(task + 1) * l * l], &dp[task * l * l..(task + 1) * l * l]);
+        // SAFETY: softmax_grad_row writes every element of each row.
+        let mut ds = unsafe { output_buffer::<T>(l * l) };
+        simd(
+            #[inline(always)]
+            || {
+                for ((o, y), gr) in ds.chunks_mut(l).zip(pt.chunks(l)).zip(dpt.chunks(l)) {
+                    softmax_grad_row(o, y, gr, T::from(scale));
+                }
+            },
+        );
+        let off = g.head_offset(task);
+        let d = Dims { m: l, n: g.head_dim, k: l };
+        // SAFETY: each task writes only its own head's columns of its own batch element.
+        unsafe {
+            gemm_shared(&dst, off, g.width, d, Mat::rows(&ds, 0, l), Mat::rows(k, off, g.width));
+            gemm_shared(&dst, n + off, g.width, d, Mat::transposed(&ds, 0, l), Mat::rows(q, off, g.width));
+        }
+    });
+    out
+}
+
+/// [`scores_grad`] as an op on (P, dP), with q and k read from the tensors it holds.
 struct ScoresGrad {
     g: Geometry,
     scale: f64,
     q: Tensor,
     k: Tensor,
-}
-
-impl ScoresGrad {
-    fn run<T: Float>(&self, p: &[T], dp: &[T], q: &[T], k: &[T]) -> Vec<T> {
-        let g = self.g;
-        let (l, n) = (g.len, g.batch * g.len * g.width);
-        // SAFETY: every (image, head) task fills its head's columns of dq and dk.
-        let mut out = unsafe { output_buffer::<T>(2 * n) };
-        let dst = SharedDst::new(&mut out);
-        (0..g.tasks()).into_par_iter().for_each(|task| {
-            let (pt, dpt) = (&p[task * l * l..(task + 1) * l * l], &dp[task * l * l..(task + 1) * l * l]);
-            // SAFETY: softmax_grad_row writes every element of each row.
-            let mut ds = unsafe { output_buffer::<T>(l * l) };
-            simd(
-                #[inline(always)]
-                || {
-                    for ((o, y), gr) in ds.chunks_mut(l).zip(pt.chunks(l)).zip(dpt.chunks(l)) {
-                        softmax_grad_row(o, y, gr, T::from(self.scale));
-                    }
-                },
-            );
-            let off = g.head_offset(task);
-            let d = Dims { m: l, n: g.head_dim, k: l };
-            // SAFETY: each task writes only its own head's columns of its own batch element.
-            unsafe {
-                gemm_shared(&dst, off, g.width, d, Mat::rows(&ds, 0, l), Mat::rows(k, off, g.width));
-                gemm_shared(&dst, n + off, g.width, d, Mat::transposed(&ds, 0, l), Mat::rows(q, off, g.width));
-            }
-        });
-        out
-    }
 }
 
 impl CustomOp2 for ScoresGrad {
@@ -141,59 +130,52 @@ impl CustomOp2 for ScoresGrad {
         self.g.check("probabilities", l1.dims(), &self.g.probs_dims())?;
         self.g.check("their gradient", l2.dims(), &self.g.probs_dims())?;
         let out = float_dispatch2!(s1, l1, s2, l2, "attention backward", |p, dp| {
-            with_cpu_slice(&self.q, "attention's q", |q| with_cpu_slice(&self.k, "attention's k", |k| Ok(self.run(p, dp, q, k))))?
+            with_cpu_slice(&self.q, "attention's q", |q| {
+                with_cpu_slice(&self.k, "attention's k", |k| Ok(scores_grad(self.g, self.scale, p, dp, q, k)))
+            })?
         });
         Ok((out, Shape::from(2 * self.g.batch * self.g.len * self.g.width)))
     }
 }
 
 /// probabilities · v per head, written into each head's columns: `[batch, len, width]`.
-struct Context {
-    g: Geometry,
-}
-
-impl Context {
-    fn run<T: Float>(&self, p: &[T], v: &[T]) -> Vec<T> {
-        let g = self.g;
-        let l = g.len;
-        // SAFETY: every (image, head) task fills its head's columns.
-        let mut out = unsafe { output_buffer::<T>(g.batch * l * g.width) };
-        let dst = SharedDst::new(&mut out);
-        (0..g.tasks()).into_par_iter().for_each(|task| {
-            let off = g.head_offset(task);
-            let d = Dims { m: l, n: g.head_dim, k: l };
-            // SAFETY: each task writes only its own head's columns of its own batch element.
-            unsafe { gemm_shared(&dst, off, g.width, d, Mat::rows(p, task * l * l, l), Mat::rows(v, off, g.width)) }
-        });
-        out
-    }
+pub(super) fn context<T: Float>(g: Geometry, p: &[T], v: &[T]) -> Vec<T> {
+    let l = g.len;
+    // SAFETY: every (image, head) task fills its head's columns.
+    let mut out = unsafe { output_buffer::<T>(g.batch * l * g.width) };
+    let dst = SharedDst::new(&mut out);
+    (0..g.tasks()).into_par_iter().for_each(|task| {
+        let off = g.head_offset(task);
+        let d = Dims { m: l, n: g.head_dim, k: l };
+        // SAFETY: each task writes only its own head's columns of its own batch element.
+        unsafe { gemm_shared(&dst, off, g.width, d, Mat::rows(p, task * l * l, l), Mat::rows(v, off, g.width)) }
+    });
+    out
 }
 
 /// dP = dctx·vᵀ and dv = Pᵀ·dctx per head: `[dP | dv]`.
-struct ContextGrad {
-    g: Geometry,
+pub(super) fn context_grad<T: Float>(g: Geometry, p: &[T], v: &[T], dc: &[T]) -> Vec<T> {
+    let l = g.len;
+    let np = g.tasks() * l * l;
+    // SAFETY: every task fills its probability block and its head's columns.
+    let mut out = unsafe { output_buffer::<T>(np + g.batch * l * g.width) };
+    let dst = SharedDst::new(&mut out);
+    (0..g.tasks()).into_par_iter().for_each(|task| {
+        let off = g.head_offset(task);
+        // SAFETY: each task writes only its own probability block and its own head's columns.
+        unsafe {
+            let d = Dims { m: l, n: l, k: g.head_dim };
+            gemm_shared(&dst, task * l * l, l, d, Mat::rows(dc, off, g.width), Mat::transposed(v, off, g.width));
+            let d = Dims { m: l, n: g.head_dim, k: l };
+            gemm_shared(&dst, np + off, g.width, d, Mat::transposed(p, task * l * l, l), Mat::rows(dc, off, g.width));
+        }
+    });
+    out
 }
 
-impl ContextGrad {
-    fn run<T: Float>(&self, p: &[T], v: &[T], dc: &[T]) -> Vec<T> {
-        let g = self.g;
-        let l = g.len;
-        let np = g.tasks() * l * l;
-        // SAFETY: every task fills its probability block and its head's columns.
-        let mut out = unsafe { output_buffer::<T>(np + g.batch * l * g.width) };
-        let dst = SharedDst::new(&mut out);
-        (0..g.tasks()).into_par_iter().for_each(|task| {
-            let off = g.head_offset(task);
-            // SAFETY: each task writes only its own probability block and its own head's columns.
-            unsafe {
-                let d = Dims { m: l, n: l, k: g.head_dim };
-                gemm_shared(&dst, task * l * l, l, d, Mat::rows(dc, off, g.width), Mat::transposed(v, off, g.width));
-                let d = Dims { m: l, n: g.head_dim, k: l };
-                gemm_shared(&dst, np + off, g.width, d, Mat::transposed(p, task * l * l, l), Mat::rows(dc, off, g.width));
-            }
-        });
-        out
-    }
+/// [`context_grad`] as an op on (P, v, dctx).
+struct ContextGrad {
+    g: Geometry,
 }
 
 impl CustomOp3 for ContextGrad {
@@ -214,7 +196,7 @@ impl CustomOp3 for ContextGrad {
         self.g.check("probabilities", l1.dims(), &self.g.probs_dims())?;
         self.g.check("v", l2.dims(), &self.g.token_dims())?;
         self.g.check("the context gradient", l3.dims(), &self.g.token_dims())?;
-        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "attention context backward", |p, v, dc| self.run(p, v, dc));
+        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "attention context backward", |p, v, dc| context_grad(self.g, p, v, dc));
         let g = self.g;
         Ok((out, Shape::from(g.tasks() * g.len * g.len + g.batch * g.len * g.width)))
     }
@@ -224,15 +206,17 @@ impl CustomOp3 for ContextGrad {
 /// the backward pass: as a node between two ops they got a zero-filled gradient buffer and an add
 /// in every backward pass, `[batch, heads, len, len]` per layer.
 struct Attention {
-    scores: Scores,
+    g: Geometry,
+    scale: f64,
+    key_bias: Option<Vec<f32>>,
     probs: Mutex<Option<Tensor>>,
 }
 
 impl Attention {
     fn run<T: Float>(&self, q: &[T], k: &[T], v: &[T]) -> Result<Vec<T>> {
-        let g = self.scores.g;
-        let probs = self.scores.run(q, k);
-        let context = Context { g }.run(&probs, v);
+        let g = self.g;
+        let probs = scores(g, self.scale, self.key_bias.as_deref(), q, k);
+        let context = context(g, &probs, v);
         let probs = Tensor::from_vec(probs, g.probs_dims().to_vec(), &candle_core::Device::Cpu)?;
         *self.probs.lock().unwrap_or_else(|e| e.into_inner()) = Some(probs);
         Ok(context)
@@ -254,7 +238,7 @@ impl CustomOp3 for Attention {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/attention");
-        let g = self.scores.g;
+        let g = self.g;
         for (what, l) in [("q", l1), ("k", l2), ("v", l3)] {
             g.check(what, l.dims(), &g.token_dims())?;
         }
@@ -273,11 +257,11 @@ impl CustomOp3 for Attention {
         let Some(p) = self.probs.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
             candle_core::bail!("attention backward before its forward pass")
         };
-        let g = self.scores.g;
+        let g = self.g;
         let (np, n) = (p.elem_count(), q.elem_count());
         let dp_dv = p.apply_op3_no_bwd(v, &grad.contiguous()?, &ContextGrad { g })?;
         let dp = dp_dv.narrow(0, 0, np)?.reshape(p.dims())?;
-        let op = ScoresGrad { g, scale: self.scores.scale, q: q.clone(), k: k.clone() };
+        let op = ScoresGrad { g, scale: self.scale, q: q.clone(), k: k.clone() };
         let dq_dk = p.apply_op2_no_bwd(&dp, &op)?;
         let reshape = |t: &Tensor, at: usize| t.narrow(0, at, n)?.reshape(q.dims());
         Ok((Some(reshape(&dq_dk, 0)?), Some(reshape(&dq_dk, n)?), Some(reshape(&dp_dv, np)?)))
@@ -303,7 +287,7 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Opt
         }
         None => None,
     };
-    let op = Attention { scores: Scores { g, scale: 1.0 / (g.head_dim as f64).sqrt(), key_bias }, probs: Mutex::new(None) };
+    let op = Attention { g, scale: 1.0 / (g.head_dim as f64).sqrt(), key_bias, probs: Mutex::new(None) };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 

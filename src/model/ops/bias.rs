@@ -98,7 +98,7 @@ impl CustomOp2 for BiasAct {
 pub(super) struct GeluGrad;
 
 impl GeluGrad {
-    fn run<T: Float>(y: &[T], b: &[T], dy: &[T], cols: usize) -> Vec<T> {
+    pub(super) fn run<T: Float>(y: &[T], b: &[T], dy: &[T], cols: usize) -> Vec<T> {
         // SAFETY: the loop below writes every element.
         let mut out = unsafe { output_buffer::<T>(y.len()) };
         let task = (TASK_ELEMS / cols).max(1) * cols;

@@ -29,12 +29,12 @@ fn row_stats<T: Float>(x: &[T], eps: f64) -> (T, T) {
     (mean, inv_std)
 }
 
-struct LayerNormOp {
-    eps: f64,
+pub(super) struct LayerNormOp {
+    pub eps: f64,
 }
 
 impl LayerNormOp {
-    fn run<T: Float>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+    pub(super) fn run<T: Float>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let d = w.len();
         // SAFETY: the loop below writes every element.
         let mut out = unsafe { output_buffer::<T>(x.len()) };
@@ -103,12 +103,12 @@ impl CustomOp3 for LayerNormOp {
 
 /// With x̂ = (x − μ)·r and ĝ = dy·w per row: dx = r·(ĝ − mean(ĝ) − x̂·mean(ĝ·x̂)),
 /// dw = Σ_rows dy·x̂, db = Σ_rows dy.
-struct LayerNormGrad {
-    eps: f64,
+pub(super) struct LayerNormGrad {
+    pub eps: f64,
 }
 
 impl LayerNormGrad {
-    fn run<T: Float>(&self, x: &[T], w: &[T], dy: &[T]) -> Vec<T> {
+    pub(super) fn run<T: Float>(&self, x: &[T], w: &[T], dy: &[T]) -> Vec<T> {
         let d = w.len();
         let n = x.len() / d;
         // SAFETY: the row loop writes every element of dx; the parameter sums are zeroed here.

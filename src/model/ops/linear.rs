@@ -10,8 +10,9 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;
 
 use super::bias::{bias_act, column_sums, Activation, BiasAct, GeluGrad};
-use super::matmul::{gemm_into, Dims, Mat};
-use super::{float_dispatch3, output_buffer, Float};
+use super::matmul::{gemm_into, gemm_serial, Dims, Mat};
+use super::{float_dispatch3, output_buffer, simd, Float};
+use rayon::prelude::*;
 
 fn shapes(x: &[usize], w: &[usize]) -> Result<(usize, usize, usize)> {
     match (x, w) {
@@ -91,17 +92,14 @@ impl LinearBiasGrad {
         }
     }
 
-    fn run<T: Float>(&self, x: &[T], w: &[T], dy: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    fn run<T: Float>(&self, x: &[T], w: &[T], dy: &[T], dims: (usize, usize, usize)) -> Vec<T> {
+        let (rows, inp, out) = dims;
         let dx_len = self.dx_len(rows, inp);
-        // SAFETY: the two products and the column sums fill dx, dW and db.
+        // SAFETY: linear_grads fills dx (not accumulating), dW and db.
         let mut all = unsafe { output_buffer::<T>(dx_len + out * inp + out) };
         let (dx, rest) = all.split_at_mut(dx_len);
         let (dw, db) = rest.split_at_mut(out * inp);
-        if self.input_grad {
-            gemm_into(dx, inp, Dims { m: rows, n: inp, k: out }, Mat::rows(dy, 0, out), Mat::rows(w, 0, inp), false);
-        }
-        gemm_into(dw, inp, Dims { m: out, n: inp, k: rows }, Mat::transposed(dy, 0, out), Mat::rows(x, 0, inp), false);
-        db.copy_from_slice(&column_sums(dy, out));
+        linear_grads(x, w, dy, dims, self.input_grad.then_some((dx, false)), dw, db);
         all
     }
 }
@@ -128,6 +126,95 @@ impl CustomOp3 for LinearBiasGrad {
         let all = float_dispatch3!(s1, l1, s2, l2, s3, l3, "linear layer backward", |x, w, dy| self.run(x, w, dy, (rows, inp, out)));
         Ok((all, Shape::from(self.dx_len(rows, inp) + out * inp + out)))
     }
+}
+
+/// The gradients of `y = x·Wᵀ + b` from dy, for `x` `[rows, in]`, `w` `[out, in]`: `dx = dy·W`
+/// (added to what `dx` holds when its flag says so; skipped without `dx`), `dW = dyᵀ·x`,
+/// `db` = column sums of dy.
+pub(super) fn linear_grads<T: Float>(
+    x: &[T],
+    w: &[T],
+    dy: &[T],
+    (rows, inp, out): (usize, usize, usize),
+    dx: Option<(&mut [T], bool)>,
+    dw: &mut [T],
+    db: &mut [T],
+) {
+    if let Some((dx, accumulate)) = dx {
+        gemm_into(dx, inp, Dims { m: rows, n: inp, k: out }, Mat::rows(dy, 0, out), Mat::rows(w, 0, inp), accumulate);
+    }
+    weight_grad(x, dy, (rows, inp, out), dw);
+    db.copy_from_slice(&column_sums(dy, out));
+}
+
+/// `dW = dyᵀ·x`: a short, wide product summed over all rows (k = rows). gemm splits only the
+/// output (`out × in` blocks, few of them) across threads; splitting the rows instead, one
+/// partial product per thread added up at the end, made ViT-Ti's weight gradients 20% faster on
+/// two threads (205–228 → 252–275 GFLOP/s).
+fn weight_grad<T: Float>(x: &[T], dy: &[T], (rows, inp, out): (usize, usize, usize), dw: &mut [T]) {
+    // At least 1024 rows a part, and no more partial sums than the input has values.
+    let parts = rayon::current_num_threads().min(rows / 1024).min((rows * inp / (out * inp).max(1)).max(1)).max(1);
+    let dims = |k| Dims { m: out, n: inp, k };
+    if parts == 1 {
+        gemm_into(dw, inp, dims(rows), Mat::transposed(dy, 0, out), Mat::rows(x, 0, inp), false);
+        return;
+    }
+    let per = rows.div_ceil(parts);
+    // SAFETY: each part's product overwrites its buffer (k ≥ 1 rows each, as per ≤ rows).
+    let mut partial: Vec<Vec<T>> = (1..parts).map(|_| unsafe { output_buffer::<T>(out * inp) }).collect();
+    let mut dsts: Vec<&mut [T]> = std::iter::once(&mut *dw).chain(partial.iter_mut().map(|p| &mut p[..])).collect();
+    dsts.par_iter_mut().enumerate().for_each(|(i, dst)| {
+        let (start, end) = (i * per, ((i + 1) * per).min(rows));
+        let d = dims(end.saturating_sub(start));
+        gemm_serial(dst, inp, d, Mat::transposed(dy, start * out, out), Mat::rows(x, start * inp, inp));
+    });
+    for p in &partial {
+        add_assign(dw, p);
+    }
+}
+
+/// `a += b` element by element, in parallel chunks.
+pub(super) fn add_assign<T: Float>(a: &mut [T], b: &[T]) {
+    a.par_chunks_mut(16 * 1024).zip(b.par_chunks(16 * 1024)).for_each(|(a, b)| {
+        simd(
+            #[inline(always)]
+            || {
+                for (x, &y) in a.iter_mut().zip(b) {
+                    *x += y;
+                }
+            },
+        )
+    });
+}
+
+/// `x·Wᵀ` for `x` `[rows, in]`, `w` `[out, in]`.
+pub(super) fn product<T: Float>(x: &[T], w: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    // SAFETY: the product overwrites every element.
+    let mut y = unsafe { output_buffer::<T>(rows * out) };
+    gemm_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), false);
+    y
+}
+
+/// `residual + x·Wᵀ + b`: the residual and bias are written first and the product accumulated
+/// onto them inside the matmul kernel.
+pub(super) fn residual_linear<T: Float>(residual: &[T], x: &[T], w: &[T], b: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
+    // SAFETY: the row loop writes every element before the product reads them.
+    let mut y = unsafe { output_buffer::<T>(rows * out) };
+    let task = out * (16 * 1024 / out).max(1);
+    y.par_chunks_mut(task).zip(residual.par_chunks(task)).for_each(|(y, r)| {
+        simd(
+            #[inline(always)]
+            || {
+                for (yrow, rrow) in y.chunks_mut(out).zip(r.chunks(out)) {
+                    for ((o, &r), &b) in yrow.iter_mut().zip(rrow).zip(b) {
+                        *o = r + b;
+                    }
+                }
+            },
+        )
+    });
+    gemm_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), true);
+    y
 }
 
 /// `gelu(x·Wᵀ + b)`. The product before the bias is kept in the op for the backward pass: as a
@@ -367,6 +454,24 @@ mod tests {
             |x, w, b| bias_act(&x.matmul(&w.t().unwrap()).unwrap(), b, Activation::GeluErf).unwrap(),
             2e-5,
         );
+    }
+
+    /// Tall inputs take the weight gradient in per-thread row blocks: the same gradients as one
+    /// product, with three threads (three blocks, the last one shorter) and with one.
+    #[test]
+    fn weight_gradient_in_row_blocks_matches_one_product() {
+        let [x, w, b] = inputs(DType::F64, (3500, 6, 5));
+        let up = crate::util::rng::randn(176, 0.0, 1.0, (3500, 5), DType::F64, &Device::Cpu).unwrap();
+        let grad = |threads| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| (linear_bias(&x, &w, &b).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap())
+        };
+        let (one, three) = (grad(1), grad(3));
+        let reference = x.t().unwrap().matmul(&up).unwrap().t().unwrap();
+        for g in [&one, &three] {
+            let dw = g.get(&w).unwrap();
+            assert!(max_diff(dw, &reference) <= 1e-12 * max_abs(&reference));
+        }
     }
 
     /// An input outside the graph gets no gradient; the weight's and bias's are as before.

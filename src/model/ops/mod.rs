@@ -13,6 +13,7 @@ pub mod layer_norm;
 pub mod linear;
 mod matmul;
 pub mod pointwise;
+pub mod residual;
 pub mod softmax;
 
 fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {

@@ -1,0 +1,555 @@
+//! A transformer layer's residual branch as one op: `x + F(LN(x))` (pre-norm, as ViT has it) or
+//! `LN(x + F(x))` (post-norm, as BERT has it), where F is the attention with its four
+//! projections or the MLP.
+//!
+//! candle's backward pass gives every graph edge a zero-filled gradient buffer and adds each
+//! contribution into it. Built from separate ops, a ViT block has about fourteen edges the size
+//! of its activations (the LayerNorm outputs, q, k, v, the context, the residual sums); as two of
+//! these ops it has two, and the LayerNorm output is recomputed in the backward pass instead of
+//! kept. Parameters arrive as one flat tensor (an op has at most three inputs), laid out as
+//! [`Branch::param_layout`] says; their gradient comes back in the same layout.
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
+use rayon::prelude::*;
+
+use super::attention::{context, context_grad, scores, scores_grad, Geometry};
+use super::bias::{Activation, BiasAct, GeluGrad};
+use super::layer_norm::{LayerNormGrad, LayerNormOp};
+use super::linear::{add_assign, linear_grads, product, residual_linear};
+use super::{contiguous, float_dispatch2, float_dispatch3, output_buffer, simd, Float};
+
+/// Where the branch's LayerNorm sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    /// `x + F(LN(x))`.
+    Pre,
+    /// `LN(x + F(x))`.
+    Post,
+}
+
+/// The branch's function F.
+#[derive(Clone, Copy, Debug)]
+enum Body {
+    /// q, k, v and output projections, each `[width, width]` with a bias.
+    Attention { batch: usize, len: usize, heads: usize },
+    /// `gelu(x·W1ᵀ + b1)·W2ᵀ + b2` with W1 `[hidden, width]`.
+    Mlp { hidden: usize },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Branch {
+    norm: Norm,
+    body: Body,
+    width: usize,
+    eps: f64,
+}
+
+impl Branch {
+    /// Lengths of the parameters in the flat tensor, in order: attention `[Wq, bq, Wk, bk, Wv,
+    /// bv, Wo, bo, γ, β]`, MLP `[W1, b1, W2, b2, γ, β]`.
+    fn param_layout(&self) -> Vec<usize> {
+        let w = self.width;
+        match self.body {
+            Body::Attention { .. } => vec![w * w, w, w * w, w, w * w, w, w * w, w, w, w],
+            Body::Mlp { hidden } => vec![hidden * w, hidden, w * hidden, w, w, w],
+        }
+    }
+
+    fn param_len(&self) -> usize {
+        self.param_layout().iter().sum()
+    }
+
+    /// F's parameters (the flat ones without the LayerNorm's γ and β at the end) split as
+    /// [`Branch::param_layout`] says.
+    fn split<'a, S: Splittable<'a>>(&self, p: S) -> Vec<S> {
+        let layout = self.param_layout();
+        let mut rest = p;
+        let mut parts = Vec::new();
+        for &n in &layout[..layout.len() - 2] {
+            let (head, tail) = rest.split(n);
+            parts.push(head);
+            rest = tail;
+        }
+        parts
+    }
+
+    fn geometry(&self) -> Result<Geometry> {
+        match self.body {
+            Body::Attention { batch, len, heads } => Geometry::new(&[batch, len, self.width], heads),
+            Body::Mlp { .. } => candle_core::bail!("an MLP branch has no attention geometry"),
+        }
+    }
+
+    /// `x + F(fin)`; pushes what F's backward needs onto `saved`.
+    fn body_forward<T: Float>(&self, x: &[T], fin: &[T], p: &[T], key_bias: Option<&[f32]>, saved: &mut Vec<Vec<T>>) -> Result<Vec<T>> {
+        let (rows, w) = (x.len() / self.width, self.width);
+        let ps = self.split(p);
+        match self.body {
+            Body::Attention { .. } => {
+                let g = self.geometry()?;
+                let project = |i: usize| {
+                    let mut y = product(fin, ps[2 * i], (rows, w, w));
+                    add_rows(&mut y, ps[2 * i + 1]);
+                    y
+                };
+                let (q, k, v) = (project(0), project(1), project(2));
+                let probs = scores(g, attention_scale(g), key_bias, &q, &k);
+                let ctx = context(g, &probs, &v);
+                let out = residual_linear(x, &ctx, ps[6], ps[7], (rows, w, w));
+                saved.extend([q, k, v, probs, ctx]);
+                Ok(out)
+            }
+            Body::Mlp { hidden } => {
+                let y = product(fin, ps[0], (rows, w, hidden));
+                let h = BiasAct(Activation::GeluErf).run(&y, ps[1], hidden);
+                let out = residual_linear(x, &h, ps[2], ps[3], (rows, hidden, w));
+                saved.extend([y, h]);
+                Ok(out)
+            }
+        }
+    }
+
+    /// The gradient with respect to F's input from the gradient `dz` of F's output; F's
+    /// parameter gradients go into `dp` (the flat layout).
+    fn body_backward<T: Float>(&self, fin: &[T], dz: &[T], p: &[T], saved: &[&[T]], dp: &mut [T]) -> Result<Vec<T>> {
+        let (rows, w) = (fin.len() / self.width, self.width);
+        let ps = self.split(p);
+        let mut dps = self.split(dp);
+        // SAFETY: the first product into it overwrites it (`accumulate` false).
+        let mut dfin = unsafe { output_buffer::<T>(rows * w) };
+        match self.body {
+            Body::Attention { .. } => {
+                let g = self.geometry()?;
+                let &[q, k, v, probs, ctx] = saved else { candle_core::bail!("attention branch: saved state incomplete") };
+                // SAFETY: the product overwrites it.
+                let mut dctx = unsafe { output_buffer::<T>(rows * w) };
+                let [.., dwo, dbo] = &mut dps[..] else { unreachable!() };
+                linear_grads(ctx, ps[6], dz, (rows, w, w), Some((&mut dctx, false)), dwo, dbo);
+                let dp_dv = context_grad(g, probs, v, &dctx);
+                let (dprobs, dv) = dp_dv.split_at(probs.len());
+                let dq_dk = scores_grad(g, attention_scale(g), probs, dprobs, q, k);
+                let (dq, dk) = dq_dk.split_at(rows * w);
+                for (i, d) in [dq, dk, dv].into_iter().enumerate() {
+                    let (dw, rest) = dps[2 * i..].split_first_mut().expect("layout");
+                    linear_grads(fin, ps[2 * i], d, (rows, w, w), Some((&mut dfin, i > 0)), dw, &mut *rest[0]);
+                }
+            }
+            Body::Mlp { hidden } => {
+                let &[y, h] = saved else { candle_core::bail!("MLP branch: saved state incomplete") };
+                // SAFETY: the product overwrites it.
+                let mut dh = unsafe { output_buffer::<T>(rows * hidden) };
+                let [dw1, db1, dw2, db2] = &mut dps[..] else { unreachable!() };
+                linear_grads(h, ps[2], dz, (rows, hidden, w), Some((&mut dh, false)), dw2, db2);
+                let dy = GeluGrad::run(y, ps[1], &dh, hidden);
+                linear_grads(fin, ps[0], &dy, (rows, w, hidden), Some((&mut dfin, false)), dw1, db1);
+            }
+        }
+        Ok(dfin)
+    }
+}
+
+/// Something [`Branch::split`] cuts into consecutive pieces.
+trait Splittable<'a>: Sized {
+    fn split(self, at: usize) -> (Self, Self);
+}
+
+impl<'a, T> Splittable<'a> for &'a [T] {
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at(at)
+    }
+}
+
+impl<'a, T> Splittable<'a> for &'a mut [T] {
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at_mut(at)
+    }
+}
+
+fn attention_scale(g: Geometry) -> f64 {
+    1.0 / (g.head_dim as f64).sqrt()
+}
+
+/// `y[r, :] += b` for every row.
+fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
+    let cols = b.len();
+    y.par_chunks_mut(cols * (16 * 1024 / cols).max(1)).for_each(|chunk| {
+        simd(
+            #[inline(always)]
+            || {
+                for row in chunk.chunks_mut(cols) {
+                    for (v, &bv) in row.iter_mut().zip(b) {
+                        *v += bv;
+                    }
+                }
+            },
+        )
+    });
+}
+
+/// The forward op: arguments x and the flat parameters.
+struct BranchOp {
+    branch: Branch,
+    /// Attention only: `[batch, len]`, added to every query's scores (padding masks).
+    key_bias: Option<Vec<f32>>,
+    /// What the backward pass needs besides x and the parameters (F's intermediates; for
+    /// post-norm, the sum the LayerNorm normalised).
+    saved: Mutex<Option<Vec<Tensor>>>,
+}
+
+impl BranchOp {
+    fn run<T: Float>(&self, x: &[T], p: &[T]) -> Result<Vec<T>> {
+        let b = self.branch;
+        let w = b.width;
+        let (params, ln) = p.split_at(p.len() - 2 * w);
+        let (gamma, beta) = ln.split_at(w);
+        let ln_op = LayerNormOp { eps: b.eps };
+        let mut saved = Vec::new();
+        let out = match b.norm {
+            Norm::Pre => {
+                // Not kept: the backward pass recomputes it from x.
+                let normed = ln_op.run(x, gamma, beta);
+                b.body_forward(x, &normed, params, self.key_bias.as_deref(), &mut saved)?
+            }
+            Norm::Post => {
+                let sum = b.body_forward(x, x, params, self.key_bias.as_deref(), &mut saved)?;
+                let out = ln_op.run(&sum, gamma, beta);
+                saved.push(sum);
+                out
+            }
+        };
+        let cpu = candle_core::Device::Cpu;
+        let saved = saved
+            .into_iter()
+            .map(|v| {
+                let n = v.len();
+                Tensor::from_vec(v, n, &cpu)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(saved);
+        Ok(out)
+    }
+}
+
+impl CustomOp2 for BranchOp {
+    fn name(&self) -> &'static str {
+        "residual-branch"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region(match self.branch.body {
+            Body::Attention { .. } => "op/attention-branch",
+            Body::Mlp { .. } => "op/mlp-branch",
+        });
+        self.branch.check(l1.dims(), l2.dims())?;
+        let out = float_dispatch2!(s1, l1, s2, l2, "residual branch", |x, p| self.run(x, p)?);
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, p: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let Some(saved) = self.saved.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+            candle_core::bail!("residual branch backward before its forward pass")
+        };
+        let n = x.elem_count();
+        let op = BranchGrad { branch: self.branch, saved };
+        let all = x.apply_op3_no_bwd(p, &grad.contiguous()?, &op)?;
+        Ok((Some(all.narrow(0, 0, n)?.reshape(x.shape())?), Some(all.narrow(0, n, p.elem_count())?)))
+    }
+}
+
+impl Branch {
+    fn check(&self, x: &[usize], p: &[usize]) -> Result<()> {
+        if x.last() != Some(&self.width) {
+            candle_core::bail!("residual branch of width {}: input {x:?}", self.width);
+        }
+        if let Body::Attention { batch, len, .. } = self.body {
+            if x != [batch, len, self.width] {
+                candle_core::bail!("attention branch: input {x:?}, expected [{batch}, {len}, {}]", self.width);
+            }
+        }
+        if p != [self.param_len()] {
+            candle_core::bail!("residual branch: parameters {p:?}, expected [{}]", self.param_len());
+        }
+        Ok(())
+    }
+}
+
+/// The backward op: arguments x, the flat parameters and the output's gradient; result
+/// `[dx | dparams]`.
+struct BranchGrad {
+    branch: Branch,
+    saved: Vec<Tensor>,
+}
+
+impl BranchGrad {
+    fn run<T: Float>(&self, x: &[T], p: &[T], dy: &[T]) -> Result<Vec<T>> {
+        let guards: Vec<_> = self.saved.iter().map(|t| t.storage_and_layout()).collect();
+        let saved = guards
+            .iter()
+            .map(|(s, l)| match &**s {
+                Storage::Cpu(c) => contiguous(c.as_slice::<T>()?, l, "residual branch state"),
+                _ => candle_core::bail!("residual branch state must be on the CPU"),
+            })
+            .collect::<Result<Vec<&[T]>>>()?;
+        let b = self.branch;
+        let (n, w) = (x.len(), b.width);
+        let (params, ln) = p.split_at(p.len() - 2 * w);
+        let (gamma, beta) = ln.split_at(w);
+        // SAFETY: dx is written below in full, and so is every parameter gradient (the body
+        // writes its own; the LayerNorm's are copied in).
+        let mut out = unsafe { output_buffer::<T>(n + p.len()) };
+        let (dx, dp) = out.split_at_mut(n);
+        let (dparams, dln) = dp.split_at_mut(params.len());
+        let ln_grad = LayerNormGrad { eps: b.eps };
+        match b.norm {
+            Norm::Pre => {
+                let normed = LayerNormOp { eps: b.eps }.run(x, gamma, beta);
+                let dnormed = b.body_backward(&normed, dy, params, &saved, dparams)?;
+                let g = ln_grad.run(x, gamma, &dnormed);
+                dln.copy_from_slice(&g[n..]);
+                dx.copy_from_slice(&g[..n]);
+                add_assign(dx, dy);
+            }
+            Norm::Post => {
+                let Some((sum, body_saved)) = saved.split_last() else { candle_core::bail!("residual branch: saved state incomplete") };
+                let g = ln_grad.run(sum, gamma, dy);
+                dln.copy_from_slice(&g[n..]);
+                let dsum = &g[..n];
+                let dfin = b.body_backward(x, dsum, params, body_saved, dparams)?;
+                dx.copy_from_slice(&dfin);
+                add_assign(dx, dsum);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl CustomOp3 for BranchGrad {
+    fn name(&self) -> &'static str {
+        "residual-branch-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region(match self.branch.body {
+            Body::Attention { .. } => "op/attention-branch-grad",
+            Body::Mlp { .. } => "op/mlp-branch-grad",
+        });
+        self.branch.check(l1.dims(), l2.dims())?;
+        if l3.dims() != l1.dims() {
+            candle_core::bail!("residual branch backward: gradient {:?} for output {:?}", l3.dims(), l1.dims());
+        }
+        let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "residual branch backward", |x, p, dy| self.run(x, p, dy)?);
+        Ok((out, Shape::from(l1.shape().elem_count() + l2.shape().elem_count())))
+    }
+}
+
+/// Whether the branch ops run for these tensors (CPU, f32 / f64, one dtype); elsewhere the
+/// layers compose candle ops.
+pub fn fusable(x: &Tensor, params: &[&Tensor]) -> bool {
+    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && params.iter().all(|p| p.dtype() == x.dtype())
+}
+
+/// A linear layer's `(weight [out, in], bias [out])`.
+pub type LinearParams<'a> = (&'a Tensor, &'a Tensor);
+
+/// A LayerNorm's `(γ, β, ε)`.
+pub type NormParams<'a> = (&'a Tensor, &'a Tensor, f64);
+
+fn flat(params: &[&Tensor]) -> Result<Tensor> {
+    let parts = params.iter().map(|p| p.flatten_all()).collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)
+}
+
+/// The attention branch on `x` `[batch, len, width]`: projections `[q, k, v, out]`, `heads`
+/// heads, `key_bias` `[batch, len]` added to every query's scores. Needs [`fusable`] operands.
+pub fn attention_branch(
+    x: &Tensor,
+    norm: Norm,
+    (gamma, beta, eps): NormParams,
+    proj: [LinearParams; 4],
+    heads: usize,
+    key_bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (batch, len, width) = x.dims3()?;
+    let branch = Branch { norm, body: Body::Attention { batch, len, heads }, width, eps };
+    branch.geometry()?;
+    let key_bias = match key_bias {
+        Some(b) => {
+            if b.dims() != [batch, len] {
+                candle_core::bail!("attention branch: key bias {:?}, expected [{batch}, {len}]", b.dims());
+            }
+            Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        }
+        None => None,
+    };
+    let [(wq, bq), (wk, bk), (wv, bv), (wo, bo)] = proj;
+    let p = flat(&[wq, bq, wk, bk, wv, bv, wo, bo, gamma, beta])?;
+    x.contiguous()?.apply_op2(&p, BranchOp { branch, key_bias, saved: Mutex::new(None) })
+}
+
+/// The MLP branch on `x` `[.., width]`: `fc1` `[hidden, width]`, GELU, `fc2` `[width, hidden]`.
+/// Needs [`fusable`] operands.
+pub fn mlp_branch(x: &Tensor, norm: Norm, (gamma, beta, eps): NormParams, fc1: LinearParams, fc2: LinearParams) -> Result<Tensor> {
+    let width = x.dim(candle_core::D::Minus1)?;
+    let hidden = fc1.0.dim(0)?;
+    let branch = Branch { norm, body: Body::Mlp { hidden }, width, eps };
+    let p = flat(&[fc1.0, fc1.1, fc2.0, fc2.1, gamma, beta])?;
+    x.contiguous()?.apply_op2(&p, BranchOp { branch, key_bias: None, saved: Mutex::new(None) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::layers::{self, composed_attention_branch, composed_mlp_branch, LayerNorm, Linear};
+    use crate::model::ops::testing::{check_fd, max_abs, max_diff};
+    use crate::util::rng::randn;
+    use candle_core::{Device, Var};
+    use candle_nn::{Init, VarBuilder, VarMap};
+
+    const WIDTH: usize = 8;
+
+    /// A LayerNorm and linear layers with random parameters (γ around 1, the rest around 0), and
+    /// all their variables by name.
+    struct Sublayer {
+        ln: LayerNorm,
+        linears: Vec<Linear>,
+        vars: Vec<(String, Var)>,
+    }
+
+    fn sublayer(dtype: DType, shapes: &[(usize, usize)]) -> Sublayer {
+        let map = VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, dtype, &Device::Cpu);
+        let ln = LayerNorm::new(WIDTH, 1e-5, vb.pp("ln")).unwrap();
+        let linears =
+            shapes.iter().enumerate().map(|(i, &(inp, out))| layers::linear(inp, out, true, Init::Const(0.0), vb.pp(i)).unwrap()).collect();
+        let mut vars: Vec<(String, Var)> = map.data().lock().unwrap().iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (seed, (name, var)) in vars.iter().enumerate() {
+            let mean = if name == "ln.weight" { 1.0 } else { 0.0 };
+            var.set(&randn(400 + seed as u64, mean, 0.4, var.dims(), dtype, &Device::Cpu).unwrap()).unwrap();
+        }
+        Sublayer { ln, linears, vars }
+    }
+
+    /// Batch element 1 masks its last two keys.
+    fn mask(dtype: DType, b: usize, l: usize) -> Tensor {
+        let m: Vec<f64> = (0..b * l).map(|i| if i / l == 1 && i % l >= l - 2 { -1e9 } else { 0.0 }).collect();
+        Tensor::from_vec(m, (b, l), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    type Forward<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
+
+    /// Each sub-layer kind: the op and the composition of separate layers, on one set of
+    /// parameters.
+    fn cases<'a>(dtype: DType, s: &'a [Sublayer; 2], key_bias: &Tensor) -> Vec<(String, Forward<'a>, Forward<'a>)> {
+        let (att, mlp) = (&s[0], &s[1]);
+        let proj = || [&att.linears[0], &att.linears[1], &att.linears[2], &att.linears[3]];
+        let mut out: Vec<(String, Forward<'a>, Forward<'a>)> = Vec::new();
+        for norm in [Norm::Pre, Norm::Post] {
+            for bias in [None, Some(key_bias.clone())] {
+                let b2 = bias.clone();
+                out.push((
+                    format!("{dtype:?} attention {norm:?} mask {}", bias.is_some()),
+                    Box::new(move |x| layers::attention_branch(x, norm, &att.ln, proj(), 2, bias.as_ref()).unwrap()),
+                    Box::new(move |x| composed_attention_branch(x, norm, &att.ln, proj(), 2, b2.as_ref()).unwrap()),
+                ));
+            }
+            out.push((
+                format!("{dtype:?} MLP {norm:?}"),
+                Box::new(move |x| layers::mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1]).unwrap()),
+                Box::new(move |x| composed_mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1]).unwrap()),
+            ));
+        }
+        out
+    }
+
+    fn sublayers(dtype: DType) -> [Sublayer; 2] {
+        [sublayer(dtype, &[(WIDTH, WIDTH); 4]), sublayer(dtype, &[(WIDTH, 12), (12, WIDTH)])]
+    }
+
+    /// The op against the separate layers (each checked against candle on its own): output and
+    /// the gradients of x and of every parameter, twice over one graph.
+    #[test]
+    fn matches_the_separate_layers_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-11), (DType::F32, 2e-5)] {
+            let s = sublayers(dtype);
+            let x = Var::from_tensor(&randn(410, 0.2, 1.0, (2, 5, WIDTH), dtype, &Device::Cpu).unwrap()).unwrap();
+            let up = randn(411, 0.0, 1.0, (2, 5, WIDTH), dtype, &Device::Cpu).unwrap();
+            for (what, ours, reference) in cases(dtype, &s, &mask(dtype, 2, 5)) {
+                let (y, r) = (ours(&x), reference(&x));
+                assert!(max_diff(&y, &r) <= tol * max_abs(&r), "{what}: output");
+                let loss = (y * &up).unwrap().sum_all().unwrap();
+                let (g1, again) = (loss.backward().unwrap(), loss.backward().unwrap());
+                let g2 = (r * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let vars = s.iter().flat_map(|s| s.vars.iter().map(|(n, v)| (n.as_str(), v)));
+                for (name, v) in std::iter::once(("x", &x)).chain(vars) {
+                    let (Some(a), Some(r)) = (g1.get(v), g2.get(v)) else {
+                        assert!(g1.get(v).is_none() && g2.get(v).is_none(), "{what}: {name} has a gradient on one side only");
+                        continue;
+                    };
+                    assert_eq!(a.dims(), v.dims(), "{what}: {name}");
+                    // The key projection's bias gets no gradient but rounding (a shift of every
+                    // key adds q·b to a query's scores, which its softmax ignores): a floor on
+                    // the scale keeps its rounding from counting as an error.
+                    let scale = max_abs(r).max(1e-2);
+                    assert!(max_diff(a, r) <= tol * scale, "{what}: gradient of {name}: {} vs {}", max_diff(a, r), max_abs(r));
+                    assert_eq!(max_diff(a, again.get(v).unwrap()), 0.0, "{what}: {name} on the second pass");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let s = sublayers(DType::F64);
+        let x = Var::from_tensor(&randn(412, 0.2, 1.0, (2, 5, WIDTH), DType::F64, &Device::Cpu).unwrap()).unwrap();
+        let up = randn(413, 0.0, 1.0, (2, 5, WIDTH), DType::F64, &Device::Cpu).unwrap();
+        let scalar = |t: Tensor| (t * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+        for (what, ours, _) in cases(DType::F64, &s, &mask(DType::F64, 2, 5)) {
+            let g = (ours(&x) * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let err = check_fd(|t| scalar(ours(t)), &x, g.get(&x).unwrap(), &[0, 13, 41, 79]);
+            assert!(err < 1e-7, "{what}: x {err}");
+            for (name, v) in s.iter().flat_map(|s| &s.vars) {
+                let Some(gv) = g.get(v) else { continue };
+                if max_abs(gv) < 1e-9 {
+                    // The key projection's bias: zero gradient (see above), nothing to compare.
+                    continue;
+                }
+                let original = v.as_tensor().copy().unwrap();
+                let n = v.elem_count();
+                let err = check_fd(
+                    |t| {
+                        v.set(t).unwrap();
+                        let loss = scalar(ours(&x));
+                        v.set(&original).unwrap();
+                        loss
+                    },
+                    &original,
+                    gv,
+                    &[0, n / 2, n - 1],
+                );
+                assert!(err < 1e-7, "{what}: {name} {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn parameters_that_do_not_fit_are_errors() {
+        let s = sublayer(DType::F32, &[(WIDTH, WIDTH); 4]);
+        let x = Tensor::zeros((2, 5, WIDTH + 1), DType::F32, &Device::Cpu).unwrap();
+        let proj = [&s.linears[0], &s.linears[1], &s.linears[2], &s.linears[3]];
+        assert!(layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 2, None).is_err());
+        let x = Tensor::zeros((2, 5, WIDTH), DType::F32, &Device::Cpu).unwrap();
+        let err = layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 3, None).unwrap_err().to_string();
+        assert!(err.contains("heads"), "{err}");
+    }
+}
