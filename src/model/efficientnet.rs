@@ -21,6 +21,7 @@ use super::checkpoint::Checkpointing;
 use super::ops::channel::{channel_scale, scaled_residual, spatial_mean};
 use super::ops::conv_norm::Conv;
 use super::ops::depthwise::Padding;
+use super::ops::squeeze_excite;
 use super::Ctx;
 use crate::util::rng::Rng;
 
@@ -285,10 +286,15 @@ impl Block {
             DepthwiseImpl::Candle => self.dw_norm.forward_act(&candle_depthwise(&h, &self.dw_weight, self.stride, self.pad)?, ctx, true)?,
         };
         // Squeeze-and-excitation on [N, C] vectors: the 1×1 convolutions are plain matmuls.
-        let fc = |s: &Tensor, (w, b): &(Tensor, Tensor)| s.matmul(&w.flatten_from(1)?.t()?)?.broadcast_add(b);
-        let s = fc(&spatial_mean(&h)?, &self.se_reduce)?.silu()?;
-        let s = candle_nn::ops::sigmoid(&fc(&s, &self.se_expand)?)?;
-        h = channel_scale(&h, &s)?;
+        let ((w1, b1), (w2, b2)) = (&self.se_reduce, &self.se_expand);
+        let (w1, w2) = (w1.flatten_from(1)?, w2.flatten_from(1)?);
+        h = if squeeze_excite::fusable(&h, &[&w1, b1, &w2, b2]) {
+            squeeze_excite::squeeze_excite(&h, (&w1, b1), (&w2, b2))?
+        } else {
+            let s = spatial_mean(&h)?.matmul(&w1.t()?)?.broadcast_add(b1)?.silu()?;
+            let s = candle_nn::ops::sigmoid(&s.matmul(&w2.t()?)?.broadcast_add(b2)?)?;
+            channel_scale(&h, &s)?
+        };
         h = self.project_bn.conv_forward_act(Conv::Pointwise, &h, &self.project, ctx, false)?;
         if !self.residual {
             return Ok(h);

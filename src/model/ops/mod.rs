@@ -15,6 +15,7 @@ mod matmul;
 pub mod pointwise;
 pub mod residual;
 pub mod softmax;
+pub mod squeeze_excite;
 
 fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
     match l.contiguous_offsets() {
