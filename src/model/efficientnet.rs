@@ -288,7 +288,7 @@ impl Block {
         // Squeeze-and-excitation on [N, C] vectors: the 1×1 convolutions are plain matmuls.
         let ((w1, b1), (w2, b2)) = (&self.se_reduce, &self.se_expand);
         let (w1, w2) = (w1.flatten_from(1)?, w2.flatten_from(1)?);
-        h = if squeeze_excite::fusable(&h, &[&w1, b1, &w2, b2]) {
+        h = if super::ops::fusable(&h, &[&w1, b1, &w2, b2]) {
             squeeze_excite::squeeze_excite(&h, (&w1, b1), (&w2, b2))?
         } else {
             let s = spatial_mean(&h)?.matmul(&w1.t()?)?.broadcast_add(b1)?.silu()?;

@@ -196,7 +196,7 @@ fn fusable_params<'a>(x: &Tensor, ln: &'a LayerNorm, layers: &[&'a Linear]) -> O
     let params = layers.iter().map(|l| l.bias.as_ref().map(|b| (&l.weight, b))).collect::<Option<Vec<_>>>()?;
     let mut all = vec![&ln.weight, &ln.bias];
     all.extend(params.iter().flat_map(|(w, b)| [*w, *b]));
-    residual::fusable(x, &all).then_some(params)
+    super::ops::fusable(x, &all).then_some(params)
 }
 
 /// L2-normalises rows.

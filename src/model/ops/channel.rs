@@ -111,7 +111,7 @@ pub(super) struct BatchNormAct {
 }
 
 #[inline(always)]
-fn sigmoid<T: Float>(z: T) -> T {
+pub(super) fn sigmoid<T: Float>(z: T) -> T {
     T::from(1.0) / (T::from(1.0) + (-z).exp())
 }
 

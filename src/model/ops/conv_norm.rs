@@ -7,7 +7,7 @@
 //! backward pass either way), and the BatchNorm's input gradient goes straight into the
 //! convolution's backward.
 
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::channel::{BatchNormAct, BnGrad, Statistics};
 use super::depthwise::{self, Padding};
@@ -33,7 +33,7 @@ impl Conv {
 
     /// Whether [`conv_norm`] can run these operands: CPU tensors of one f32 / f64 dtype.
     pub fn fusable(x: &Tensor, w: &Tensor, gamma: &Tensor) -> bool {
-        x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && w.dtype() == x.dtype() && gamma.dtype() == x.dtype()
+        super::fusable(x, &[w, gamma])
     }
 
     /// The convolution's output as a graph leaf. Operands as [`Conv::fusable`] requires.
@@ -129,7 +129,7 @@ mod tests {
     use super::super::channel::{channel_moments, composite};
     use super::*;
     use crate::util::rng::randn;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     fn max_rel_diff(a: &Tensor, b: &Tensor) -> f64 {
         let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap();

@@ -24,6 +24,14 @@ fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
     }
 }
 
+/// Whether the CPU kernels here can run an op on `x` and its `params`: all on the CPU, in f32
+/// or f64, in one dtype. Elsewhere (GPUs, bf16) the layers compose candle ops.
+pub fn fusable(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
+    x.device().is_cpu()
+        && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
+        && params.iter().all(|p| p.dtype() == x.dtype())
+}
+
 /// Length of the last dimension (rows of a `[.., cols]` tensor), at least 1.
 fn last_dim(l: &Layout) -> usize {
     l.dims().last().copied().unwrap_or(1).max(1)

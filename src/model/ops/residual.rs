@@ -12,13 +12,12 @@
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor};
-use rayon::prelude::*;
 
 use super::attention::{context, context_grad, scores, scores_grad, Geometry};
 use super::bias::{Activation, BiasAct, GeluGrad};
 use super::layer_norm::{LayerNormGrad, LayerNormOp};
-use super::linear::{add_assign, linear_grads, product, residual_linear};
-use super::{contiguous, float_dispatch2, float_dispatch3, output_buffer, simd, Float};
+use super::linear::{linear_grads, linear_onto, product, sum_into};
+use super::{contiguous, float_dispatch2, float_dispatch3, output_buffer, Float};
 
 /// Where the branch's LayerNorm sits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -89,22 +88,18 @@ impl Branch {
         match self.body {
             Body::Attention { .. } => {
                 let g = self.geometry()?;
-                let project = |i: usize| {
-                    let mut y = product(fin, ps[2 * i], (rows, w, w));
-                    add_rows(&mut y, ps[2 * i + 1]);
-                    y
-                };
+                let project = |i: usize| linear_onto(None, fin, ps[2 * i], ps[2 * i + 1], (rows, w, w));
                 let (q, k, v) = (project(0), project(1), project(2));
                 let probs = scores(g, attention_scale(g), key_bias, &q, &k);
                 let ctx = context(g, &probs, &v);
-                let out = residual_linear(x, &ctx, ps[6], ps[7], (rows, w, w));
+                let out = linear_onto(Some(x), &ctx, ps[6], ps[7], (rows, w, w));
                 saved.extend([q, k, v, probs, ctx]);
                 Ok(out)
             }
             Body::Mlp { hidden } => {
                 let y = product(fin, ps[0], (rows, w, hidden));
                 let h = BiasAct(Activation::GeluErf).run(&y, ps[1], hidden);
-                let out = residual_linear(x, &h, ps[2], ps[3], (rows, hidden, w));
+                let out = linear_onto(Some(x), &h, ps[2], ps[3], (rows, hidden, w));
                 saved.extend([y, h]);
                 Ok(out)
             }
@@ -169,23 +164,6 @@ impl<'a, T> Splittable<'a> for &'a mut [T] {
 
 fn attention_scale(g: Geometry) -> f64 {
     1.0 / (g.head_dim as f64).sqrt()
-}
-
-/// `y[r, :] += b` for every row.
-fn add_rows<T: Float>(y: &mut [T], b: &[T]) {
-    let cols = b.len();
-    y.par_chunks_mut(cols * (16 * 1024 / cols).max(1)).for_each(|chunk| {
-        simd(
-            #[inline(always)]
-            || {
-                for row in chunk.chunks_mut(cols) {
-                    for (v, &bv) in row.iter_mut().zip(b) {
-                        *v += bv;
-                    }
-                }
-            },
-        )
-    });
 }
 
 /// The forward op: arguments x and the flat parameters.
@@ -308,8 +286,7 @@ impl BranchGrad {
                 let dnormed = b.body_backward(&normed, dy, params, &saved, dparams)?;
                 let g = ln_grad.run(x, gamma, &dnormed);
                 dln.copy_from_slice(&g[n..]);
-                dx.copy_from_slice(&g[..n]);
-                add_assign(dx, dy);
+                sum_into(dx, &g[..n], dy);
             }
             Norm::Post => {
                 let Some((sum, body_saved)) = saved.split_last() else { candle_core::bail!("residual branch: saved state incomplete") };
@@ -317,8 +294,7 @@ impl BranchGrad {
                 dln.copy_from_slice(&g[n..]);
                 let dsum = &g[..n];
                 let dfin = b.body_backward(x, dsum, params, body_saved, dparams)?;
-                dx.copy_from_slice(&dfin);
-                add_assign(dx, dsum);
+                sum_into(dx, &dfin, dsum);
             }
         }
         Ok(out)
@@ -352,12 +328,6 @@ impl CustomOp3 for BranchGrad {
     }
 }
 
-/// Whether the branch ops run for these tensors (CPU, f32 / f64, one dtype); elsewhere the
-/// layers compose candle ops.
-pub fn fusable(x: &Tensor, params: &[&Tensor]) -> bool {
-    x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) && params.iter().all(|p| p.dtype() == x.dtype())
-}
-
 /// A linear layer's `(weight [out, in], bias [out])`.
 pub type LinearParams<'a> = (&'a Tensor, &'a Tensor);
 
@@ -370,7 +340,7 @@ fn flat(params: &[&Tensor]) -> Result<Tensor> {
 }
 
 /// The attention branch on `x` `[batch, len, width]`: projections `[q, k, v, out]`, `heads`
-/// heads, `key_bias` `[batch, len]` added to every query's scores. Needs [`fusable`] operands.
+/// heads, `key_bias` `[batch, len]` added to every query's scores. Needs operands `ops::fusable` accepts.
 pub fn attention_branch(
     x: &Tensor,
     norm: Norm,
@@ -397,7 +367,7 @@ pub fn attention_branch(
 }
 
 /// The MLP branch on `x` `[.., width]`: `fc1` `[hidden, width]`, GELU, `fc2` `[width, hidden]`.
-/// Needs [`fusable`] operands.
+/// Needs operands `ops::fusable` accepts.
 pub fn mlp_branch(x: &Tensor, norm: Norm, (gamma, beta, eps): NormParams, fc1: LinearParams, fc2: LinearParams) -> Result<Tensor> {
     let width = x.dim(candle_core::D::Minus1)?;
     let hidden = fc1.0.dim(0)?;

@@ -9,14 +9,11 @@
 
 use std::sync::Mutex;
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::channel::sigmoid;
 use super::{float_dispatch2, float_dispatch3, lane_dot, lane_sum, output_buffer, simd, with_cpu_slice, Float};
-
-fn sigmoid(z: f64) -> f64 {
-    1.0 / (1.0 + (-z).exp())
-}
 
 /// Shapes: images, channels, plane size, reduced width.
 #[derive(Clone, Copy, Debug)]
@@ -210,13 +207,8 @@ impl CustomOp2 for SqueezeExciteGrad {
     }
 }
 
-/// Whether [`squeeze_excite`] runs for these tensors (CPU, f32 / f64, one dtype).
-pub fn fusable(h: &Tensor, params: &[&Tensor]) -> bool {
-    h.device().is_cpu() && matches!(h.dtype(), DType::F32 | DType::F64) && params.iter().all(|p| p.dtype() == h.dtype())
-}
-
 /// `h · σ(W2·silu(W1·mean_hw(h) + b1) + b2)` for `h` `[N, C, H, W]`, `w1` `[R, C]`, `b1` `[R]`,
-/// `w2` `[C, R]`, `b2` `[C]`. Needs [`fusable`] operands.
+/// `w2` `[C, R]`, `b2` `[C]`. Needs operands `ops::fusable` accepts.
 pub fn squeeze_excite(h: &Tensor, (w1, b1): (&Tensor, &Tensor), (w2, b2): (&Tensor, &Tensor)) -> Result<Tensor> {
     let rest = Tensor::cat(&[b1.flatten_all()?, w2.flatten_all()?, b2.flatten_all()?], 0)?;
     h.contiguous()?.apply_op3(&w1.contiguous()?, &rest, SqueezeExcite { saved: Mutex::new(None) })
@@ -228,7 +220,7 @@ mod tests {
     use crate::model::ops::channel::{channel_scale, spatial_mean};
     use crate::model::ops::testing::{check_fd, max_abs, max_diff};
     use crate::util::rng::randn;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     /// h, W1, b1, W2, b2 for 2 images of 6 channels, 3×5 pixels, reduced width 3.
     fn operands(dtype: DType) -> [Var; 5] {
