@@ -11,7 +11,7 @@
 use candle_core::{DType, Result, Tensor, Var};
 
 use super::ops::channel::{batch_norm_act, channel_moments, Statistics};
-use super::ops::conv_norm::{conv_norm, Conv, Norm};
+use super::ops::conv_norm::{conv_norm, Conv, ConvNormStage, Norm};
 use super::Ctx;
 use candle_nn::{Init, VarBuilder};
 
@@ -70,6 +70,20 @@ impl BatchNorm2d {
         let (mean, var, batch_stats) = self.statistics(&z, ctx)?;
         let stats = Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats };
         conv_norm(conv, x, w, z, &Norm { stats: &stats, gamma: &self.weight, beta: &self.bias, silu })
+    }
+
+    /// [`BatchNorm2d::conv_forward_act`] outside candle's graph, for `ops::mbconv`: the output
+    /// and the stage that differentiates it. Operands as [`Conv::fusable`] requires.
+    pub fn conv_stage(&self, conv: Conv, x: &Tensor, w: &Tensor, ctx: &Ctx, silu: bool) -> Result<(Tensor, ConvNormStage)> {
+        let z = conv.forward_detached(x, w)?;
+        let (mean, var, batch_stats) = self.statistics(&z, ctx)?;
+        let stats = Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats };
+        ConvNormStage::run(conv, x, w, z, &Norm { stats: &stats, gamma: &self.weight, beta: &self.bias, silu })
+    }
+
+    /// γ and β.
+    pub fn affine(&self) -> (&Tensor, &Tensor) {
+        (&self.weight, &self.bias)
     }
 
     /// The mean and variance to normalise `x` with, and whether they are the batch's own. With

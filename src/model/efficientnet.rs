@@ -21,7 +21,8 @@ use super::checkpoint::Checkpointing;
 use super::ops::channel::{channel_scale, scaled_residual, spatial_mean};
 use super::ops::conv_norm::Conv;
 use super::ops::depthwise::Padding;
-use super::ops::squeeze_excite;
+use super::ops::mbconv::{mbconv, ConvParams, MbConvParams, MbConvStages, Shortcut};
+use super::ops::squeeze_excite::{self, SqueezeExciteStage};
 use super::Ctx;
 use crate::util::rng::Rng;
 
@@ -275,6 +276,55 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let params = self.params();
+        if self.depthwise == DepthwiseImpl::Fused && super::ops::fusable(x, &params.tensors()) {
+            self.forward_fused(x, &params, ctx)
+        } else {
+            self.forward_composed(x, ctx)
+        }
+    }
+
+    fn params(&self) -> MbConvParams<'_> {
+        fn conv<'a>(w: &'a Tensor, bn: &'a BatchNorm2d) -> ConvParams<'a> {
+            let (gamma, beta) = bn.affine();
+            ConvParams { w, gamma, beta }
+        }
+        MbConvParams {
+            expand: self.expand.as_ref().map(|(w, bn)| conv(w, bn)),
+            depthwise: conv(&self.dw_weight, &self.dw_norm),
+            excite: [&self.se_reduce.0, &self.se_reduce.1, &self.se_expand.0, &self.se_expand.1],
+            project: conv(&self.project, &self.project_bn),
+        }
+    }
+
+    /// The block as one graph node (`ops::mbconv`).
+    fn forward_fused(&self, x: &Tensor, params: &MbConvParams, ctx: &Ctx) -> Result<Tensor> {
+        let mut h = x.detach();
+        let expand = match &self.expand {
+            Some((w, bn)) => {
+                let (out, stage) = bn.conv_stage(Conv::Pointwise, &h, w, ctx, true)?;
+                h = out;
+                Some(stage)
+            }
+            None => None,
+        };
+        let conv = Conv::Depthwise { stride: self.stride, pad: self.pad };
+        let (h, depthwise) = self.dw_norm.conv_stage(conv, &h, &self.dw_weight, ctx, true)?;
+        let [w1, b1, w2, b2] = params.excite;
+        let (h, excite) = SqueezeExciteStage::run(&h, (&w1.flatten_from(1)?, b1), (&w2.flatten_from(1)?, b2))?;
+        let (branch, project) = self.project_bn.conv_stage(Conv::Pointwise, &h, &self.project, ctx, false)?;
+        drop(h);
+        let shortcut = match (self.residual, ctx.train && self.drop_path > 0.0) {
+            (false, _) => Shortcut::None,
+            (true, false) => Shortcut::Identity,
+            (true, true) => Shortcut::Scaled(drop_path_factors(x.dim(0)?, self.drop_path, ctx.seed, self.index)),
+        };
+        mbconv(x, params, MbConvStages { expand, depthwise, excite, project, shortcut }, branch)
+    }
+
+    /// The block as a chain of ops (each fused where it can be): where [`Block::forward_fused`]
+    /// cannot run, and its reference in tests.
+    fn forward_composed(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let mut h = x.clone();
         if let Some((w, bn)) = &self.expand {
             h = bn.conv_forward_act(Conv::Pointwise, &h, w, ctx, true)?;
@@ -448,7 +498,7 @@ mod tests {
     use super::*;
     use crate::model::init::SeededVars;
     use candle_core::DType;
-    use candle_core::Device;
+    use candle_core::{Device, Var};
     use candle_nn::VarMap;
 
     fn tiny() -> EfficientNetConfig {
@@ -563,6 +613,59 @@ mod tests {
         // Squeeze-excite width comes from the block's input width: block 1 has 16 in, 96 expanded.
         let data = vm.data().lock().unwrap();
         assert_eq!(data["vision_model.encoder.blocks.1.squeeze_excite.reduce.weight"].dims(), &[4, 96, 1, 1]);
+    }
+
+    /// Everything a block computes: its output, then the gradient of its input, then per variable
+    /// (in name order) its gradient (none for running statistics) and its value after the step.
+    fn run_block(case: usize, fused: bool, ctx: Ctx) -> Vec<(String, Tensor)> {
+        // (in, out, kernel, stride, expand ratio, first of its stage, stochastic depth)
+        let (inp, out, k, stride, ratio, first, drop) =
+            [(8, 8, 3, 1, 6, false, 0.0), (8, 8, 5, 1, 4, false, 0.5), (8, 12, 5, 2, 1, true, 0.0)][case];
+        let (dev, f64) = (Device::Cpu, DType::F64);
+        let vm = VarMap::new();
+        let mut block = Block::new(&tiny(), 3, inp, out, k, stride, ratio, first, SeededVars::builder_dtype(&vm, 9, f64, &dev)).unwrap();
+        block.drop_path = drop;
+        let mut vars: Vec<(String, Var)> = vm.data().lock().unwrap().iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        // Random values everywhere (γ = 1, β = 0 and zero biases would hide mix-ups).
+        for (j, (name, v)) in vars.iter().enumerate() {
+            let r = crate::util::rng::randn(700 + j as u64, 0.0, 0.5, v.shape(), f64, &dev).unwrap();
+            v.set(&if name.ends_with("running_var") { (r.abs().unwrap() + 0.5).unwrap() } else { r }).unwrap();
+        }
+        let x = Var::from_tensor(&crate::util::rng::randn(600 + case as u64, 0.0, 1.0, (3, inp, 9, 9), f64, &dev).unwrap()).unwrap();
+        let y = if fused { block.forward_fused(x.as_tensor(), &block.params(), &ctx) } else { block.forward_composed(x.as_tensor(), &ctx) }
+            .unwrap();
+        let up = crate::util::rng::randn(650, 0.0, 1.0, y.dims(), f64, &dev).unwrap();
+        let grads = (&y * &up).unwrap().sum_all().unwrap().backward().unwrap();
+        let mut all = vec![("output".to_string(), y), ("input gradient".to_string(), grads.get(x.as_tensor()).unwrap().clone())];
+        for (name, v) in vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                all.push((format!("{name} gradient"), g.clone()));
+            }
+            all.push((name, v.as_tensor().clone()));
+        }
+        all
+    }
+
+    /// The block as one op (`ops::mbconv`) against the chain of ops it replaces: output, the
+    /// gradients of the input and of every parameter, and the running statistics afterwards, for
+    /// a block with expansion and shortcut, one with stochastic depth too, and a strided one
+    /// with neither; with batch statistics and with running ones.
+    #[test]
+    fn the_block_as_one_op_matches_the_chain_of_ops() {
+        for case in 0..3 {
+            for ctx in [Ctx::train(5), Ctx::EVAL] {
+                let (fused, chain) = (run_block(case, true, ctx), run_block(case, false, ctx));
+                let names = |a: &[(String, Tensor)]| a.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+                assert_eq!(names(&fused), names(&chain), "case {case} {ctx:?}: the same gradients exist");
+                assert!(names(&fused).iter().filter(|n| n.ends_with("gradient")).count() >= 10);
+                for ((name, a), (_, b)) in fused.iter().zip(&chain) {
+                    let d = crate::model::ops::testing::max_diff(a, b);
+                    let scale = crate::model::ops::testing::max_abs(b).max(1e-3);
+                    assert!(d / scale < 1e-11, "case {case} {ctx:?} {name}: differs by {d} (scale {scale})");
+                }
+            }
+        }
     }
 
     #[test]

@@ -440,25 +440,29 @@ struct ScaledResidual {
 
 impl ScaledResidual {
     fn run<T: Float>(&self, h: &[T], x: &[T]) -> Vec<T> {
-        let per_sample = h.len() / self.keep.len().max(1);
-        // SAFETY: the loop below writes every element.
-        let mut out = unsafe { output_buffer::<T>(h.len()) };
-        out.par_chunks_mut(per_sample.max(1))
-            .zip(h.par_chunks(per_sample.max(1)).zip(x.par_chunks(per_sample.max(1))))
-            .enumerate()
-            .for_each(|(n, (o, (hs, xs)))| {
-                let k = T::from(self.keep[n]);
-                simd(
-                    #[inline(always)]
-                    || {
-                        for (o, (&hv, &xv)) in o.iter_mut().zip(hs.iter().zip(xs)) {
-                            *o = hv * k + xv;
-                        }
-                    },
-                )
-            });
-        out
+        scaled_sum(h, &self.keep, x)
     }
+}
+
+/// `h·keep[n] + x` on slices, one factor per sample.
+pub(super) fn scaled_sum<T: Float>(h: &[T], keep: &[f64], x: &[T]) -> Vec<T> {
+    let per_sample = (h.len() / keep.len().max(1)).max(1);
+    // SAFETY: the loop below writes every element.
+    let mut out = unsafe { output_buffer::<T>(h.len()) };
+    out.par_chunks_mut(per_sample).zip(h.par_chunks(per_sample).zip(x.par_chunks(per_sample))).enumerate().for_each(
+        |(n, (o, (hs, xs)))| {
+            let k = T::from(keep[n]);
+            simd(
+                #[inline(always)]
+                || {
+                    for (o, (&hv, &xv)) in o.iter_mut().zip(hs.iter().zip(xs)) {
+                        *o = hv * k + xv;
+                    }
+                },
+            )
+        },
+    );
+    out
 }
 
 impl CustomOp2 for ScaledResidual {
@@ -475,14 +479,18 @@ impl CustomOp2 for ScaledResidual {
         Ok((out, l1.shape().clone()))
     }
 
-    fn bwd(&self, h: &Tensor, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        // The branch's gradient is dy·keep[n]: the channel scaling with one factor per plane.
-        let (n, c, _, _) = h.dims4()?;
-        let planes: Vec<f64> = self.keep.iter().flat_map(|&k| std::iter::repeat_n(k, c)).collect();
-        let factors = Tensor::from_vec(planes, (n, c), h.device())?.to_dtype(h.dtype())?;
+    fn bwd(&self, _h: &Tensor, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
-        Ok((Some(grad.apply_op2_no_bwd(&factors, &ChannelScale)?), Some(grad)))
+        Ok((Some(scale_samples(&grad, &self.keep)?), Some(grad)))
     }
+}
+
+/// `g·keep[n]` for NCHW `g` outside the graph: the channel scaling with one factor per plane.
+pub(super) fn scale_samples(g: &Tensor, keep: &[f64]) -> Result<Tensor> {
+    let (n, c, _, _) = g.dims4()?;
+    let planes: Vec<f64> = keep.iter().flat_map(|&k| std::iter::repeat_n(k, c)).collect();
+    let factors = Tensor::from_vec(planes, (n, c), g.device())?.to_dtype(g.dtype())?;
+    g.contiguous()?.apply_op2_no_bwd(&factors, &ChannelScale)
 }
 
 /// `h·keep[n] + x` for NCHW `h` and `x` of one shape, `keep` one factor per sample (stochastic

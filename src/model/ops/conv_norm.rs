@@ -124,6 +124,34 @@ pub fn conv_norm(conv: Conv, x: &Tensor, w: &Tensor, z: Tensor, norm: &Norm) -> 
     x.contiguous()?.apply_op3(&w.contiguous()?, &gamma_beta, op)
 }
 
+/// [`conv_norm`] outside candle's graph, for an op that chains several (`ops::mbconv`): the
+/// output, and this stage with its operands kept for [`ConvNormStage::backward`].
+pub struct ConvNormStage {
+    op: ConvNorm,
+    x: Tensor,
+    w: Tensor,
+    gamma_beta: Tensor,
+}
+
+impl ConvNormStage {
+    /// Operands as [`Conv::fusable`] requires; they are detached from any graph.
+    pub fn run(conv: Conv, x: &Tensor, w: &Tensor, z: Tensor, norm: &Norm) -> Result<(Tensor, Self)> {
+        let gamma_beta = Tensor::stack(&[norm.gamma.detach(), norm.beta.detach()], 0)?;
+        let op = ConvNorm { conv, norm: BatchNormAct::new(norm.stats, norm.silu), z: z.detach().contiguous()? };
+        let (x, w) = (x.detach().contiguous()?, w.detach().contiguous()?);
+        let y = x.apply_op3_no_bwd(&w, &gamma_beta, &op)?;
+        Ok((y, ConvNormStage { op, x, w, gamma_beta }))
+    }
+
+    /// Gradients of the input, the weight and `[γ; β]` (`[2, C]`) from the output's.
+    pub fn backward(&self, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (Some(dx), Some(dw), Some(dgb)) = self.op.bwd(&self.x, &self.w, &self.gamma_beta, grad, grad)? else {
+            candle_core::bail!("conv + BatchNorm: backward pass without every gradient")
+        };
+        Ok((dx, dw, dgb))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::channel::{channel_moments, composite};

@@ -12,6 +12,7 @@ pub mod fast_math;
 pub mod layer_norm;
 pub mod linear;
 mod matmul;
+pub mod mbconv;
 pub mod pointwise;
 pub mod residual;
 pub mod softmax;

@@ -214,6 +214,34 @@ pub fn squeeze_excite(h: &Tensor, (w1, b1): (&Tensor, &Tensor), (w2, b2): (&Tens
     h.contiguous()?.apply_op3(&w1.contiguous()?, &rest, SqueezeExcite { saved: Mutex::new(None) })
 }
 
+/// [`squeeze_excite`] outside candle's graph, for an op that chains it with others
+/// (`ops::mbconv`): the output, and this stage with what [`SqueezeExciteStage::backward`] needs.
+pub struct SqueezeExciteStage {
+    op: SqueezeExcite,
+    h: Tensor,
+    w1: Tensor,
+    rest: Tensor,
+}
+
+impl SqueezeExciteStage {
+    /// Operands as [`squeeze_excite`] takes them; they are detached from any graph.
+    pub fn run(h: &Tensor, (w1, b1): (&Tensor, &Tensor), (w2, b2): (&Tensor, &Tensor)) -> Result<(Tensor, Self)> {
+        let rest = Tensor::cat(&[b1.detach().flatten_all()?, w2.detach().flatten_all()?, b2.detach().flatten_all()?], 0)?;
+        let (h, w1) = (h.detach().contiguous()?, w1.detach().contiguous()?);
+        let op = SqueezeExcite { saved: Mutex::new(None) };
+        let y = h.apply_op3_no_bwd(&w1, &rest, &op)?;
+        Ok((y, SqueezeExciteStage { op, h, w1, rest }))
+    }
+
+    /// Gradients of `h`, `W1` and `[b1 | W2 | b2]` (flat) from the output's.
+    pub fn backward(&self, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (Some(dh), Some(dw1), Some(drest)) = self.op.bwd(&self.h, &self.w1, &self.rest, grad, grad)? else {
+            candle_core::bail!("squeeze-excitation: backward pass without every gradient")
+        };
+        Ok((dh, dw1, drest))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
