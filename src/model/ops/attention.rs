@@ -69,7 +69,7 @@ pub(super) fn scores<T: Float>(g: Geometry, scale: f64, key_bias: Option<&[f32]>
     probs.par_chunks_mut(l * l).enumerate().for_each(|(task, p)| {
         let off = g.head_offset(task);
         let d = Dims { m: l, n: l, k: g.head_dim };
-        gemm_serial(p, l, d, Mat::rows(q, off, g.width), Mat::transposed(k, off, g.width));
+        gemm_serial(p, l, d, Mat::rows(q, off, g.width), Mat::transposed(k, off, g.width), false);
         let bias = key_bias.map(|b| &b[(task / g.heads) * l..(task / g.heads + 1) * l]);
         simd(
             #[inline(always)]

@@ -162,7 +162,7 @@ fn weight_grad<T: Float>(x: &[T], dy: &[T], (rows, inp, out): (usize, usize, usi
     dsts.par_iter_mut().enumerate().for_each(|(i, dst)| {
         let (start, end) = (i * per, ((i + 1) * per).min(rows));
         let d = dims(end.saturating_sub(start));
-        gemm_serial(dst, inp, d, Mat::transposed(dy, start * out, out), Mat::rows(x, start * inp, inp));
+        gemm_serial(dst, inp, d, Mat::transposed(dy, start * out, out), Mat::rows(x, start * inp, inp), false);
     });
     for p in &partial {
         add_assign(dw, p);

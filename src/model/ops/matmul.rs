@@ -117,10 +117,11 @@ pub(super) fn gemm_into<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, lhs: Ma
     unsafe { gemm_raw((dst.as_mut_ptr(), dst.len()), 0, dst_rs, d, lhs, rhs, accumulate, rayon::current_num_threads()) }
 }
 
-/// `dst = lhs·rhs` on the calling thread, for products that are themselves parallel tasks.
-pub(super) fn gemm_serial<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, lhs: Mat<T>, rhs: Mat<T>) {
+/// `dst = lhs·rhs` (or `+=` with `accumulate`) on the calling thread, for products that are
+/// themselves parallel tasks.
+pub(super) fn gemm_serial<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, lhs: Mat<T>, rhs: Mat<T>, accumulate: bool) {
     // SAFETY: as in `gemm_into`.
-    unsafe { gemm_raw((dst.as_mut_ptr(), dst.len()), 0, dst_rs, d, lhs, rhs, false, 1) }
+    unsafe { gemm_raw((dst.as_mut_ptr(), dst.len()), 0, dst_rs, d, lhs, rhs, accumulate, 1) }
 }
 
 /// One task's product into a shared destination, on the calling thread (the tasks themselves

@@ -3,11 +3,14 @@
 //!
 //! As a broadcast matmul, candle's backward makes one weight gradient per image (`[n, out, c]`)
 //! and sums them on one thread. Here the images' products accumulate into one weight gradient
-//! inside the matmul kernel, and the input gradient `Wᵀ·dy[n]` reads W transposed in place.
+//! per thread inside the matmul kernel, and the input gradient `Wᵀ·dy[n]` reads W transposed in place.
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use super::matmul::{gemm_into, Dims as Product, Mat};
+use rayon::prelude::*;
+
+use super::linear::add_assign;
+use super::matmul::{gemm_into, gemm_serial, Dims as Product, Mat};
 use super::{float_dispatch2, output_buffer, Float};
 
 #[derive(Clone, Copy)]
@@ -118,16 +121,36 @@ impl CustomOp2 for GradWeight {
         if l2.dims() != [d.n, d.out, h, wd] {
             candle_core::bail!("1x1 convolution backward: gradient {:?} does not fit input {:?}", l2.dims(), l1.dims());
         }
-        let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution backward", |x, dy| {
-            let mut dw = vec![Float::from(0.0); d.out * d.c];
-            let product = Product { m: d.out, n: d.c, k: d.hw };
-            for (i, (xn, dyn_)) in x.chunks(d.c * d.hw).zip(dy.chunks(d.out * d.hw)).enumerate() {
-                gemm_into(&mut dw, d.c, product, Mat::rows(dyn_, 0, d.hw), Mat::transposed(xn, 0, d.hw), i > 0);
-            }
-            dw
-        });
+        let out = float_dispatch2!(s1, l1, s2, l2, "1x1 convolution backward", |x, dy| grad_weight(d, x, dy));
         Ok((out, Shape::from(self.weight.clone())))
     }
+}
+
+/// `dW = Σ_n dy[n]·x[n]ᵀ`, the images split into one run per thread, each accumulating its own
+/// partial `dW` on its thread, the partials added at the end. The product per image is small
+/// (`out × c`, often under 100×100) with a long sum (k = h·w): gemm splits only the output across
+/// threads and synchronises them for every image.
+fn grad_weight<T: Float>(d: Dims, x: &[T], dy: &[T]) -> Vec<T> {
+    if d.n == 0 {
+        return vec![T::default(); d.out * d.c];
+    }
+    let product = Product { m: d.out, n: d.c, k: d.hw };
+    let per = d.n.div_ceil(rayon::current_num_threads().clamp(1, d.n));
+    let parts = d.n.div_ceil(per);
+    // SAFETY: every part has at least one image (parts = ⌈n / per⌉), whose product overwrites
+    // its buffer before the others accumulate.
+    let mut partial: Vec<Vec<T>> = (0..parts).map(|_| unsafe { output_buffer::<T>(d.out * d.c) }).collect();
+    partial.par_iter_mut().enumerate().for_each(|(i, dw)| {
+        for (j, img) in (i * per..((i + 1) * per).min(d.n)).enumerate() {
+            let (xn, dyn_) = (&x[img * d.c * d.hw..], &dy[img * d.out * d.hw..]);
+            gemm_serial(dw, d.c, product, Mat::rows(dyn_, 0, d.hw), Mat::transposed(xn, 0, d.hw), j > 0);
+        }
+    });
+    let mut dw = partial.swap_remove(0);
+    for p in &partial {
+        add_assign(&mut dw, p);
+    }
+    dw
 }
 
 /// 1×1 convolution without bias: `x` `[N, C, H, W]`, `w` `[O, C, 1, 1]` → `[N, O, H, W]`.
@@ -161,21 +184,28 @@ mod tests {
         (x, wt, up)
     }
 
+    /// On one and on three threads: the weight gradient's images are split into one run per
+    /// thread (5 images on 3 threads: runs of 2, 2, 1).
     #[test]
     fn matches_the_batched_matmul_forward_and_backward() {
-        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
-            for shape in [(3, 5, 7, 4, 6), (1, 16, 3, 1, 1), (2, 1, 9, 5, 3)] {
-                let (x, w, up) = inputs(dtype, shape);
-                let ours = pointwise_conv2d(&x, &w).unwrap();
-                let reference = composite(&x, &w).unwrap();
-                assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{dtype:?} {shape:?} forward");
-                let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
-                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
-                for v in [&x, &w] {
-                    let (a, b) = (g1.get(v).unwrap(), g2.get(v).unwrap());
-                    assert_eq!(a.dims(), v.dims());
-                    assert!(max_diff(a, b) <= tol * max_abs(b), "{dtype:?} {shape:?} gradient");
-                }
+        for (dtype, tol, threads) in [(DType::F64, 1e-12, 1), (DType::F64, 1e-12, 3), (DType::F32, 1e-5, 3)] {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| check_against_matmul(dtype, tol));
+        }
+    }
+
+    fn check_against_matmul(dtype: DType, tol: f64) {
+        for shape in [(3, 5, 7, 4, 6), (1, 16, 3, 1, 1), (2, 1, 9, 5, 3), (5, 4, 6, 3, 3)] {
+            let (x, w, up) = inputs(dtype, shape);
+            let ours = pointwise_conv2d(&x, &w).unwrap();
+            let reference = composite(&x, &w).unwrap();
+            assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{dtype:?} {shape:?} forward");
+            let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&x, &w] {
+                let (a, b) = (g1.get(v).unwrap(), g2.get(v).unwrap());
+                assert_eq!(a.dims(), v.dims());
+                assert!(max_diff(a, b) <= tol * max_abs(b), "{dtype:?} {shape:?} gradient");
             }
         }
     }
