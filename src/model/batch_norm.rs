@@ -66,19 +66,30 @@ impl BatchNorm2d {
         if !Conv::fusable(x, w, &self.weight) {
             return self.forward_act(&conv.apply(x, w)?, ctx, silu);
         }
-        let z = conv.forward_detached(x, w)?;
-        let (mean, var, batch_stats) = self.statistics(&z, ctx)?;
-        let stats = Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats };
-        conv_norm(conv, x, w, z, &Norm { stats: &stats, gamma: &self.weight, beta: &self.bias, silu })
+        self.after_conv(conv, x, w, ctx, silu, |z, norm| conv_norm(conv, x, w, z, norm))
     }
 
     /// [`BatchNorm2d::conv_forward_act`] outside candle's graph, for `ops::mbconv`: the output
     /// and the stage that differentiates it. Operands as [`Conv::fusable`] requires.
     pub fn conv_stage(&self, conv: Conv, x: &Tensor, w: &Tensor, ctx: &Ctx, silu: bool) -> Result<(Tensor, ConvNormStage)> {
+        self.after_conv(conv, x, w, ctx, silu, |z, norm| ConvNormStage::conv_norm(conv, x, w, z, norm))
+    }
+
+    /// `f` of the convolution's output (a graph leaf) and this BatchNorm with the statistics to
+    /// normalise it with (the running averages take in the batch's when they are used).
+    fn after_conv<R>(
+        &self,
+        conv: Conv,
+        x: &Tensor,
+        w: &Tensor,
+        ctx: &Ctx,
+        silu: bool,
+        f: impl FnOnce(Tensor, &Norm) -> Result<R>,
+    ) -> Result<R> {
         let z = conv.forward_detached(x, w)?;
         let (mean, var, batch_stats) = self.statistics(&z, ctx)?;
         let stats = Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats };
-        ConvNormStage::run(conv, x, w, z, &Norm { stats: &stats, gamma: &self.weight, beta: &self.bias, silu })
+        f(z, &Norm { stats: &stats, gamma: &self.weight, beta: &self.bias, silu })
     }
 
     /// γ and β.

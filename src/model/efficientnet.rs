@@ -311,9 +311,8 @@ impl Block {
         let conv = Conv::Depthwise { stride: self.stride, pad: self.pad };
         let (h, depthwise) = self.dw_norm.conv_stage(conv, &h, &self.dw_weight, ctx, true)?;
         let [w1, b1, w2, b2] = params.excite;
-        let (h, excite) = SqueezeExciteStage::run(&h, (&w1.flatten_from(1)?, b1), (&w2.flatten_from(1)?, b2))?;
+        let (h, excite) = SqueezeExciteStage::squeeze_excite(&h, (&w1.flatten_from(1)?, b1), (&w2.flatten_from(1)?, b2))?;
         let (branch, project) = self.project_bn.conv_stage(Conv::Pointwise, &h, &self.project, ctx, false)?;
-        drop(h);
         let shortcut = match (self.residual, ctx.train && self.drop_path > 0.0) {
             (false, _) => Shortcut::None,
             (true, false) => Shortcut::Identity,

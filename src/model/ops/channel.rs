@@ -336,20 +336,7 @@ impl CustomOp2 for ChannelScale {
         let _profile = crate::util::profile::region("op/channel");
         let (_, _, hw) = nchw(l1)?;
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale", |h, s| {
-            // SAFETY: the loop below writes every element.
-            let mut out = unsafe { output_buffer(h.len()) };
-            out.par_chunks_mut(hw).zip(h.par_chunks(hw)).enumerate().for_each(|(p, (o, hp))| {
-                let sv = s[p];
-                simd(
-                    #[inline(always)]
-                    || {
-                        for (ov, &hv) in o.iter_mut().zip(hp) {
-                            *ov = hv * sv;
-                        }
-                    },
-                )
-            });
-            out
+            scale_planes(h, &s.iter().map(|v| v.f()).collect::<Vec<_>>(), None, hw)
         });
         Ok((out, l1.shape().clone()))
     }
@@ -360,6 +347,24 @@ impl CustomOp2 for ChannelScale {
         let ds = h.apply_op2_no_bwd(&grad, &DotPerPlane)?.reshape(s.dims())?;
         Ok((Some(dh), Some(ds)))
     }
+}
+
+/// `out[plane] = a[plane] · f[plane]` (+ `add[plane]`), plane by plane.
+pub(super) fn scale_planes<T: Float>(a: &[T], f: &[f64], add: Option<&[f64]>, hw: usize) -> Vec<T> {
+    // SAFETY: the loop below writes every element.
+    let mut out = unsafe { output_buffer::<T>(a.len()) };
+    out.par_chunks_mut(hw).zip(a.par_chunks(hw)).enumerate().for_each(|(p, (o, ap))| {
+        let (fv, cv) = (T::from(f[p]), T::from(add.map_or(0.0, |c| c[p])));
+        simd(
+            #[inline(always)]
+            || {
+                for (ov, &av) in o.iter_mut().zip(ap) {
+                    *ov = av * fv + cv;
+                }
+            },
+        )
+    });
+    out
 }
 
 /// `Σ_hw a·b` per (n, c) plane: `[N, C]`.

@@ -11,7 +11,7 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 
 use super::channel::{BatchNormAct, BnGrad, Statistics};
 use super::depthwise::{self, Padding};
-use super::{float_dispatch, pointwise, with_cpu_slice};
+use super::{float_dispatch, pointwise, with_cpu_slice, Stage};
 
 /// The convolution in front of the BatchNorm; neither has a bias.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +55,7 @@ impl Conv {
 
 /// Arguments: the convolution's input and weight, and γ and β stacked as `[2, C]` (so that
 /// BatchNorm's two parameter gradients come back as the one `[2, C]` block its backward writes).
-struct ConvNorm {
+pub struct ConvNorm {
     conv: Conv,
     norm: BatchNormAct,
     /// The convolution's output, computed once by the caller (BatchNorm's batch statistics
@@ -124,31 +124,17 @@ pub fn conv_norm(conv: Conv, x: &Tensor, w: &Tensor, z: Tensor, norm: &Norm) -> 
     x.contiguous()?.apply_op3(&w.contiguous()?, &gamma_beta, op)
 }
 
-/// [`conv_norm`] outside candle's graph, for an op that chains several (`ops::mbconv`): the
-/// output, and this stage with its operands kept for [`ConvNormStage::backward`].
-pub struct ConvNormStage {
-    op: ConvNorm,
-    x: Tensor,
-    w: Tensor,
-    gamma_beta: Tensor,
-}
+/// [`conv_norm`] outside candle's graph, for an op that chains several (`ops::mbconv`); its
+/// backward pass gives the gradients of the input, the weight and `[γ; β]` (`[2, C]`).
+pub type ConvNormStage = Stage<ConvNorm>;
 
 impl ConvNormStage {
-    /// Operands as [`Conv::fusable`] requires; they are detached from any graph.
-    pub fn run(conv: Conv, x: &Tensor, w: &Tensor, z: Tensor, norm: &Norm) -> Result<(Tensor, Self)> {
-        let gamma_beta = Tensor::stack(&[norm.gamma.detach(), norm.beta.detach()], 0)?;
+    /// The output and the stage. Operands as [`Conv::fusable`] requires; they are detached from
+    /// any graph.
+    pub fn conv_norm(conv: Conv, x: &Tensor, w: &Tensor, z: Tensor, norm: &Norm) -> Result<(Tensor, Self)> {
+        let gamma_beta = Tensor::stack(&[norm.gamma, norm.beta], 0)?;
         let op = ConvNorm { conv, norm: BatchNormAct::new(norm.stats, norm.silu), z: z.detach().contiguous()? };
-        let (x, w) = (x.detach().contiguous()?, w.detach().contiguous()?);
-        let y = x.apply_op3_no_bwd(&w, &gamma_beta, &op)?;
-        Ok((y, ConvNormStage { op, x, w, gamma_beta }))
-    }
-
-    /// Gradients of the input, the weight and `[γ; β]` (`[2, C]`) from the output's.
-    pub fn backward(&self, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (Some(dx), Some(dw), Some(dgb)) = self.op.bwd(&self.x, &self.w, &self.gamma_beta, grad, grad)? else {
-            candle_core::bail!("conv + BatchNorm: backward pass without every gradient")
-        };
-        Ok((dx, dw, dgb))
+        Stage::run(op, [x, w, &gamma_beta])
     }
 }
 

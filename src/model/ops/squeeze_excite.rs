@@ -12,8 +12,8 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::channel::sigmoid;
-use super::{float_dispatch2, float_dispatch3, lane_dot, lane_sum, output_buffer, simd, with_cpu_slice, Float};
+use super::channel::{scale_planes, sigmoid};
+use super::{float_dispatch2, float_dispatch3, lane_dot, lane_sum, simd, with_cpu_slice, Float, Stage};
 
 /// Shapes: images, channels, plane size, reduced width.
 #[derive(Clone, Copy, Debug)]
@@ -66,25 +66,7 @@ fn excite<T: Float>(d: Dims, pool: &[f64], w1: &[T], b1: &[T], w2: &[T], b2: &[T
     (a1, z1, s)
 }
 
-/// `out[plane] = a[plane] · f[plane]` (+ `add[plane]`), plane by plane.
-fn scale_planes<T: Float>(a: &[T], f: &[f64], add: Option<&[f64]>, hw: usize) -> Vec<T> {
-    // SAFETY: the loop below writes every element.
-    let mut out = unsafe { output_buffer::<T>(a.len()) };
-    out.par_chunks_mut(hw).zip(a.par_chunks(hw)).enumerate().for_each(|(p, (o, ap))| {
-        let (fv, cv) = (T::from(f[p]), T::from(add.map_or(0.0, |c| c[p])));
-        simd(
-            #[inline(always)]
-            || {
-                for (ov, &av) in o.iter_mut().zip(ap) {
-                    *ov = av * fv + cv;
-                }
-            },
-        )
-    });
-    out
-}
-
-struct SqueezeExcite {
+pub struct SqueezeExcite {
     saved: Mutex<Option<Saved>>,
 }
 
@@ -210,35 +192,23 @@ impl CustomOp2 for SqueezeExciteGrad {
 /// `h · σ(W2·silu(W1·mean_hw(h) + b1) + b2)` for `h` `[N, C, H, W]`, `w1` `[R, C]`, `b1` `[R]`,
 /// `w2` `[C, R]`, `b2` `[C]`. Needs operands `ops::fusable` accepts.
 pub fn squeeze_excite(h: &Tensor, (w1, b1): (&Tensor, &Tensor), (w2, b2): (&Tensor, &Tensor)) -> Result<Tensor> {
-    let rest = Tensor::cat(&[b1.flatten_all()?, w2.flatten_all()?, b2.flatten_all()?], 0)?;
-    h.contiguous()?.apply_op3(&w1.contiguous()?, &rest, SqueezeExcite { saved: Mutex::new(None) })
+    h.contiguous()?.apply_op3(&w1.contiguous()?, &biases_and_expand(b1, w2, b2)?, SqueezeExcite { saved: Mutex::new(None) })
+}
+
+/// The op's third operand, `[b1 | W2 | b2]` flattened.
+fn biases_and_expand(b1: &Tensor, w2: &Tensor, b2: &Tensor) -> Result<Tensor> {
+    Tensor::cat(&[b1.flatten_all()?, w2.flatten_all()?, b2.flatten_all()?], 0)
 }
 
 /// [`squeeze_excite`] outside candle's graph, for an op that chains it with others
-/// (`ops::mbconv`): the output, and this stage with what [`SqueezeExciteStage::backward`] needs.
-pub struct SqueezeExciteStage {
-    op: SqueezeExcite,
-    h: Tensor,
-    w1: Tensor,
-    rest: Tensor,
-}
+/// (`ops::mbconv`); its backward pass gives the gradients of `h`, `W1` and `[b1 | W2 | b2]`.
+pub type SqueezeExciteStage = Stage<SqueezeExcite>;
 
 impl SqueezeExciteStage {
-    /// Operands as [`squeeze_excite`] takes them; they are detached from any graph.
-    pub fn run(h: &Tensor, (w1, b1): (&Tensor, &Tensor), (w2, b2): (&Tensor, &Tensor)) -> Result<(Tensor, Self)> {
-        let rest = Tensor::cat(&[b1.detach().flatten_all()?, w2.detach().flatten_all()?, b2.detach().flatten_all()?], 0)?;
-        let (h, w1) = (h.detach().contiguous()?, w1.detach().contiguous()?);
-        let op = SqueezeExcite { saved: Mutex::new(None) };
-        let y = h.apply_op3_no_bwd(&w1, &rest, &op)?;
-        Ok((y, SqueezeExciteStage { op, h, w1, rest }))
-    }
-
-    /// Gradients of `h`, `W1` and `[b1 | W2 | b2]` (flat) from the output's.
-    pub fn backward(&self, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let (Some(dh), Some(dw1), Some(drest)) = self.op.bwd(&self.h, &self.w1, &self.rest, grad, grad)? else {
-            candle_core::bail!("squeeze-excitation: backward pass without every gradient")
-        };
-        Ok((dh, dw1, drest))
+    /// The output and the stage; operands as [`squeeze_excite`] takes them, detached from any
+    /// graph.
+    pub fn squeeze_excite(h: &Tensor, (w1, b1): (&Tensor, &Tensor), (w2, b2): (&Tensor, &Tensor)) -> Result<(Tensor, Self)> {
+        Stage::run(SqueezeExcite { saved: Mutex::new(None) }, [h, w1, &biases_and_expand(b1, w2, b2)?])
     }
 }
 
