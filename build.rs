@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 1] = ["depthwise"];
+const KERNELS: [&str; 2] = ["depthwise", "rows"];
 
 fn nvcc() -> PathBuf {
     if let Ok(p) = std::env::var("NVCC") {

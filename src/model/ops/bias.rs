@@ -6,9 +6,11 @@
 //! `gelu_erf`'s backward builds about ten full-size temporaries. Here the forward is one pass, the
 //! backward one pass for the input gradient plus a blocked, multithreaded column sum.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
+use super::row_kernels::{self, Program};
 use super::{float_dispatch, float_dispatch2, float_dispatch3, last_dim, output_buffer, row_block, simd, Float};
 
 /// What follows the bias add.
@@ -83,6 +85,22 @@ impl CustomOp2 for BiasAct {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let cols = last_dim(l1);
+        if l2.dims() != [cols] {
+            candle_core::bail!("bias of shape {:?} does not fit an input of shape {:?}", l2.dims(), l1.dims());
+        }
+        let program = Program::bias_act(l1.shape().elem_count() / cols, cols, self.0 == Activation::GeluErf, &row_kernels::GPU);
+        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
+    }
+
     fn bwd(&self, y: &Tensor, b: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         let dz = match self.0 {
@@ -136,6 +154,24 @@ impl CustomOp3 for GeluGrad {
         let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "bias GELU backward", |y, b, dy| Self::run(y, b, dy, cols));
         Ok((out, l1.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let cols = last_dim(l1);
+        if l2.dims() != [cols] || l3.dims() != l1.dims() {
+            candle_core::bail!("bias GELU backward: input {:?}, bias {:?}, gradient {:?}", l1.dims(), l2.dims(), l3.dims());
+        }
+        let program = Program::bias_gelu_grad(l1.shape().elem_count() / cols, cols, &row_kernels::GPU);
+        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, l1.shape().clone()))
+    }
 }
 
 /// Sums over every dimension but the last: `[.., cols]` → `[cols]`.
@@ -180,13 +216,20 @@ impl CustomOp1 for ColumnSums {
         let out = float_dispatch!(s, l, "column sums", |x| column_sums(x, cols));
         Ok((out, Shape::from(cols)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let cols = last_dim(l);
+        let program = Program::column_sums(l.shape().elem_count() / cols, cols, &row_kernels::GPU);
+        Ok((row_kernels::cuda::run(&program, &[(s, l)], None)?, Shape::from(cols)))
+    }
 }
 
-/// `act(y + bias)` with `bias` broadcast over every dimension but the last. Fused on the CPU for
-/// f32 / f64; candle's composition elsewhere (other devices, bf16).
+/// `act(y + bias)` with `bias` broadcast over every dimension but the last. One op in f32 / f64
+/// where `ops::has_row_kernels` says so (the CPU, CUDA GPUs); candle's composition elsewhere
+/// (bf16).
 pub fn bias_act(y: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
-    let fused = y.device().is_cpu() && matches!(y.dtype(), DType::F32 | DType::F64) && bias.dtype() == y.dtype();
-    if !fused {
+    if !super::has_row_kernels(y, &[bias]) {
         let z = y.broadcast_add(bias)?;
         return match act {
             Activation::Identity => Ok(z),
@@ -200,7 +243,7 @@ pub fn bias_act(y: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
 mod tests {
     use super::super::testing::{check_fd, max_abs, max_diff};
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     fn composed(y: &Tensor, b: &Tensor, act: Activation) -> Tensor {
         let z = y.broadcast_add(b).unwrap();
@@ -249,5 +292,34 @@ mod tests {
         let all: Vec<usize> = (0..24).collect();
         assert!(check_fd(|t| loss(t, &b0), &y0, grads.get(y.as_tensor()).unwrap(), &all) < 1e-7);
         assert!(check_fd(|t| loss(&y0, t), &b0, grads.get(b.as_tensor()).unwrap(), &[0, 1, 2, 3, 4, 5]) < 1e-7);
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::super::row_kernels::testing::{assert_close, to_f32, values, SMALL_GRID};
+    use super::super::row_kernels::{host, Program};
+    use super::*;
+
+    #[test]
+    fn the_gpu_kernels_match_the_cpu_op_in_the_host_emulation() {
+        // 1500 rows: several chunks in the column sums' first pass.
+        let (rows, cols) = (1500, 37);
+        let y = values(200, 0.0, 2.0, rows * cols);
+        let b = values(201, 0.0, 1.0, cols);
+        let dy = values(202, 0.0, 1.0, rows * cols);
+        for act in [Activation::Identity, Activation::GeluErf] {
+            let program = Program::bias_act(rows, cols, act == Activation::GeluErf, &SMALL_GRID);
+            assert_close(&host::run(&program, &[&y, &b], None), &BiasAct(act).run(&y, &b, cols), 1e-12, &format!("{act:?}"));
+            let (y, b) = (to_f32(&y), to_f32(&b));
+            assert_close(&host::run(&program, &[&y, &b], None), &BiasAct(act).run(&y, &b, cols), 1e-5, &format!("{act:?}"));
+        }
+        let grad = Program::bias_gelu_grad(rows, cols, &SMALL_GRID);
+        assert_close(&host::run(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-12, "GELU grad");
+        let sums = Program::column_sums(rows, cols, &SMALL_GRID);
+        assert_close(&host::run(&sums, &[&dy], None), &column_sums(&dy, cols), 1e-12, "column sums");
+        let (y, b, dy) = (to_f32(&y), to_f32(&b), to_f32(&dy));
+        assert_close(&host::run(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-5, "GELU grad");
+        assert_close(&host::run(&sums, &[&dy], None), &column_sums(&dy, cols), 1e-5, "column sums");
     }
 }

@@ -9,6 +9,8 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
+use super::row_kernels::{self, Program};
 use super::{float_dispatch3, lane_dot, lane_sum, output_buffer, row_block, simd, Float, LANES};
 
 /// Mean and 1/√(var + ε) of a row, the variance from the centred values (two passes; the row
@@ -82,6 +84,21 @@ impl CustomOp3 for LayerNormOp {
         check_shapes(l1, l2, l3)?;
         let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "layer norm", |x, w, b| self.run(x, w, b));
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = check_shapes(l1, l2, l3)?;
+        let program = Program::layer_norm(l1.shape().elem_count() / d, d, self.eps, row_kernels::cuda::elem_size(s1), &row_kernels::GPU);
+        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -179,14 +196,33 @@ impl CustomOp3 for LayerNormGrad {
         let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "layer norm backward", |x, w, dy| self.run(x, w, dy));
         Ok((out, Shape::from(l1.shape().elem_count() + 2 * d)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let d = check_shapes(l1, l2, l2)?;
+        if l3.dims() != l1.dims() {
+            candle_core::bail!("layer norm gradient of shape {:?} for an input of shape {:?}", l3.dims(), l1.dims());
+        }
+        let n = l1.shape().elem_count();
+        let program = Program::layer_norm_grad(n / d, d, self.eps, row_kernels::cuda::elem_size(s1), &row_kernels::GPU)?;
+        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, Shape::from(n + 2 * d)))
+    }
 }
 
 /// `(x − mean) / √(var + eps) · weight + bias` over the last dimension, differentiable in all
-/// three. Fused on the CPU for f32 / f64; elsewhere (other devices, bf16) composed from candle
-/// ops with the statistics in f32.
+/// three. One op in f32 / f64 where `ops::has_row_kernels` says so (the CPU, CUDA GPUs);
+/// elsewhere (bf16) composed from candle ops with the statistics in f32.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    if x.device().is_cpu() && matches!(dtype, DType::F32 | DType::F64) && weight.dtype() == dtype && bias.dtype() == dtype {
+    if super::has_row_kernels(x, &[weight, bias]) {
         return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNormOp { eps });
     }
     let _profile = crate::util::profile::region("op/layer-norm");
@@ -250,5 +286,35 @@ mod tests {
         assert!(check_fd(|t| loss(t, &w0, &b0), &x0, grads.get(x.as_tensor()).unwrap(), &all) < 1e-7);
         assert!(check_fd(|t| loss(&x0, t, &b0), &w0, grads.get(w.as_tensor()).unwrap(), &[0, 1, 2, 3, 4]) < 1e-7);
         assert!(check_fd(|t| loss(&x0, &w0, t), &b0, grads.get(b.as_tensor()).unwrap(), &[0, 1, 2, 3, 4]) < 1e-7);
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::super::row_kernels::testing::{assert_close, to_f32, values, SMALL_GRID};
+    use super::super::row_kernels::{host, Program};
+    use super::*;
+
+    #[test]
+    fn the_gpu_kernels_match_the_cpu_op_in_the_host_emulation() {
+        let eps = 1e-5;
+        // Rows wider than a block (300 > 256 threads), narrower than one (20 of 32), and enough
+        // rows for chunks of two in the parameter gradients' partial sums.
+        for (rows, cols) in [(37, 300), (600, 20)] {
+            let x = values(180, 2.0, 1.5, rows * cols);
+            let w = values(181, 1.0, 0.5, cols);
+            let b = values(182, 0.0, 0.5, cols);
+            let dy = values(183, 0.0, 1.0, rows * cols);
+            let forward = Program::layer_norm(rows, cols, eps, 8, &SMALL_GRID);
+            let backward = Program::layer_norm_grad(rows, cols, eps, 8, &SMALL_GRID).unwrap();
+            let what = format!("{rows}x{cols}");
+            assert_close(&host::run(&forward, &[&x, &w, &b], None), &LayerNormOp { eps }.run(&x, &w, &b), 1e-12, &what);
+            assert_close(&host::run(&backward, &[&x, &w, &dy], None), &LayerNormGrad { eps }.run(&x, &w, &dy), 1e-12, &what);
+            let (x, w, b, dy) = (to_f32(&x), to_f32(&w), to_f32(&b), to_f32(&dy));
+            let forward = Program::layer_norm(rows, cols, eps, 4, &SMALL_GRID);
+            let backward = Program::layer_norm_grad(rows, cols, eps, 4, &SMALL_GRID).unwrap();
+            assert_close(&host::run(&forward, &[&x, &w, &b], None), &LayerNormOp { eps }.run(&x, &w, &b), 1e-5, &what);
+            assert_close(&host::run(&backward, &[&x, &w, &dy], None), &LayerNormGrad { eps }.run(&x, &w, &dy), 1e-5, &what);
+        }
     }
 }

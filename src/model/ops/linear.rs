@@ -394,10 +394,11 @@ fn fusable(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
 }
 
 /// `x·Wᵀ + b` for `x` `[rows, in]`, `w` `[out, in]`, `b` `[out]`: one op on the CPU in f32 / f64,
-/// a matmul and a broadcast add elsewhere.
+/// elsewhere candle's matmul and the bias op (whose bias gradient is the column-sum kernel on a
+/// GPU, not candle's reduce).
 pub fn linear_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     if !fusable(x, w, b) {
-        return x.matmul(&w.t()?)?.broadcast_add(b);
+        return bias_act(&x.matmul(&w.t()?)?, b, Activation::Identity);
     }
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LinearBias)
 }

@@ -15,6 +15,9 @@ mod matmul;
 pub mod mbconv;
 pub mod pointwise;
 pub mod residual;
+// Without the `cuda` feature, only the tests run its programs (on the host emulation).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod row_kernels;
 pub mod softmax;
 pub mod squeeze_excite;
 
@@ -28,9 +31,18 @@ fn contiguous<'a, T>(data: &'a [T], l: &Layout, what: &str) -> Result<&'a [T]> {
 /// Whether the CPU kernels here can run an op on `x` and its `params`: all on the CPU, in f32
 /// or f64, in one dtype. Elsewhere (GPUs, bf16) the layers compose candle ops.
 pub fn fusable(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
-    x.device().is_cpu()
-        && matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64)
-        && params.iter().all(|p| p.dtype() == x.dtype())
+    x.device().is_cpu() && float_operands(x, params)
+}
+
+/// Whether the row-wise ops (LayerNorm, the attention softmax, bias + GELU, column sums) run as
+/// their own kernels on `x` and `params`: on the CPU, and on CUDA GPUs with the `cuda` feature
+/// (`kernels/rows.cu`), in f32 or f64 of one dtype.
+pub fn has_row_kernels(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
+    (x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda())) && float_operands(x, params)
+}
+
+fn float_operands(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
+    matches!(x.dtype(), candle_core::DType::F32 | candle_core::DType::F64) && params.iter().all(|p| p.dtype() == x.dtype())
 }
 
 /// A three-operand op run outside candle's graph on detached operands and kept with them, so

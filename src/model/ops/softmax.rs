@@ -7,6 +7,9 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
+use super::row_kernels;
+use super::row_kernels::{Limits, Program};
 use super::{float_dispatch, float_dispatch2, lane_dot, lane_max, lane_sum, last_dim, output_buffer, simd, Float};
 
 /// `row ← softmax(scale·row + bias)` in place; `bias` (a padding mask) may be absent.
@@ -82,6 +85,13 @@ impl Softmax {
         out
     }
 
+    /// The GPU launches for scores laid out as `l`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn program(&self, l: &Layout, elem: usize, limits: &Limits) -> Program {
+        let d = last_dim(l);
+        Program::softmax(l.shape().elem_count() / d, d, self.scale, self.key_bias.as_ref().map(|(_, rows)| *rows), elem, limits)
+    }
+
     fn bias_of(&self, row: usize, d: usize) -> Option<&[f32]> {
         self.key_bias.as_ref().map(|(b, rows_per_batch)| {
             let batch = row / rows_per_batch;
@@ -100,6 +110,13 @@ impl CustomOp1 for Softmax {
         let d = last_dim(l);
         let out = float_dispatch!(s, l, "softmax", |x| self.run(x, d));
         Ok((out, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let program = self.program(l, row_kernels::cuda::elem_size(s), &row_kernels::GPU);
+        let bias = self.key_bias.as_ref().map(|(b, _)| b.as_slice());
+        Ok((row_kernels::cuda::run(&program, &[(s, l)], bias)?, l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -122,12 +139,30 @@ impl CustomOp2 for SoftmaxGrad {
         let out = float_dispatch2!(s1, l1, s2, l2, "softmax backward", |y, g| softmax_grad(y, g, d, self.scale));
         Ok((out, l1.shape().clone()))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if l1.dims() != l2.dims() {
+            candle_core::bail!("softmax backward: gradient {:?} for output {:?}", l2.dims(), l1.dims());
+        }
+        let d = last_dim(l1);
+        let program =
+            Program::softmax_grad(l1.shape().elem_count() / d, d, self.scale, row_kernels::cuda::elem_size(s1), &row_kernels::GPU);
+        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
+    }
 }
 
 /// `softmax(scale·x + key_bias)` over the last dimension of `x` (`[batch, .., keys]`), with
 /// `key_bias` (`[batch, keys]`, e.g. 0 for tokens and −1e9 for padding) added to every row of its
 /// batch element: attention's scaling and padding mask inside the softmax's own pass, forward and
-/// backward. Differentiable in `x` only. Fused on the CPU for f32 / f64; composed elsewhere.
+/// backward. Differentiable in `x` only. One op in f32 / f64 where `ops::has_row_kernels` says
+/// so (the CPU, CUDA GPUs); composed elsewhere.
 pub fn scaled_masked_softmax(x: &Tensor, scale: f64, key_bias: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims();
     let (batch, keys) = (dims.first().copied().unwrap_or(1), dims.last().copied().unwrap_or(1));
@@ -136,7 +171,7 @@ pub fn scaled_masked_softmax(x: &Tensor, scale: f64, key_bias: Option<&Tensor>) 
             candle_core::bail!("key bias of shape {:?} for scores of shape {dims:?}", b.dims());
         }
     }
-    if !x.device().is_cpu() || !matches!(x.dtype(), DType::F32 | DType::F64) {
+    if !super::has_row_kernels(x, &[]) {
         let z = if scale == 1.0 { x.clone() } else { (x * scale)? };
         let z = match key_bias {
             Some(b) => {
@@ -214,5 +249,38 @@ mod tests {
         let all: Vec<usize> = (0..16).collect();
         let f = |t: &Tensor| loss(t).to_scalar::<f64>().unwrap();
         assert!(check_fd(f, &x0, grads.get(x.as_tensor()).unwrap(), &all) < 1e-7);
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::super::row_kernels::testing::{assert_close, to_f32, values, SMALL_GRID};
+    use super::super::row_kernels::{host, Program};
+    use super::*;
+
+    #[test]
+    fn the_gpu_kernels_match_the_cpu_op_in_the_host_emulation() {
+        // Scores [2 batch, 3 heads, 5 queries, keys]: a padding mask per batch element serves
+        // 15 rows; 300 keys are more than a block's threads.
+        for keys in [17, 300] {
+            let rows = 2 * 3 * 5;
+            let mask: Vec<f32> = (0..2 * keys).map(|i| if i % keys > keys - 3 - i / keys { -1e9 } else { 0.0 }).collect();
+            let x = values(190, 0.0, 3.0, rows * keys);
+            let dy = values(191, 0.0, 1.0, rows * keys);
+            let layout = Layout::contiguous((2, 3, 5, keys));
+            for (scale, bias) in [(1.0, None), (0.125, Some(mask.clone()))] {
+                let op = Softmax { scale, key_bias: bias.clone().map(|b| (b, 15)) };
+                let what = format!("{keys} keys, scale {scale}");
+                let y = op.run(&x, keys);
+                assert_close(&host::run(&op.program(&layout, 8, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-12, &what);
+                let grad = Program::softmax_grad(rows, keys, scale, 8, &SMALL_GRID);
+                assert_close(&host::run(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-12, &what);
+                let (x, dy) = (to_f32(&x), to_f32(&dy));
+                let y = op.run(&x, keys);
+                assert_close(&host::run(&op.program(&layout, 4, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-6, &what);
+                let grad = Program::softmax_grad(rows, keys, scale, 4, &SMALL_GRID);
+                assert_close(&host::run(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-6, &what);
+            }
+        }
     }
 }

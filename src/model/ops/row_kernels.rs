@@ -1,0 +1,530 @@
+//! The GPU side of the row-wise ops (LayerNorm, softmax, bias + GELU, column sums): which
+//! kernels of `kernels/rows.cu` each op launches, in what order, on which buffers and with what
+//! grid, as a [`Program`] of plain data.
+//!
+//! A program is run by one of two executors: cudarc's on a GPU (`--features cuda`), and in the
+//! tests a host emulation that compiles the same `.cu` source as C++ (`kernels/host/`) and runs
+//! each launch with real threads meeting at `__syncthreads`. So the kernels, their launch
+//! geometry and their argument wiring are all checked against the CPU ops on machines without a
+//! GPU; only cudarc's copying of arguments is not.
+
+use super::Float;
+
+/// `struct RowParams` of `kernels/rows.cu`, field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct RowParams {
+    rows: i64,
+    cols: i32,
+    rows_per_bias: i32,
+    chunk: i32,
+    act: i32,
+    value: f64,
+}
+
+#[cfg(feature = "cuda")]
+// SAFETY: a #[repr(C)] struct of plain numbers, laid out as the kernels' struct.
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for RowParams {}
+
+/// Where a launch reads an operand from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Src {
+    /// The op's n-th input.
+    Operand(usize),
+    /// A scratch buffer an earlier launch wrote.
+    Scratch(usize),
+    /// Not read by the kernel (a null pointer).
+    Null,
+}
+
+/// Where a launch writes: `len` elements from `offset` of the op's output or of a scratch buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Dst {
+    Out { offset: usize, len: usize },
+    Scratch(usize),
+}
+
+#[derive(Clone, Debug)]
+pub(super) struct Launch {
+    /// The kernel's name without its dtype suffix.
+    pub kernel: &'static str,
+    pub inputs: [Src; 3],
+    /// Whether the kernel reads the op's key bias (f32, softmax only).
+    pub key_bias: bool,
+    pub out: Dst,
+    pub params: RowParams,
+    pub grid: u32,
+    pub block: u32,
+    pub shared_bytes: u32,
+}
+
+/// An op's launches, the lengths of the scratch buffers they pass between them, and the length
+/// of the op's output.
+#[derive(Clone, Debug)]
+pub(super) struct Program {
+    pub launches: Vec<Launch>,
+    pub scratch: Vec<usize>,
+    pub out_len: usize,
+}
+
+/// Launch limits. Grids are capped so that the kernels' grid-stride loops are exercised in the
+/// tests with a small cap; on a GPU the cap only bounds the launch.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Limits {
+    pub max_grid: u32,
+    /// Dynamic shared memory a block may ask for without opting in (48 KiB on every CUDA GPU).
+    pub max_shared: usize,
+}
+
+pub(super) const GPU: Limits = Limits { max_grid: 65_535, max_shared: 48 * 1024 };
+
+/// Threads for the elementwise and column kernels.
+const THREADS: u32 = 256;
+/// Partial sums over rows: at most this many chunks, so the second pass is short.
+const MAX_CHUNKS: usize = 512;
+
+/// Threads per block for a row of `cols`: a power of two (the tree reduction halves it), at
+/// least a warp, at most [`THREADS`].
+fn row_threads(cols: usize) -> u32 {
+    (cols.next_power_of_two() as u32).clamp(32, THREADS)
+}
+
+fn grid(units: usize, limits: &Limits) -> u32 {
+    units.clamp(1, limits.max_grid as usize) as u32
+}
+
+fn params(rows: usize, cols: usize) -> RowParams {
+    RowParams { rows: rows as i64, cols: cols as i32, ..Default::default() }
+}
+
+impl Program {
+    fn one(launch: Launch, out_len: usize) -> Program {
+        Program { launches: vec![launch], scratch: vec![], out_len }
+    }
+
+    /// A kernel with one block per row and a reduction scratch of one element per thread.
+    fn per_row(kernel: &'static str, inputs: [Src; 3], key_bias: bool, p: RowParams, elem: usize, limits: &Limits) -> Launch {
+        let block = row_threads(p.cols as usize);
+        let out = Dst::Out { offset: 0, len: p.rows as usize * p.cols as usize };
+        Launch { kernel, inputs, key_bias, out, params: p, grid: grid(p.rows as usize, limits), block, shared_bytes: block * elem as u32 }
+    }
+
+    /// An elementwise kernel over `rows × cols`.
+    fn elementwise(kernel: &'static str, inputs: [Src; 3], p: RowParams, limits: &Limits) -> Launch {
+        let len = p.rows as usize * p.cols as usize;
+        let out = Dst::Out { offset: 0, len };
+        let grid = grid(len.div_ceil(THREADS as usize), limits);
+        Launch { kernel, inputs, key_bias: false, out, params: p, grid, block: THREADS, shared_bytes: 0 }
+    }
+
+    /// `column_sums` of `src` as `[rows, cols]` in chunks of `chunk` rows, to `out`.
+    fn column_sums_launch(src: Src, rows: usize, cols: usize, chunk: usize, out: Dst, limits: &Limits) -> Launch {
+        let p = RowParams { chunk: chunk as i32, ..params(rows, cols) };
+        let units = rows.div_ceil(chunk) * cols;
+        let grid = grid(units.div_ceil(THREADS as usize), limits);
+        Launch {
+            kernel: "column_sums",
+            inputs: [src, Src::Null, Src::Null],
+            key_bias: false,
+            out,
+            params: p,
+            grid,
+            block: THREADS,
+            shared_bytes: 0,
+        }
+    }
+
+    /// Rows per chunk of a two-pass sum over `rows`.
+    fn chunk(rows: usize) -> usize {
+        rows.div_ceil(MAX_CHUNKS).max(1)
+    }
+
+    /// `LayerNormOp` on operands `[x, weight, bias]`, rows of `cols`.
+    pub fn layer_norm(rows: usize, cols: usize, eps: f64, elem: usize, limits: &Limits) -> Program {
+        let p = RowParams { value: eps, ..params(rows, cols) };
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Operand(2)];
+        Program::one(Program::per_row("layer_norm_fwd", ops, false, p, elem, limits), rows * cols)
+    }
+
+    /// `LayerNormGrad` on operands `[x, weight, dy]`: the output is `[dx | dweight | dbias]`.
+    /// dx is one block per row; the parameter gradients are summed per chunk of rows into a
+    /// scratch `[chunks, 2·cols]` and the chunks then added in order.
+    pub fn layer_norm_grad(rows: usize, cols: usize, eps: f64, elem: usize, limits: &Limits) -> candle_core::Result<Program> {
+        let p = RowParams { value: eps, ..params(rows, cols) };
+        let dx = Program::per_row("layer_norm_grad_input", [Src::Operand(0), Src::Operand(1), Src::Operand(2)], false, p, elem, limits);
+        let chunk = Program::chunk(rows);
+        let chunks = rows.div_ceil(chunk);
+        let block = row_threads(cols);
+        let shared = (block as usize + 2 * cols) * elem;
+        if shared > limits.max_shared {
+            candle_core::bail!(
+                "layer norm backward on the GPU: rows of {cols} need {shared} bytes of shared memory, more than {}",
+                limits.max_shared
+            );
+        }
+        let partial = Launch {
+            kernel: "layer_norm_grad_params",
+            inputs: [Src::Operand(0), Src::Null, Src::Operand(2)],
+            key_bias: false,
+            out: Dst::Scratch(0),
+            params: RowParams { chunk: chunk as i32, ..p },
+            grid: grid(chunks, limits),
+            block,
+            shared_bytes: shared as u32,
+        };
+        let total =
+            Program::column_sums_launch(Src::Scratch(0), chunks, 2 * cols, chunks, Dst::Out { offset: rows * cols, len: 2 * cols }, limits);
+        Ok(Program { launches: vec![dx, partial, total], scratch: vec![chunks * 2 * cols], out_len: rows * cols + 2 * cols })
+    }
+
+    /// `softmax(scale·x + key_bias)` per row on operand `[x]`; the key bias (`[batch, cols]`)
+    /// serves `rows_per_bias` consecutive rows per batch element.
+    pub fn softmax(rows: usize, cols: usize, scale: f64, key_bias: Option<usize>, elem: usize, limits: &Limits) -> Program {
+        let p = RowParams { value: scale, rows_per_bias: key_bias.unwrap_or(1).max(1) as i32, ..params(rows, cols) };
+        let ops = [Src::Operand(0), Src::Null, Src::Null];
+        Program::one(Program::per_row("softmax_fwd", ops, key_bias.is_some(), p, elem, limits), rows * cols)
+    }
+
+    /// The softmax's input gradient on operands `[y, dy]`.
+    pub fn softmax_grad(rows: usize, cols: usize, scale: f64, elem: usize, limits: &Limits) -> Program {
+        let p = RowParams { value: scale, ..params(rows, cols) };
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Null];
+        Program::one(Program::per_row("softmax_grad", ops, false, p, elem, limits), rows * cols)
+    }
+
+    /// `act(y + b)` on operands `[y, b]`; `gelu` picks GELU over the identity.
+    pub fn bias_act(rows: usize, cols: usize, gelu: bool, limits: &Limits) -> Program {
+        let p = RowParams { act: i32::from(gelu), ..params(rows, cols) };
+        Program::one(Program::elementwise("bias_act", [Src::Operand(0), Src::Operand(1), Src::Null], p, limits), rows * cols)
+    }
+
+    /// `dy · gelu'(y + b)` on operands `[y, b, dy]`.
+    pub fn bias_gelu_grad(rows: usize, cols: usize, limits: &Limits) -> Program {
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Operand(2)];
+        Program::one(Program::elementwise("bias_gelu_grad", ops, params(rows, cols), limits), rows * cols)
+    }
+
+    /// Sums over rows of operand `[x]` (`[rows, cols]` → `[cols]`), in two passes.
+    pub fn column_sums(rows: usize, cols: usize, limits: &Limits) -> Program {
+        let chunk = Program::chunk(rows);
+        let chunks = rows.div_ceil(chunk);
+        let partial = Program::column_sums_launch(Src::Operand(0), rows, cols, chunk, Dst::Scratch(0), limits);
+        let total = Program::column_sums_launch(Src::Scratch(0), chunks, cols, chunks, Dst::Out { offset: 0, len: cols }, limits);
+        Program { launches: vec![partial, total], scratch: vec![chunks * cols], out_len: cols }
+    }
+}
+
+/// The dtype suffix of the kernels' names.
+fn suffix<T: Float>() -> &'static str {
+    if std::mem::size_of::<T>() == 4 {
+        "f32"
+    } else {
+        "f64"
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(super) mod cuda {
+    //! The cudarc executor.
+
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, PushKernelArg};
+    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage, Layout, Result};
+
+    use super::{Dst, Program, Src};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rows.ptx"));
+
+    fn run_typed<T: DeviceRepr + super::Float>(
+        dev: &CudaDevice,
+        program: &Program,
+        operands: &[(&CudaSlice<T>, &Layout)],
+        key_bias: Option<&CudaSlice<f32>>,
+    ) -> Result<CudaSlice<T>> {
+        let views = operands
+            .iter()
+            .map(|(s, l)| match l.contiguous_offsets() {
+                Some((lo, hi)) => Ok(s.slice(lo..hi)),
+                None => candle_core::bail!("row kernels: operands must be contiguous"),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // SAFETY (both allocations): the program's launches write every element of the output
+        // and of each scratch buffer before anything reads it (the host emulation's tests fill
+        // them with NaN first and check).
+        let mut out = unsafe { dev.alloc::<T>(program.out_len)? };
+        let mut scratch = program.scratch.iter().map(|&n| unsafe { dev.alloc::<T>(n) }.map(Some)).collect::<Result<Vec<_>>>()?;
+        // Absent pointers (operands a kernel does not read, no key bias) are passed as null.
+        let null = 0u64;
+        for launch in &program.launches {
+            let func = dev.get_or_load_custom_func(&format!("{}_{}", launch.kernel, super::suffix::<T>()), "align_rows", PTX)?;
+            // A launch writing a scratch buffer holds it alone; reading it in the same launch
+            // would be an error of the program, reported below.
+            let mut target = match launch.out {
+                Dst::Scratch(k) => scratch[k].take(),
+                Dst::Out { .. } => None,
+            };
+            {
+                let inputs = launch
+                    .inputs
+                    .iter()
+                    .map(|src| match *src {
+                        Src::Operand(i) => match views.get(i) {
+                            Some(v) => Ok(Some(v.slice(..))),
+                            None => candle_core::bail!("row kernels: {} reads operand {i} of {}", launch.kernel, views.len()),
+                        },
+                        Src::Scratch(k) => match &scratch[k] {
+                            Some(s) => Ok(Some(s.slice(..))),
+                            None => candle_core::bail!("row kernels: {} reads the scratch buffer it writes", launch.kernel),
+                        },
+                        Src::Null => Ok(None),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let mut view = match (&mut target, launch.out) {
+                    (Some(t), _) => t.slice_mut(..),
+                    (None, Dst::Out { offset, len }) => out.slice_mut(offset..offset + len),
+                    (None, Dst::Scratch(_)) => candle_core::bail!("row kernels: {} writes a scratch buffer in use", launch.kernel),
+                };
+                let mut args = func.builder();
+                for input in &inputs {
+                    match input {
+                        Some(v) => args.arg(v),
+                        None => args.arg(&null),
+                    };
+                }
+                match (launch.key_bias, key_bias) {
+                    (true, Some(b)) => args.arg(b),
+                    (true, None) => candle_core::bail!("row kernels: {} needs a key bias", launch.kernel),
+                    (false, _) => args.arg(&null),
+                };
+                args.arg(&mut view);
+                args.arg(&launch.params);
+                let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+                    grid_dim: (launch.grid, 1, 1),
+                    block_dim: (launch.block, 1, 1),
+                    shared_mem_bytes: launch.shared_bytes,
+                };
+                // SAFETY: the arguments match the kernels' common signature (a, b, c, key_bias,
+                // out, params), and the launch's bounds are the program's.
+                unsafe { args.launch(cfg) }.w()?;
+            }
+            if let Dst::Scratch(k) = launch.out {
+                scratch[k] = target;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Bytes per element of a storage (the programs size shared memory by it).
+    pub fn elem_size(s: &CudaStorage) -> usize {
+        candle_core::backend::BackendStorage::dtype(s).size_in_bytes()
+    }
+
+    /// Runs `program` on CUDA operands of one dtype (f32 or f64). `key_bias` is the softmax's
+    /// f32 bias, copied to the device here.
+    pub fn run(program: &Program, operands: &[(&CudaStorage, &Layout)], key_bias: Option<&[f32]>) -> Result<CudaStorage> {
+        let Some((first, _)) = operands.first() else { candle_core::bail!("row kernels: no operands") };
+        let dev = &first.device;
+        let key_bias = key_bias.map(|b| dev.clone_htod(b)).transpose()?;
+        macro_rules! typed {
+            ($variant:ident) => {{
+                let slices = operands
+                    .iter()
+                    .map(|(s, l)| match &s.slice {
+                        CudaStorageSlice::$variant(d) => Ok((d, *l)),
+                        _ => candle_core::bail!("row kernels: operands of mixed dtypes"),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                CudaStorageSlice::$variant(run_typed(dev, program, &slices, key_bias.as_ref())?)
+            }};
+        }
+        let slice = match &first.slice {
+            CudaStorageSlice::F32(_) => typed!(F32),
+            CudaStorageSlice::F64(_) => typed!(F64),
+            _ => candle_core::bail!("row kernels support f32 and f64"),
+        };
+        Ok(CudaStorage { slice, device: dev.clone() })
+    }
+}
+
+#[cfg(test)]
+pub(super) mod host {
+    //! The host executor: each launch runs in `kernels/host/driver.cpp`, compiled once per test
+    //! process with the machine's C++ compiler (`CXX`, else `c++`).
+
+    use std::hash::{Hash, Hasher};
+    use std::io::Write;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+    use std::sync::OnceLock;
+
+    use super::{Dst, Float, Program, Src};
+
+    /// The compiled driver, shared by test processes (nextest runs one per test) under a name
+    /// derived from its sources and the compiler, so that an edit to a kernel rebuilds it.
+    fn driver() -> &'static Path {
+        static DRIVER: OnceLock<PathBuf> = OnceLock::new();
+        DRIVER.get_or_init(|| {
+            let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            cxx.hash(&mut hasher);
+            for source in ["host/driver.cpp", "host/emulate.h", "rows.cu"] {
+                std::fs::read(root.join(source)).expect("kernel source").hash(&mut hasher);
+            }
+            let dir = std::env::temp_dir().join("align-kernel-host");
+            std::fs::create_dir_all(&dir).expect("temp dir");
+            let exe = dir.join(format!("driver-{:016x}", hasher.finish()));
+            if exe.is_file() {
+                return exe;
+            }
+            // Built under a name of this process's, then renamed: concurrent test processes
+            // never run a half-written binary.
+            let partial = dir.join(format!("driver-building-{}", std::process::id()));
+            let out = Command::new(&cxx)
+                .args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror", "-o"])
+                .arg(&partial)
+                .arg(root.join("host/driver.cpp"))
+                .output()
+                .unwrap_or_else(|e| panic!("the kernel tests need a C++20 compiler ({cxx}: {e})"));
+            assert!(out.status.success(), "compiling the kernel host driver failed:\n{}", String::from_utf8_lossy(&out.stderr));
+            std::fs::rename(&partial, &exe).expect("install the driver");
+            exe
+        })
+    }
+
+    fn array<T: plain::Pod>(buf: &mut Vec<u8>, v: &[T]) {
+        buf.extend_from_slice(&(v.len() as u64).to_ne_bytes());
+        buf.extend_from_slice(plain::bytes(v));
+    }
+
+    /// Byte views of plain number slices without a crate for it.
+    mod plain {
+        /// f32, f64 and `RowParams`: types without padding or invalid bit patterns.
+        pub trait Pod: Copy {}
+        impl Pod for f32 {}
+        impl Pod for f64 {}
+        impl Pod for super::super::RowParams {}
+
+        pub fn bytes<T: Pod>(v: &[T]) -> &[u8] {
+            // SAFETY: T is plain data (Pod), so every byte is initialised.
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+        }
+
+        pub fn from_bytes<T: Pod + Default>(b: &[u8]) -> Vec<T> {
+            let mut v = vec![T::default(); b.len() / std::mem::size_of::<T>()];
+            // SAFETY: v has room for b's bytes and T accepts any bit pattern.
+            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast::<u8>(), v.len() * std::mem::size_of::<T>()) };
+            v
+        }
+    }
+
+    /// Runs `program` on `operands`; every output and scratch element starts as NaN, so one the
+    /// launches miss shows in the result.
+    pub fn run<T: Float + plain::Pod>(program: &Program, operands: &[&[T]], key_bias: Option<&[f32]>) -> Vec<T> {
+        let nan = T::from(f64::NAN);
+        let mut out = vec![nan; program.out_len];
+        let mut scratch: Vec<Vec<T>> = program.scratch.iter().map(|&n| vec![nan; n]).collect();
+        let dir = driver().parent().expect("driver dir").to_path_buf();
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        for launch in &program.launches {
+            let id = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let name = format!("{}_{}", launch.kernel, super::suffix::<T>());
+            let mut req = Vec::new();
+            req.extend_from_slice(&(name.len() as u32).to_ne_bytes());
+            req.extend_from_slice(name.as_bytes());
+            for v in [launch.grid, launch.block, launch.shared_bytes] {
+                req.extend_from_slice(&v.to_ne_bytes());
+            }
+            req.extend_from_slice(plain::bytes(std::slice::from_ref(&launch.params)));
+            req.extend_from_slice(&(std::mem::size_of::<T>() as u32).to_ne_bytes());
+            for src in launch.inputs {
+                match src {
+                    Src::Operand(i) => array(&mut req, operands[i]),
+                    Src::Scratch(k) => array(&mut req, &scratch[k]),
+                    Src::Null => array::<T>(&mut req, &[]),
+                }
+            }
+            let region: &mut [T] = match launch.out {
+                Dst::Out { offset, len } => &mut out[offset..offset + len],
+                Dst::Scratch(k) => &mut scratch[k],
+            };
+            array(&mut req, region);
+            match (launch.key_bias, key_bias) {
+                (true, Some(b)) => array(&mut req, b),
+                (true, None) => panic!("{} needs a key bias", launch.kernel),
+                (false, _) => array::<f32>(&mut req, &[]),
+            }
+            let pid = std::process::id();
+            let (req_path, out_path) = (dir.join(format!("req-{pid}-{id}")), dir.join(format!("out-{pid}-{id}")));
+            std::fs::File::create(&req_path).and_then(|mut f| f.write_all(&req)).expect("write request");
+            let status = Command::new(driver()).arg(&req_path).arg(&out_path).status().expect("run the kernel driver");
+            assert!(status.success(), "{name} failed in the host emulation");
+            let bytes = std::fs::read(&out_path).expect("read output");
+            region.copy_from_slice(&plain::from_bytes::<T>(&bytes));
+            let _ = std::fs::remove_file(req_path);
+            let _ = std::fs::remove_file(out_path);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+pub(super) mod testing {
+    //! Helpers for the ops' tests of their GPU programs.
+
+    use super::Limits;
+
+    /// Small grids, so that every kernel's grid-stride loop takes more than one turn.
+    pub const SMALL_GRID: Limits = Limits { max_grid: 7, max_shared: 48 * 1024 };
+
+    /// `n` normal values from `seed`, in f64.
+    pub fn values(seed: u64, mean: f64, std: f64, n: usize) -> Vec<f64> {
+        let t = crate::util::rng::randn(seed, mean, std, n, candle_core::DType::F64, &candle_core::Device::Cpu).unwrap();
+        t.to_vec1::<f64>().unwrap()
+    }
+
+    pub fn to_f32(v: &[f64]) -> Vec<f32> {
+        v.iter().map(|&x| x as f32).collect()
+    }
+
+    /// Panics unless `got` matches `want` within `tol` of the largest magnitude in `want` (at
+    /// least 1). NaN anywhere in `got` (an element no launch wrote) fails.
+    pub fn assert_close<T: super::Float>(got: &[T], want: &[T], tol: f64, what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.f().abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let err = (g.f() - w.f()).abs() / scale;
+            assert!(err <= tol, "{what}: element {i} is {} where the CPU op has {} (relative error {err:e})", g.f(), w.f());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
+
+    #[test]
+    fn launches_that_miss_elements_are_caught_as_nan() {
+        // Two column-sum launches whose second writes only half the output: the host executor
+        // starts every buffer as NaN, so the unwritten half shows.
+        let mut program = Program::column_sums(40, 6, &SMALL_GRID);
+        let last = program.launches.last_mut().unwrap();
+        last.out = Dst::Out { offset: 0, len: 3 };
+        last.params.cols = 3;
+        let x = values(1, 0.0, 1.0, 240);
+        let out = host::run(&program, &[&x], None);
+        assert!(out[..3].iter().all(|v| v.is_finite()) && out[3..].iter().all(|v| v.is_nan()), "{out:?}");
+    }
+
+    #[test]
+    fn row_blocks_are_powers_of_two_from_a_warp_to_the_cap() {
+        assert_eq!([1, 32, 33, 48, 197, 256, 3000].map(row_threads), [32, 32, 64, 64, 256, 256, 256]);
+    }
+
+    #[test]
+    fn layer_norm_backward_refuses_rows_that_overflow_shared_memory() {
+        let err = Program::layer_norm_grad(4, 6000, 1e-5, 8, &GPU).unwrap_err().to_string();
+        assert!(err.contains("shared memory"), "{err}");
+    }
+}
