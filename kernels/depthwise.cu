@@ -86,7 +86,7 @@ __device__ void grad_kernel(const T* x, const T* grad, T* dk, Geometry g) {
     }
     partial[threadIdx.x] = acc;
     __syncthreads();
-    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
         if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
         __syncthreads();
     }

@@ -1,9 +1,13 @@
-// Runs one launch of a kernel of kernels/rows.cu on the host (emulate.h), for the tests of
-// src/model/ops/row_kernels.rs. Reads a request file (argv[1]) and writes the output buffer to
-// argv[2]. Request, native byte order: name (u32 length + bytes), grid, block and shared bytes
-// (u32 each), the RowParams struct as laid out in memory, the element size (u32: 4 or 8), the
-// three operands and the output's initial contents (each u64 element count + elements; count 0
-// passes a null pointer), then the key bias (u64 count + f32 elements).
+// Runs one kernel launch of kernels/*.cu on the host (emulate.h), for the tests of the CUDA ops
+// (src/model/ops/row_kernels.rs and depthwise.rs). Reads a request file (argv[1]) and writes the
+// output buffer to argv[2]. Request, native byte order:
+//   name        u32 length + bytes (with the dtype suffix, as in the PTX)
+//   launch      grid, block, shared bytes (u32 each)
+//   elem        u32: 4 (f32) or 8 (f64)
+//   params      u32 length + the kernel's parameter struct as laid out in memory
+//   operands    u32 count, then each as u64 element count + elements (count 0: a null pointer)
+//   key bias    u64 count + f32 elements (row kernels only)
+//   output      u64 count + initial elements
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -13,15 +17,10 @@
 #include <string>
 
 #include "emulate.h"
+#include "../depthwise.cu"
 #include "../rows.cu"
 
 namespace {
-
-using Kernel32 = void (*)(const float*, const float*, const float*, const float*, float*, RowParams);
-using Kernel64 = void (*)(const double*, const double*, const double*, const float*, double*, RowParams);
-
-#define REGISTER(NAME, T, SUFFIX, CALL) {#NAME "_" #SUFFIX, reinterpret_cast<void*>(&NAME##_##SUFFIX)},
-const std::map<std::string, void*> kKernels = {ROW_KERNELS(REGISTER, float, f32) ROW_KERNELS(REGISTER, double, f64)};
 
 struct Reader {
     std::vector<char> bytes;
@@ -45,20 +44,70 @@ struct Reader {
     }
 };
 
+// One launch's arguments, typed.
 template <typename T>
-const T* data_or_null(const std::vector<T>& v) {
-    return v.empty() ? nullptr : v.data();
+struct Args {
+    std::vector<std::vector<T>> operands;
+    std::vector<float> key_bias;
+    std::vector<T> out;
+    std::vector<char> params;
+
+    const T* operand(std::size_t i) const {
+        if (i >= operands.size()) throw std::runtime_error("missing operand");
+        return operands[i].empty() ? nullptr : operands[i].data();
+    }
+    template <typename P>
+    P param_struct() const {
+        if (params.size() != sizeof(P)) throw std::runtime_error("parameter struct has the wrong size");
+        P p;
+        std::memcpy(&p, params.data(), sizeof p);
+        return p;
+    }
+};
+
+template <typename T>
+using Call = std::function<void(Args<T>&)>;
+
+template <typename T>
+std::map<std::string, Call<T>>& table() {
+    static std::map<std::string, Call<T>> t;
+    return t;
 }
 
-template <typename T, typename K>
-void run(Reader& r, K kernel, unsigned grid, unsigned block, unsigned shared, RowParams p, const char* out_path) {
-    auto a = r.array<T>(), b = r.array<T>(), c = r.array<T>(), out = r.array<T>();
-    auto key_bias = r.array<float>();
-    emulate::launch(grid, block, shared, [&] {
-        kernel(data_or_null(a), data_or_null(b), data_or_null(c), data_or_null(key_bias), out.data(), p);
-    });
+#define REGISTER_ROW(NAME, T, SUFFIX, CALL)                                                                  \
+    table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) {                                                         \
+        NAME##_##SUFFIX(a.operand(0), a.operand(1), a.operand(2), a.key_bias.empty() ? nullptr : a.key_bias.data(), \
+                        a.out.data(), a.param_struct<RowParams>());                                          \
+    };
+
+#define REGISTER_DEPTHWISE(NAME, T, SUFFIX) \
+    table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) { NAME##_##SUFFIX(a.operand(0), a.operand(1), a.out.data(), a.param_struct<Geometry>()); };
+
+void register_kernels() {
+    ROW_KERNELS(REGISTER_ROW, float, f32)
+    ROW_KERNELS(REGISTER_ROW, double, f64)
+    REGISTER_DEPTHWISE(depthwise_fwd, float, f32)
+    REGISTER_DEPTHWISE(depthwise_grad_input, float, f32)
+    REGISTER_DEPTHWISE(depthwise_grad_kernel, float, f32)
+    REGISTER_DEPTHWISE(depthwise_fwd, double, f64)
+    REGISTER_DEPTHWISE(depthwise_grad_input, double, f64)
+    REGISTER_DEPTHWISE(depthwise_grad_kernel, double, f64)
+}
+
+template <typename T>
+void run(Reader& r, const std::string& name, unsigned grid, unsigned block, unsigned shared, std::vector<char> params,
+         const char* out_path) {
+    auto found = table<T>().find(name);
+    if (found == table<T>().end()) throw std::runtime_error("no kernel named " + name);
+    Args<T> args;
+    args.params = std::move(params);
+    auto count = r.get<std::uint32_t>();
+    for (std::uint32_t i = 0; i < count; ++i) args.operands.push_back(r.array<T>());
+    args.key_bias = r.array<float>();
+    args.out = r.array<T>();
+    emulate::launch(grid, block, shared, [&] { found->second(args); });
     std::ofstream f(out_path, std::ios::binary);
-    f.write(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(T));
+    f.write(reinterpret_cast<const char*>(args.out.data()), args.out.size() * sizeof(T));
     if (!f) throw std::runtime_error("cannot write the output file");
 }
 
@@ -67,19 +116,19 @@ void run(Reader& r, K kernel, unsigned grid, unsigned block, unsigned shared, Ro
 int main(int argc, char** argv) {
     try {
         if (argc != 3) throw std::runtime_error("usage: driver REQUEST OUTPUT");
+        register_kernels();
         std::ifstream in(argv[1], std::ios::binary);
         Reader r{std::vector<char>(std::istreambuf_iterator<char>(in), {})};
         std::string name(r.get<std::uint32_t>(), '\0');
         r.take(name.data(), name.size());
         auto grid = r.get<std::uint32_t>(), block = r.get<std::uint32_t>(), shared = r.get<std::uint32_t>();
-        auto p = r.get<RowParams>();
         auto elem = r.get<std::uint32_t>();
-        auto found = kKernels.find(name);
-        if (found == kKernels.end()) throw std::runtime_error("no kernel named " + name);
+        std::vector<char> params(r.get<std::uint32_t>());
+        r.take(params.data(), params.size());
         if (elem == 4) {
-            run<float>(r, reinterpret_cast<Kernel32>(found->second), grid, block, shared, p, argv[2]);
+            run<float>(r, name, grid, block, shared, std::move(params), argv[2]);
         } else if (elem == 8) {
-            run<double>(r, reinterpret_cast<Kernel64>(found->second), grid, block, shared, p, argv[2]);
+            run<double>(r, name, grid, block, shared, std::move(params), argv[2]);
         } else {
             throw std::runtime_error("element size must be 4 or 8");
         }

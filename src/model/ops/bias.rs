@@ -297,8 +297,8 @@ mod tests {
 
 #[cfg(test)]
 mod gpu_tests {
-    use super::super::row_kernels::testing::{assert_close, to_f32, values, SMALL_GRID};
-    use super::super::row_kernels::{host, Program};
+    use super::super::kernel_host::{assert_close, to_f32, values};
+    use super::super::row_kernels::{run_on_host, Program, SMALL_GRID};
     use super::*;
 
     #[test]
@@ -310,16 +310,16 @@ mod gpu_tests {
         let dy = values(202, 0.0, 1.0, rows * cols);
         for act in [Activation::Identity, Activation::GeluErf] {
             let program = Program::bias_act(rows, cols, act == Activation::GeluErf, &SMALL_GRID);
-            assert_close(&host::run(&program, &[&y, &b], None), &BiasAct(act).run(&y, &b, cols), 1e-12, &format!("{act:?}"));
+            assert_close(&run_on_host(&program, &[&y, &b], None), &BiasAct(act).run(&y, &b, cols), 1e-12, &format!("{act:?}"));
             let (y, b) = (to_f32(&y), to_f32(&b));
-            assert_close(&host::run(&program, &[&y, &b], None), &BiasAct(act).run(&y, &b, cols), 1e-5, &format!("{act:?}"));
+            assert_close(&run_on_host(&program, &[&y, &b], None), &BiasAct(act).run(&y, &b, cols), 1e-5, &format!("{act:?}"));
         }
         let grad = Program::bias_gelu_grad(rows, cols, &SMALL_GRID);
-        assert_close(&host::run(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-12, "GELU grad");
+        assert_close(&run_on_host(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-12, "GELU grad");
         let sums = Program::column_sums(rows, cols, &SMALL_GRID);
-        assert_close(&host::run(&sums, &[&dy], None), &column_sums(&dy, cols), 1e-12, "column sums");
+        assert_close(&run_on_host(&sums, &[&dy], None), &column_sums(&dy, cols), 1e-12, "column sums");
         let (y, b, dy) = (to_f32(&y), to_f32(&b), to_f32(&dy));
-        assert_close(&host::run(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-5, "GELU grad");
-        assert_close(&host::run(&sums, &[&dy], None), &column_sums(&dy, cols), 1e-5, "column sums");
+        assert_close(&run_on_host(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-5, "GELU grad");
+        assert_close(&run_on_host(&sums, &[&dy], None), &column_sums(&dy, cols), 1e-5, "column sums");
     }
 }

@@ -347,7 +347,7 @@ impl CustomOp2 for Forward {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = Geometry::new(l1.dims(), l2.dims(), self.stride, self.pad)?;
-        let out = cuda::launch(cuda::Pass::Forward, &g, s1, l1, s2, l2, g.n * g.c * g.ho * g.wo)?;
+        let out = cuda::launch(launch::Pass::Forward, &g, s1, l1, s2, l2)?;
         Ok((out, Shape::from((g.n, g.c, g.ho, g.wo))))
     }
 
@@ -414,7 +414,7 @@ impl CustomOp2 for GradInput {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = self.geometry(l1, l2)?;
-        let out = cuda::launch(cuda::Pass::GradInput, &g, s1, l1, s2, l2, g.n * g.c * g.h * g.w)?;
+        let out = cuda::launch(launch::Pass::GradInput, &g, s1, l1, s2, l2)?;
         Ok((out, Shape::from(self.input.clone())))
     }
 }
@@ -453,29 +453,25 @@ impl CustomOp2 for GradKernel {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let g = self.geometry(l1, l2)?;
-        let out = cuda::launch(cuda::Pass::GradKernel, &g, s1, l1, s2, l2, g.c * g.k * g.k)?;
+        let out = cuda::launch(launch::Pass::GradKernel, &g, s1, l1, s2, l2)?;
         Ok((out, Shape::from(self.kernel.clone())))
     }
 }
 
 /// The CUDA side: `kernels/depthwise.cu`, compiled to PTX by `build.rs`, one thread per output
 /// element for the forward pass and the input gradient, one block per weight for the kernel
-/// gradient.
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
-    use candle_core::{CudaDevice, CudaStorage, Layout, Result};
-
+/// gradient. The launch plan is plain data, shared by the cudarc launcher and the tests' host
+/// emulation of the same source (`kernels/host/`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod launch {
     use super::Geometry;
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/depthwise.ptx"));
     const THREADS: u32 = 256;
 
     /// `struct Geometry` of the .cu file, field for field.
     #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct DeviceGeometry {
+    #[derive(Clone, Copy, Debug)]
+    pub struct DeviceGeometry {
         n: i32,
         c: i32,
         h: i32,
@@ -488,23 +484,80 @@ mod cuda {
         wo: i32,
     }
 
+    #[cfg(feature = "cuda")]
     // SAFETY: a plain #[repr(C)] struct of i32s, laid out as the kernel's struct.
-    unsafe impl DeviceRepr for DeviceGeometry {}
+    unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for DeviceGeometry {}
 
-    #[derive(Clone, Copy)]
+    impl DeviceGeometry {
+        pub fn new(g: &Geometry) -> Self {
+            DeviceGeometry {
+                n: g.n as i32,
+                c: g.c as i32,
+                h: g.h as i32,
+                w: g.w as i32,
+                k: g.k as i32,
+                stride: g.stride as i32,
+                top: g.pad.top as i32,
+                left: g.pad.left as i32,
+                ho: g.ho as i32,
+                wo: g.wo as i32,
+            }
+        }
+    }
+
+    #[derive(Clone, Copy, Debug)]
     pub enum Pass {
         Forward,
         GradInput,
         GradKernel,
     }
 
+    /// A launch: kernel name (without the dtype suffix), grid, block, shared bytes, and the
+    /// output's length.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Plan {
+        pub kernel: &'static str,
+        pub grid: u32,
+        pub block: u32,
+        pub shared_bytes: u32,
+        pub out_len: usize,
+    }
+
+    pub fn plan(pass: Pass, g: &Geometry, elem: usize) -> Plan {
+        match pass {
+            Pass::Forward | Pass::GradInput => {
+                let (kernel, out_len) = match pass {
+                    Pass::Forward => ("depthwise_fwd", g.n * g.c * g.ho * g.wo),
+                    _ => ("depthwise_grad_input", g.n * g.c * g.h * g.w),
+                };
+                let grid = out_len.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32;
+                Plan { kernel, grid, block: THREADS, shared_bytes: 0, out_len }
+            }
+            Pass::GradKernel => {
+                let out_len = g.c * g.k * g.k;
+                Plan { kernel: "depthwise_grad_kernel", grid: out_len as u32, block: THREADS, shared_bytes: THREADS * elem as u32, out_len }
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::{CudaDevice, CudaStorage, Layout, Result};
+
+    use super::launch::{plan, DeviceGeometry, Pass};
+    use super::Geometry;
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/depthwise.ptx"));
+
     fn run<T: DeviceRepr>(
         dev: &CudaDevice,
-        kind: Pass,
+        pass: Pass,
         g: &Geometry,
         (a, la): (&CudaSlice<T>, &Layout),
         (b, lb): (&CudaSlice<T>, &Layout),
-        out_len: usize,
         suffix: &str,
     ) -> Result<CudaSlice<T>> {
         fn part<'a, T>(s: &'a CudaSlice<T>, l: &Layout) -> Result<CudaView<'a, T>> {
@@ -514,36 +567,12 @@ mod cuda {
             }
         }
         let (a, b) = (part(a, la)?, part(b, lb)?);
-        let geometry = DeviceGeometry {
-            n: g.n as i32,
-            c: g.c as i32,
-            h: g.h as i32,
-            w: g.w as i32,
-            k: g.k as i32,
-            stride: g.stride as i32,
-            top: g.pad.top as i32,
-            left: g.pad.left as i32,
-            ho: g.ho as i32,
-            wo: g.wo as i32,
-        };
-        let (name, cfg) = match kind {
-            Pass::Forward | Pass::GradInput => {
-                let name = if matches!(kind, Pass::Forward) { "depthwise_fwd" } else { "depthwise_grad_input" };
-                let blocks = out_len.div_ceil(THREADS as usize).clamp(1, 1 << 20) as u32;
-                (name, LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 })
-            }
-            Pass::GradKernel => (
-                "depthwise_grad_kernel",
-                LaunchConfig {
-                    grid_dim: (out_len as u32, 1, 1),
-                    block_dim: (THREADS, 1, 1),
-                    shared_mem_bytes: THREADS * std::mem::size_of::<T>() as u32,
-                },
-            ),
-        };
-        let func = dev.get_or_load_custom_func(&format!("{name}_{suffix}"), "align_depthwise", PTX)?;
+        let geometry = DeviceGeometry::new(g);
+        let plan = plan(pass, g, std::mem::size_of::<T>());
+        let cfg = LaunchConfig { grid_dim: (plan.grid, 1, 1), block_dim: (plan.block, 1, 1), shared_mem_bytes: plan.shared_bytes };
+        let func = dev.get_or_load_custom_func(&format!("{}_{suffix}", plan.kernel), "align_depthwise", PTX)?;
         // SAFETY: every element is written by the kernel before it is read.
-        let out = unsafe { dev.alloc::<T>(out_len)? };
+        let out = unsafe { dev.alloc::<T>(plan.out_len)? };
         let mut args = func.builder();
         args.arg(&a);
         args.arg(&b);
@@ -554,23 +583,11 @@ mod cuda {
         Ok(out)
     }
 
-    pub fn launch(
-        kind: Pass,
-        g: &Geometry,
-        s1: &CudaStorage,
-        l1: &Layout,
-        s2: &CudaStorage,
-        l2: &Layout,
-        out_len: usize,
-    ) -> Result<CudaStorage> {
+    pub fn launch(pass: Pass, g: &Geometry, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<CudaStorage> {
         let dev = &s1.device;
         let slice = match (&s1.slice, &s2.slice) {
-            (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => {
-                CudaStorageSlice::F32(run(dev, kind, g, (a, l1), (b, l2), out_len, "f32")?)
-            }
-            (CudaStorageSlice::F64(a), CudaStorageSlice::F64(b)) => {
-                CudaStorageSlice::F64(run(dev, kind, g, (a, l1), (b, l2), out_len, "f64")?)
-            }
+            (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => CudaStorageSlice::F32(run(dev, pass, g, (a, l1), (b, l2), "f32")?),
+            (CudaStorageSlice::F64(a), CudaStorageSlice::F64(b)) => CudaStorageSlice::F64(run(dev, pass, g, (a, l1), (b, l2), "f64")?),
             _ => candle_core::bail!("depthwise conv supports f32 and f64 with matching dtypes"),
         };
         Ok(CudaStorage { slice, device: dev.clone() })
@@ -605,7 +622,7 @@ mod tests {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
     }
 
-    const CASES: [(usize, usize, usize, usize, usize, usize, Padding); 7] = [
+    pub(super) const CASES: [(usize, usize, usize, usize, usize, usize, Padding); 7] = [
         // n, c, h, w, k, stride, padding
         (2, 3, 7, 9, 3, 1, Padding { top: 1, bottom: 1, left: 1, right: 1 }),
         (1, 4, 8, 8, 3, 2, Padding { top: 0, bottom: 1, left: 0, right: 1 }),
@@ -691,5 +708,40 @@ mod tests {
         let x = Tensor::zeros((1, 2, 4, 4), DType::F32, &dev).unwrap();
         assert!(depthwise_conv2d(&x, &Tensor::zeros((3, 1, 3, 3), DType::F32, &dev).unwrap(), 1, Padding::same(3)).is_err());
         assert!(depthwise_conv2d(&x, &Tensor::zeros((2, 1, 7, 7), DType::F32, &dev).unwrap(), 1, Padding::same(1)).is_err());
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::super::kernel_host::{self as host, assert_close, to_f32, values, Pod};
+    use super::launch::{plan, DeviceGeometry, Pass};
+    use super::*;
+
+    /// The three passes of `kernels/depthwise.cu` in the host emulation, each as the CUDA
+    /// launcher plans it, against the CPU kernels.
+    fn check<T: Float + Pod>(g: &Geometry, x: &[T], k: &[T], dy: &[T], tol: f64, what: &str) {
+        let params = DeviceGeometry::new(g);
+        let run = |pass, a: &[T], b: &[T]| {
+            let p = plan(pass, g, std::mem::size_of::<T>());
+            let mut out = vec![T::from(f64::NAN); p.out_len];
+            host::launch(p.kernel, (p.grid, p.block, p.shared_bytes), host::param_bytes(&params), &[Some(a), Some(b)], None, &mut out);
+            out
+        };
+        assert_close(&run(Pass::Forward, x, k), &forward(g, x, k), tol, &format!("{what} forward"));
+        assert_close(&run(Pass::GradInput, dy, k), &grad_input(g, dy, k), tol, &format!("{what} input gradient"));
+        assert_close(&run(Pass::GradKernel, x, dy), &grad_kernel(g, x, dy), tol, &format!("{what} kernel gradient"));
+    }
+
+    #[test]
+    fn the_gpu_kernels_match_the_cpu_kernels_in_the_host_emulation() {
+        for (n, c, h, w, k, stride, pad) in super::tests::CASES {
+            let g = Geometry::new(&[n, c, h, w], &[c, 1, k, k], stride, pad).unwrap();
+            let x = values(210, 0.0, 1.0, n * c * h * w);
+            let kernel = values(211, 0.0, 0.5, c * k * k);
+            let dy = values(212, 0.0, 1.0, n * c * g.ho * g.wo);
+            let what = format!("{k}x{k} stride {stride}");
+            check(&g, &x, &kernel, &dy, 1e-12, &what);
+            check(&g, &to_f32(&x), &to_f32(&kernel), &to_f32(&dy), 1e-5, &what);
+        }
     }
 }

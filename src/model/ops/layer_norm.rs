@@ -291,8 +291,8 @@ mod tests {
 
 #[cfg(test)]
 mod gpu_tests {
-    use super::super::row_kernels::testing::{assert_close, to_f32, values, SMALL_GRID};
-    use super::super::row_kernels::{host, Program};
+    use super::super::kernel_host::{assert_close, to_f32, values};
+    use super::super::row_kernels::{run_on_host, Program, SMALL_GRID};
     use super::*;
 
     #[test]
@@ -308,13 +308,13 @@ mod gpu_tests {
             let forward = Program::layer_norm(rows, cols, eps, 8, &SMALL_GRID);
             let backward = Program::layer_norm_grad(rows, cols, eps, 8, &SMALL_GRID).unwrap();
             let what = format!("{rows}x{cols}");
-            assert_close(&host::run(&forward, &[&x, &w, &b], None), &LayerNormOp { eps }.run(&x, &w, &b), 1e-12, &what);
-            assert_close(&host::run(&backward, &[&x, &w, &dy], None), &LayerNormGrad { eps }.run(&x, &w, &dy), 1e-12, &what);
+            assert_close(&run_on_host(&forward, &[&x, &w, &b], None), &LayerNormOp { eps }.run(&x, &w, &b), 1e-12, &what);
+            assert_close(&run_on_host(&backward, &[&x, &w, &dy], None), &LayerNormGrad { eps }.run(&x, &w, &dy), 1e-12, &what);
             let (x, w, b, dy) = (to_f32(&x), to_f32(&w), to_f32(&b), to_f32(&dy));
             let forward = Program::layer_norm(rows, cols, eps, 4, &SMALL_GRID);
             let backward = Program::layer_norm_grad(rows, cols, eps, 4, &SMALL_GRID).unwrap();
-            assert_close(&host::run(&forward, &[&x, &w, &b], None), &LayerNormOp { eps }.run(&x, &w, &b), 1e-5, &what);
-            assert_close(&host::run(&backward, &[&x, &w, &dy], None), &LayerNormGrad { eps }.run(&x, &w, &dy), 1e-5, &what);
+            assert_close(&run_on_host(&forward, &[&x, &w, &b], None), &LayerNormOp { eps }.run(&x, &w, &b), 1e-5, &what);
+            assert_close(&run_on_host(&backward, &[&x, &w, &dy], None), &LayerNormGrad { eps }.run(&x, &w, &dy), 1e-5, &what);
         }
     }
 }

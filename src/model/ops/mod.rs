@@ -16,6 +16,8 @@ pub mod mbconv;
 pub mod pointwise;
 pub mod residual;
 // Without the `cuda` feature, only the tests run its programs (on the host emulation).
+#[cfg(test)]
+mod kernel_host;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod row_kernels;
 pub mod softmax;
@@ -67,6 +69,16 @@ impl<C: candle_core::CustomOp3> Stage<C> {
             candle_core::bail!("{}: backward pass without every gradient", self.op.name())
         };
         Ok((da, db, dc))
+    }
+}
+
+/// The dtype suffix of a CUDA kernel's name: `kernels/*.cu` instantiate each in f32 and f64.
+#[cfg(any(test, feature = "cuda"))]
+fn kernel_suffix<T: Float>() -> &'static str {
+    if std::mem::size_of::<T>() == 4 {
+        "f32"
+    } else {
+        "f64"
     }
 }
 

@@ -8,6 +8,7 @@
 //! geometry and their argument wiring are all checked against the CPU ops on machines without a
 //! GPU; only cudarc's copying of arguments is not.
 
+#[cfg(any(test, feature = "cuda"))]
 use super::Float;
 
 /// `struct RowParams` of `kernels/rows.cu`, field for field.
@@ -214,15 +215,6 @@ impl Program {
     }
 }
 
-/// The dtype suffix of the kernels' names.
-fn suffix<T: Float>() -> &'static str {
-    if std::mem::size_of::<T>() == 4 {
-        "f32"
-    } else {
-        "f64"
-    }
-}
-
 #[cfg(feature = "cuda")]
 pub(super) mod cuda {
     //! The cudarc executor.
@@ -256,7 +248,8 @@ pub(super) mod cuda {
         // Absent pointers (operands a kernel does not read, no key bias) are passed as null.
         let null = 0u64;
         for launch in &program.launches {
-            let func = dev.get_or_load_custom_func(&format!("{}_{}", launch.kernel, super::suffix::<T>()), "align_rows", PTX)?;
+            let func =
+                dev.get_or_load_custom_func(&format!("{}_{}", launch.kernel, super::super::kernel_suffix::<T>()), "align_rows", PTX)?;
             // A launch writing a scratch buffer holds it alone; reading it in the same launch
             // would be an error of the program, reported below.
             let mut target = match launch.out {
@@ -347,161 +340,47 @@ pub(super) mod cuda {
 }
 
 #[cfg(test)]
-pub(super) mod host {
-    //! The host executor: each launch runs in `kernels/host/driver.cpp`, compiled once per test
-    //! process with the machine's C++ compiler (`CXX`, else `c++`).
+use super::kernel_host::{self, Pod};
 
-    use std::hash::{Hash, Hasher};
-    use std::io::Write;
-    use std::path::{Path, PathBuf};
-    use std::process::Command;
-    use std::sync::OnceLock;
-
-    use super::{Dst, Float, Program, Src};
-
-    /// The compiled driver, shared by test processes (nextest runs one per test) under a name
-    /// derived from its sources and the compiler, so that an edit to a kernel rebuilds it.
-    fn driver() -> &'static Path {
-        static DRIVER: OnceLock<PathBuf> = OnceLock::new();
-        DRIVER.get_or_init(|| {
-            let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
-            let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            cxx.hash(&mut hasher);
-            for source in ["host/driver.cpp", "host/emulate.h", "rows.cu"] {
-                std::fs::read(root.join(source)).expect("kernel source").hash(&mut hasher);
-            }
-            let dir = std::env::temp_dir().join("align-kernel-host");
-            std::fs::create_dir_all(&dir).expect("temp dir");
-            let exe = dir.join(format!("driver-{:016x}", hasher.finish()));
-            if exe.is_file() {
-                return exe;
-            }
-            // Built under a name of this process's, then renamed: concurrent test processes
-            // never run a half-written binary.
-            let partial = dir.join(format!("driver-building-{}", std::process::id()));
-            let out = Command::new(&cxx)
-                .args(["-std=c++20", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror", "-o"])
-                .arg(&partial)
-                .arg(root.join("host/driver.cpp"))
-                .output()
-                .unwrap_or_else(|e| panic!("the kernel tests need a C++20 compiler ({cxx}: {e})"));
-            assert!(out.status.success(), "compiling the kernel host driver failed:\n{}", String::from_utf8_lossy(&out.stderr));
-            std::fs::rename(&partial, &exe).expect("install the driver");
-            exe
-        })
-    }
-
-    fn array<T: plain::Pod>(buf: &mut Vec<u8>, v: &[T]) {
-        buf.extend_from_slice(&(v.len() as u64).to_ne_bytes());
-        buf.extend_from_slice(plain::bytes(v));
-    }
-
-    /// Byte views of plain number slices without a crate for it.
-    mod plain {
-        /// f32, f64 and `RowParams`: types without padding or invalid bit patterns.
-        pub trait Pod: Copy {}
-        impl Pod for f32 {}
-        impl Pod for f64 {}
-        impl Pod for super::super::RowParams {}
-
-        pub fn bytes<T: Pod>(v: &[T]) -> &[u8] {
-            // SAFETY: T is plain data (Pod), so every byte is initialised.
-            unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
-        }
-
-        pub fn from_bytes<T: Pod + Default>(b: &[u8]) -> Vec<T> {
-            let mut v = vec![T::default(); b.len() / std::mem::size_of::<T>()];
-            // SAFETY: v has room for b's bytes and T accepts any bit pattern.
-            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), v.as_mut_ptr().cast::<u8>(), v.len() * std::mem::size_of::<T>()) };
-            v
-        }
-    }
-
-    /// Runs `program` on `operands`; every output and scratch element starts as NaN, so one the
-    /// launches miss shows in the result.
-    pub fn run<T: Float + plain::Pod>(program: &Program, operands: &[&[T]], key_bias: Option<&[f32]>) -> Vec<T> {
-        let nan = T::from(f64::NAN);
-        let mut out = vec![nan; program.out_len];
-        let mut scratch: Vec<Vec<T>> = program.scratch.iter().map(|&n| vec![nan; n]).collect();
-        let dir = driver().parent().expect("driver dir").to_path_buf();
-        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        for launch in &program.launches {
-            let id = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let name = format!("{}_{}", launch.kernel, super::suffix::<T>());
-            let mut req = Vec::new();
-            req.extend_from_slice(&(name.len() as u32).to_ne_bytes());
-            req.extend_from_slice(name.as_bytes());
-            for v in [launch.grid, launch.block, launch.shared_bytes] {
-                req.extend_from_slice(&v.to_ne_bytes());
-            }
-            req.extend_from_slice(plain::bytes(std::slice::from_ref(&launch.params)));
-            req.extend_from_slice(&(std::mem::size_of::<T>() as u32).to_ne_bytes());
-            for src in launch.inputs {
-                match src {
-                    Src::Operand(i) => array(&mut req, operands[i]),
-                    Src::Scratch(k) => array(&mut req, &scratch[k]),
-                    Src::Null => array::<T>(&mut req, &[]),
-                }
-            }
-            let region: &mut [T] = match launch.out {
-                Dst::Out { offset, len } => &mut out[offset..offset + len],
-                Dst::Scratch(k) => &mut scratch[k],
-            };
-            array(&mut req, region);
-            match (launch.key_bias, key_bias) {
-                (true, Some(b)) => array(&mut req, b),
-                (true, None) => panic!("{} needs a key bias", launch.kernel),
-                (false, _) => array::<f32>(&mut req, &[]),
-            }
-            let pid = std::process::id();
-            let (req_path, out_path) = (dir.join(format!("req-{pid}-{id}")), dir.join(format!("out-{pid}-{id}")));
-            std::fs::File::create(&req_path).and_then(|mut f| f.write_all(&req)).expect("write request");
-            let status = Command::new(driver()).arg(&req_path).arg(&out_path).status().expect("run the kernel driver");
-            assert!(status.success(), "{name} failed in the host emulation");
-            let bytes = std::fs::read(&out_path).expect("read output");
-            region.copy_from_slice(&plain::from_bytes::<T>(&bytes));
-            let _ = std::fs::remove_file(req_path);
-            let _ = std::fs::remove_file(out_path);
-        }
-        out
-    }
-}
-
+/// Small grids, so that every kernel's grid-stride loop takes more than one turn.
 #[cfg(test)]
-pub(super) mod testing {
-    //! Helpers for the ops' tests of their GPU programs.
+pub(super) const SMALL_GRID: Limits = Limits { max_grid: 7, max_shared: 48 * 1024 };
 
-    use super::Limits;
-
-    /// Small grids, so that every kernel's grid-stride loop takes more than one turn.
-    pub const SMALL_GRID: Limits = Limits { max_grid: 7, max_shared: 48 * 1024 };
-
-    /// `n` normal values from `seed`, in f64.
-    pub fn values(seed: u64, mean: f64, std: f64, n: usize) -> Vec<f64> {
-        let t = crate::util::rng::randn(seed, mean, std, n, candle_core::DType::F64, &candle_core::Device::Cpu).unwrap();
-        t.to_vec1::<f64>().unwrap()
+/// Runs `program` on the host (`kernel_host`) on `operands`; every output and scratch element
+/// starts as NaN, so one the launches miss shows in the result.
+#[cfg(test)]
+pub(super) fn run_on_host<T: Float + Pod>(program: &Program, operands: &[&[T]], key_bias: Option<&[f32]>) -> Vec<T> {
+    let nan = T::from(f64::NAN);
+    let mut out = vec![nan; program.out_len];
+    let mut scratch: Vec<Vec<T>> = program.scratch.iter().map(|&n| vec![nan; n]).collect();
+    for l in &program.launches {
+        let inputs: Vec<Option<Vec<T>>> = l
+            .inputs
+            .iter()
+            .map(|src| match *src {
+                Src::Operand(i) => Some(operands[i].to_vec()),
+                Src::Scratch(k) => Some(scratch[k].clone()),
+                Src::Null => None,
+            })
+            .collect();
+        let inputs: Vec<Option<&[T]>> = inputs.iter().map(|v| v.as_deref()).collect();
+        let region: &mut [T] = match l.out {
+            Dst::Out { offset, len } => &mut out[offset..offset + len],
+            Dst::Scratch(k) => &mut scratch[k],
+        };
+        let bias = match (l.key_bias, key_bias) {
+            (true, Some(b)) => Some(b),
+            (true, None) => panic!("{} needs a key bias", l.kernel),
+            (false, _) => None,
+        };
+        kernel_host::launch(l.kernel, (l.grid, l.block, l.shared_bytes), kernel_host::param_bytes(&l.params), &inputs, bias, region);
     }
-
-    pub fn to_f32(v: &[f64]) -> Vec<f32> {
-        v.iter().map(|&x| x as f32).collect()
-    }
-
-    /// Panics unless `got` matches `want` within `tol` of the largest magnitude in `want` (at
-    /// least 1). NaN anywhere in `got` (an element no launch wrote) fails.
-    pub fn assert_close<T: super::Float>(got: &[T], want: &[T], tol: f64, what: &str) {
-        assert_eq!(got.len(), want.len(), "{what}: length");
-        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.f().abs()));
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            let err = (g.f() - w.f()).abs() / scale;
-            assert!(err <= tol, "{what}: element {i} is {} where the CPU op has {} (relative error {err:e})", g.f(), w.f());
-        }
-    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
-    use super::testing::*;
+    use super::super::kernel_host::values;
     use super::*;
 
     #[test]
@@ -513,7 +392,7 @@ mod tests {
         last.out = Dst::Out { offset: 0, len: 3 };
         last.params.cols = 3;
         let x = values(1, 0.0, 1.0, 240);
-        let out = host::run(&program, &[&x], None);
+        let out = run_on_host(&program, &[&x], None);
         assert!(out[..3].iter().all(|v| v.is_finite()) && out[3..].iter().all(|v| v.is_nan()), "{out:?}");
     }
 

@@ -254,8 +254,8 @@ mod tests {
 
 #[cfg(test)]
 mod gpu_tests {
-    use super::super::row_kernels::testing::{assert_close, to_f32, values, SMALL_GRID};
-    use super::super::row_kernels::{host, Program};
+    use super::super::kernel_host::{assert_close, to_f32, values};
+    use super::super::row_kernels::{run_on_host, Program, SMALL_GRID};
     use super::*;
 
     #[test]
@@ -272,14 +272,14 @@ mod gpu_tests {
                 let op = Softmax { scale, key_bias: bias.clone().map(|b| (b, 15)) };
                 let what = format!("{keys} keys, scale {scale}");
                 let y = op.run(&x, keys);
-                assert_close(&host::run(&op.program(&layout, 8, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-12, &what);
+                assert_close(&run_on_host(&op.program(&layout, 8, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-12, &what);
                 let grad = Program::softmax_grad(rows, keys, scale, 8, &SMALL_GRID);
-                assert_close(&host::run(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-12, &what);
+                assert_close(&run_on_host(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-12, &what);
                 let (x, dy) = (to_f32(&x), to_f32(&dy));
                 let y = op.run(&x, keys);
-                assert_close(&host::run(&op.program(&layout, 4, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-6, &what);
+                assert_close(&run_on_host(&op.program(&layout, 4, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-6, &what);
                 let grad = Program::softmax_grad(rows, keys, scale, 4, &SMALL_GRID);
-                assert_close(&host::run(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-6, &what);
+                assert_close(&run_on_host(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-6, &what);
             }
         }
     }
