@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 2] = ["depthwise", "rows"];
+const KERNELS: [&str; 3] = ["channels", "depthwise", "rows"];
 
 fn nvcc() -> PathBuf {
     if let Ok(p) = std::env::var("NVCC") {

@@ -1,12 +1,12 @@
 // Runs one kernel launch of kernels/*.cu on the host (emulate.h), for the tests of the CUDA ops
-// (src/model/ops/row_kernels.rs and depthwise.rs). Reads a request file (argv[1]) and writes the
+// (src/model/ops/gpu.rs and depthwise.rs). Reads a request file (argv[1]) and writes the
 // output buffer to argv[2]. Request, native byte order:
 //   name        u32 length + bytes (with the dtype suffix, as in the PTX)
 //   launch      grid, block, shared bytes (u32 each)
 //   elem        u32: 4 (f32) or 8 (f64)
 //   params      u32 length + the kernel's parameter struct as laid out in memory
 //   operands    u32 count, then each as u64 element count + elements (count 0: a null pointer)
-//   key bias    u64 count + f32 elements (row kernels only)
+//   side        u64 byte count + bytes (rows.cu: the f32 key bias; channels.cu: f64 values)
 //   output      u64 count + initial elements
 #include <cstdint>
 #include <cstdio>
@@ -17,6 +17,7 @@
 #include <string>
 
 #include "emulate.h"
+#include "../channels.cu"
 #include "../depthwise.cu"
 #include "../rows.cu"
 
@@ -48,13 +49,21 @@ struct Reader {
 template <typename T>
 struct Args {
     std::vector<std::vector<T>> operands;
-    std::vector<float> key_bias;
     std::vector<T> out;
     std::vector<char> params;
 
     const T* operand(std::size_t i) const {
         if (i >= operands.size()) throw std::runtime_error("missing operand");
         return operands[i].empty() ? nullptr : operands[i].data();
+    }
+    // The side buffer's bytes in storage aligned for f32 and f64 alike.
+    std::vector<double> side_storage;
+    std::size_t side_bytes = 0;
+
+    template <typename V>
+    const V* side_as() const {
+        if (side_bytes % sizeof(V) != 0) throw std::runtime_error("side buffer of a partial element");
+        return side_bytes == 0 ? nullptr : reinterpret_cast<const V*>(side_storage.data());
     }
     template <typename P>
     P param_struct() const {
@@ -76,8 +85,14 @@ std::map<std::string, Call<T>>& table() {
 
 #define REGISTER_ROW(NAME, T, SUFFIX, CALL)                                                                  \
     table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) {                                                         \
-        NAME##_##SUFFIX(a.operand(0), a.operand(1), a.operand(2), a.key_bias.empty() ? nullptr : a.key_bias.data(), \
-                        a.out.data(), a.param_struct<RowParams>());                                          \
+        NAME##_##SUFFIX(a.operand(0), a.operand(1), a.operand(2), a.template side_as<float>(), a.out.data(),  \
+                        a.template param_struct<RowParams>());                                               \
+    };
+
+#define REGISTER_CHANNEL(NAME, T, SUFFIX, CALL)                                                              \
+    table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) {                                                         \
+        NAME##_##SUFFIX(a.operand(0), a.operand(1), a.operand(2), a.template side_as<double>(), a.out.data(), \
+                        a.template param_struct<ChannelParams>());                                           \
     };
 
 #define REGISTER_DEPTHWISE(NAME, T, SUFFIX) \
@@ -86,6 +101,8 @@ std::map<std::string, Call<T>>& table() {
 void register_kernels() {
     ROW_KERNELS(REGISTER_ROW, float, f32)
     ROW_KERNELS(REGISTER_ROW, double, f64)
+    CHANNEL_KERNELS(REGISTER_CHANNEL, float, f32)
+    CHANNEL_KERNELS(REGISTER_CHANNEL, double, f64)
     REGISTER_DEPTHWISE(depthwise_fwd, float, f32)
     REGISTER_DEPTHWISE(depthwise_grad_input, float, f32)
     REGISTER_DEPTHWISE(depthwise_grad_kernel, float, f32)
@@ -103,7 +120,10 @@ void run(Reader& r, const std::string& name, unsigned grid, unsigned block, unsi
     args.params = std::move(params);
     auto count = r.get<std::uint32_t>();
     for (std::uint32_t i = 0; i < count; ++i) args.operands.push_back(r.array<T>());
-    args.key_bias = r.array<float>();
+    auto side = r.array<char>();
+    args.side_bytes = side.size();
+    args.side_storage.resize((side.size() + sizeof(double) - 1) / sizeof(double));
+    if (!side.empty()) std::memcpy(args.side_storage.data(), side.data(), side.size());
     args.out = r.array<T>();
     emulate::launch(grid, block, shared, [&] { found->second(args); });
     std::ofstream f(out_path, std::ios::binary);

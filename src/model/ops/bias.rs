@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, S
 use rayon::prelude::*;
 
 #[cfg(feature = "cuda")]
-use super::row_kernels::{self, Program};
+use super::gpu::{self, Program};
 use super::{float_dispatch, float_dispatch2, float_dispatch3, last_dim, output_buffer, row_block, simd, Float};
 
 /// What follows the bias add.
@@ -97,8 +97,8 @@ impl CustomOp2 for BiasAct {
         if l2.dims() != [cols] {
             candle_core::bail!("bias of shape {:?} does not fit an input of shape {:?}", l2.dims(), l1.dims());
         }
-        let program = Program::bias_act(l1.shape().elem_count() / cols, cols, self.0 == Activation::GeluErf, &row_kernels::GPU);
-        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
+        let program = Program::bias_act(l1.shape().elem_count() / cols, cols, self.0 == Activation::GeluErf, &gpu::GPU);
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
     }
 
     fn bwd(&self, y: &Tensor, b: &Tensor, _out: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -169,8 +169,8 @@ impl CustomOp3 for GeluGrad {
         if l2.dims() != [cols] || l3.dims() != l1.dims() {
             candle_core::bail!("bias GELU backward: input {:?}, bias {:?}, gradient {:?}", l1.dims(), l2.dims(), l3.dims());
         }
-        let program = Program::bias_gelu_grad(l1.shape().elem_count() / cols, cols, &row_kernels::GPU);
-        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, l1.shape().clone()))
+        let program = Program::bias_gelu_grad(l1.shape().elem_count() / cols, cols, &gpu::GPU);
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, l1.shape().clone()))
     }
 }
 
@@ -220,16 +220,16 @@ impl CustomOp1 for ColumnSums {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let cols = last_dim(l);
-        let program = Program::column_sums(l.shape().elem_count() / cols, cols, &row_kernels::GPU);
-        Ok((row_kernels::cuda::run(&program, &[(s, l)], None)?, Shape::from(cols)))
+        let program = Program::column_sums(l.shape().elem_count() / cols, cols, &gpu::GPU);
+        Ok((gpu::cuda::run(&program, &[(s, l)], None)?, Shape::from(cols)))
     }
 }
 
 /// `act(y + bias)` with `bias` broadcast over every dimension but the last. One op in f32 / f64
-/// where `ops::has_row_kernels` says so (the CPU, CUDA GPUs); candle's composition elsewhere
+/// where `ops::has_kernels` says so (the CPU, CUDA GPUs); candle's composition elsewhere
 /// (bf16).
 pub fn bias_act(y: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
-    if !super::has_row_kernels(y, &[bias]) {
+    if !super::has_kernels(y, &[bias]) {
         let z = y.broadcast_add(bias)?;
         return match act {
             Activation::Identity => Ok(z),
@@ -297,8 +297,8 @@ mod tests {
 
 #[cfg(test)]
 mod gpu_tests {
+    use super::super::gpu::{run_on_host, Program, SMALL_GRID};
     use super::super::kernel_host::{assert_close, to_f32, values};
-    use super::super::row_kernels::{run_on_host, Program, SMALL_GRID};
     use super::*;
 
     #[test]

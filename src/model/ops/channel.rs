@@ -9,6 +9,8 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+#[cfg(feature = "cuda")]
+use super::gpu::{self, Program};
 use super::{float_dispatch, float_dispatch2, float_dispatch3, lane_dot, lane_sum, output_buffer, simd, with_cpu_slice, Float, LANES};
 
 fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
@@ -43,6 +45,12 @@ impl CustomOp1 for Moments {
         let (n, c, hw) = nchw(l)?;
         let out = float_dispatch!(s, l, "channel moments", |x| moments(x, n, c, hw));
         Ok((out, Shape::from((2, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = nchw(l)?;
+        Ok((gpu::cuda::run(&Program::channel_moments(dims, &gpu::GPU), &[(s, l)], None)?, Shape::from((2, dims.1))))
     }
 }
 
@@ -88,13 +96,13 @@ fn moments<T: Float>(x: &[T], n: usize, c: usize, hw: usize) -> Vec<T> {
 /// Per-channel mean and biased variance over (N, H, W): `[2, C]`. Not differentiable (the
 /// BatchNorm op accounts for the statistics' dependence on the input itself).
 pub fn channel_moments(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu() {
-        return composite::channel_moments(x);
+    if super::has_kernels(x, &[]) {
+        return x.contiguous()?.apply_op1_no_bwd(&Moments);
     }
-    if !matches!(x.dtype(), DType::F32 | DType::F64) {
+    if x.device().is_cpu() {
         return channel_moments(&x.to_dtype(DType::F32)?);
     }
-    x.contiguous()?.apply_op1_no_bwd(&Moments)
+    composite::channel_moments(x)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -123,6 +131,12 @@ impl BatchNormAct {
             batch_stats: stats.from_batch,
             silu,
         }
+    }
+
+    /// `[μ (c) | 1/√(σ² + ε) (c)]`: the GPU kernels' side buffer.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    fn side(&self) -> Vec<f64> {
+        self.mean.iter().chain(&self.inv_std).copied().collect()
     }
 
     /// `z = a·x + b` per channel: the normalisation and affine map folded together.
@@ -258,6 +272,21 @@ impl CustomOp3 for BatchNormAct {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let program = Program::batch_norm_act(nchw(l1)?, self.silu, &gpu::GPU);
+        let side = self.side();
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], Some(gpu::Side::F64(&side)))?, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -299,6 +328,25 @@ impl CustomOp2 for BnGrad {
         });
         Ok((out, Shape::from(l1.shape().elem_count() + 2 * c)))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = nchw(l1)?;
+        // γ and β side by side, the kernel's third operand.
+        let gb = Tensor::cat(&[&self.gamma, &self.beta], 0)?;
+        let (storage, layout) = gb.storage_and_layout();
+        let candle_core::Storage::Cuda(gb) = &*storage else { candle_core::bail!("batch norm's gamma and beta must be on the GPU") };
+        let program = Program::batch_norm_act_grad(dims, self.op.silu, self.op.batch_stats, &gpu::GPU);
+        let side = self.op.side();
+        let out = gpu::cuda::run(&program, &[(s1, l1), (s2, l2), (gb, layout)], Some(gpu::Side::F64(&side)))?;
+        Ok((out, Shape::from(l1.shape().elem_count() + 2 * dims.1)))
+    }
 }
 
 /// Per-channel normalisation statistics for [`batch_norm_act`].
@@ -312,7 +360,7 @@ pub struct Statistics<'a> {
 
 /// BatchNorm with the given statistics, affine `gamma` / `beta`, and an optional SiLU, as one op.
 pub fn batch_norm_act(x: &Tensor, stats: &Statistics, gamma: &Tensor, beta: &Tensor, silu: bool) -> Result<Tensor> {
-    if !x.device().is_cpu() {
+    if !x.device().is_cpu() && !super::has_kernels(x, &[gamma, beta]) {
         return composite::batch_norm_act(x, stats, gamma, beta, silu);
     }
     let dtype = x.dtype();
@@ -339,6 +387,18 @@ impl CustomOp2 for ChannelScale {
             scale_planes(h, &s.iter().map(|v| v.f()).collect::<Vec<_>>(), None, hw)
         });
         Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let program = Program::channel_scale(nchw(l1)?, &gpu::GPU);
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
     }
 
     fn bwd(&self, h: &Tensor, s: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -383,11 +443,23 @@ impl CustomOp2 for DotPerPlane {
         });
         Ok((out, Shape::from((n, c))))
     }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = nchw(l1)?;
+        Ok((gpu::cuda::run(&Program::dot_per_plane(dims, &gpu::GPU), &[(s1, l1), (s2, l2)], None)?, Shape::from((dims.0, dims.1))))
+    }
 }
 
 /// `h · s` with `h` `[N, C, H, W]` and `s` `[N, C]` (one factor per image and channel).
 pub fn channel_scale(h: &Tensor, s: &Tensor) -> Result<Tensor> {
-    if !h.device().is_cpu() {
+    if !h.device().is_cpu() && !super::has_kernels(h, &[s]) {
         return composite::channel_scale(h, s);
     }
     if !matches!(h.dtype(), DType::F32 | DType::F64) {
@@ -414,6 +486,12 @@ impl CustomOp1 for SpatialMean {
         Ok((out, Shape::from((n, c))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims = nchw(l)?;
+        Ok((gpu::cuda::run(&Program::spatial_mean(dims, &gpu::GPU), &[(s, l)], None)?, Shape::from((dims.0, dims.1))))
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let (n, c, h, w) = x.dims4()?;
         // A broadcast view: the gradient store adds it to the input's other gradient (the
@@ -424,7 +502,7 @@ impl CustomOp1 for SpatialMean {
 
 /// Mean over H and W: `[N, C, H, W]` → `[N, C]`.
 pub fn spatial_mean(x: &Tensor) -> Result<Tensor> {
-    if !x.device().is_cpu() {
+    if !x.device().is_cpu() && !super::has_kernels(x, &[]) {
         return composite::spatial_mean(x);
     }
     if !matches!(x.dtype(), DType::F32 | DType::F64) {
@@ -484,6 +562,21 @@ impl CustomOp2 for ScaledResidual {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if l1.dims() != l2.dims() || l1.dims().len() != 4 || l1.dims()[0] != self.keep.len() {
+            candle_core::bail!("scaled residual: branch {:?}, shortcut {:?}, {} sample factors", l1.dims(), l2.dims(), self.keep.len());
+        }
+        let program = Program::scaled_residual(nchw(l1)?, &gpu::GPU);
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2)], Some(gpu::Side::F64(&self.keep)))?, l1.shape().clone()))
+    }
+
     fn bwd(&self, _h: &Tensor, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         Ok((Some(scale_samples(&grad, &self.keep)?), Some(grad)))
@@ -501,14 +594,15 @@ pub(super) fn scale_samples(g: &Tensor, keep: &[f64]) -> Result<Tensor> {
 /// `h·keep[n] + x` for NCHW `h` and `x` of one shape, `keep` one factor per sample (stochastic
 /// depth: 0 or 1/(1−p)).
 pub fn scaled_residual(h: &Tensor, keep: &[f64], x: &Tensor) -> Result<Tensor> {
-    if !h.device().is_cpu() || !matches!(h.dtype(), DType::F32 | DType::F64) || x.dtype() != h.dtype() {
+    if !super::has_kernels(h, &[x]) {
         return composite::scaled_residual(h, keep, x);
     }
     h.contiguous()?.apply_op2(&x.contiguous()?, ScaledResidual { keep: keep.to_vec() })
 }
 
-/// The same ops composed from candle primitives, which have kernels on every device: what GPUs
-/// run (the fused CPU ops above have no CUDA kernels yet) and what the tests hold the fused ops to.
+/// The same ops composed from candle primitives, which have kernels on every device: what runs
+/// where the ops above have no kernels (bf16 on a GPU, devices other than CUDA) and what the
+/// tests hold the fused ops to.
 pub mod composite {
     use candle_core::{DType, Result, Tensor};
 
@@ -716,5 +810,58 @@ mod tests {
         // Channel 0: 1,3,5,7 → mean 4, var 5; channel 1: 2,2,2,6 → mean 3, var 3.
         assert_eq!(m, vec![vec![4.0, 3.0], vec![5.0, 3.0]]);
         assert_eq!(composite::channel_moments(&x).unwrap().to_vec2::<f32>().unwrap(), m);
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use super::super::gpu::{run_on_host, Program, Side, SMALL_GRID};
+    use super::super::kernel_host::{assert_close, to_f32, values, Pod};
+    use super::*;
+
+    /// Every per-channel program in the host emulation against the CPU kernels, in one dtype.
+    fn check<T: Float + Pod>(dims: (usize, usize, usize), x: &[T], dy: &[T], gamma: &[T], beta: &[T], tol: f64) {
+        let (n, c, hw) = dims;
+        let limits = &SMALL_GRID;
+        let what = format!("{n}x{c}x{hw} {}", std::mem::size_of::<T>() * 8);
+        assert_close(&run_on_host(&Program::channel_moments(dims, limits), &[x], None), &moments(x, n, c, hw), tol, &what);
+        let stats = moments(x, n, c, hw).iter().map(|v| v.f()).collect::<Vec<_>>();
+        let (mean, var) = stats.split_at(c);
+        for (from_batch, silu) in [(true, true), (true, false), (false, true)] {
+            let op = BatchNormAct::new(&Statistics { mean, var, eps: 1e-3, from_batch }, silu);
+            let side = op.side();
+            let side = Some(Side::F64(&side));
+            let what = format!("{what} batch statistics {from_batch}, SiLU {silu}");
+            let forward = run_on_host(&Program::batch_norm_act(dims, silu, limits), &[x, gamma, beta], side);
+            assert_close(&forward, &op.apply(x, gamma, beta, c, hw), tol, &what);
+            let gb: Vec<T> = gamma.iter().chain(beta).copied().collect();
+            let backward = run_on_host(&Program::batch_norm_act_grad(dims, silu, from_batch, limits), &[x, dy, &gb], side);
+            assert_close(&backward, &op.backward(x, dy, gamma, beta, dims), tol, &what);
+        }
+        let s: Vec<T> = dy[..n * c].to_vec();
+        let factors: Vec<f64> = s.iter().map(|v| v.f()).collect();
+        assert_close(&run_on_host(&Program::channel_scale(dims, limits), &[x, &s], None), &scale_planes(x, &factors, None, hw), tol, &what);
+        let dots: Vec<T> = x.chunks(hw).zip(dy.chunks(hw)).map(|(a, b)| lane_dot(a, b)).collect();
+        assert_close(&run_on_host(&Program::dot_per_plane(dims, limits), &[x, dy], None), &dots, tol, &what);
+        let means: Vec<T> = x.chunks(hw).map(|p| T::from(lane_sum(p).f() / hw as f64)).collect();
+        assert_close(&run_on_host(&Program::spatial_mean(dims, limits), &[x], None), &means, tol, &what);
+        let keep: Vec<f64> = (0..n).map(|i| if i % 2 == 0 { 1.25 } else { 0.0 }).collect();
+        let residual = run_on_host(&Program::scaled_residual(dims, limits), &[x, dy], Some(Side::F64(&keep)));
+        assert_close(&residual, &scaled_sum(x, &keep, dy), tol, &what);
+    }
+
+    #[test]
+    fn the_gpu_kernels_match_the_cpu_ops_in_the_host_emulation() {
+        // Planes larger than a block (300 > 256 threads) and smaller (7 of 32); more channels and
+        // planes than the small grid's blocks; a mean far from zero for the shifted moments.
+        for dims in [(3, 5, 300), (4, 9, 7)] {
+            let len = dims.0 * dims.1 * dims.2;
+            let x = values(220, 3.0, 2.0, len);
+            let dy = values(221, 0.0, 1.0, len);
+            let gamma = values(222, 1.0, 0.3, dims.1);
+            let beta = values(223, 0.0, 0.3, dims.1);
+            check(dims, &x, &dy, &gamma, &beta, 1e-12);
+            check(dims, &to_f32(&x), &to_f32(&dy), &to_f32(&gamma), &to_f32(&beta), 2e-5);
+        }
     }
 }

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
+use super::gpu::Side;
 use super::Float;
 
 /// The compiled driver, shared by test processes (nextest runs one per test) under a name
@@ -21,7 +22,7 @@ fn driver() -> &'static Path {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         cxx.hash(&mut hasher);
-        for source in ["host/driver.cpp", "host/emulate.h", "rows.cu", "depthwise.cu"] {
+        for source in ["host/driver.cpp", "host/emulate.h", "rows.cu", "channels.cu", "depthwise.cu"] {
             std::fs::read(root.join(source)).expect("kernel source").hash(&mut hasher);
         }
         let dir = std::env::temp_dir().join("align-kernel-host");
@@ -82,7 +83,7 @@ pub fn launch<T: Float + Pod>(
     (grid, block, shared_bytes): (u32, u32, u32),
     params: &[u8],
     operands: &[Option<&[T]>],
-    key_bias: Option<&[f32]>,
+    side: Option<Side>,
     out: &mut [T],
 ) {
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -99,7 +100,13 @@ pub fn launch<T: Float + Pod>(
     for op in operands {
         array(&mut req, op.unwrap_or(&[]));
     }
-    array(&mut req, key_bias.unwrap_or(&[]));
+    let side = match side {
+        Some(Side::F32(v)) => bytes(v),
+        Some(Side::F64(v)) => bytes(v),
+        None => &[],
+    };
+    req.extend_from_slice(&(side.len() as u64).to_ne_bytes());
+    req.extend_from_slice(side);
     array(&mut req, out);
     let dir = driver().parent().expect("driver dir");
     let pid = std::process::id();

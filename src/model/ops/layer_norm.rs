@@ -10,7 +10,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D
 use rayon::prelude::*;
 
 #[cfg(feature = "cuda")]
-use super::row_kernels::{self, Program};
+use super::gpu::{self, Program};
 use super::{float_dispatch3, lane_dot, lane_sum, output_buffer, row_block, simd, Float, LANES};
 
 /// Mean and 1/√(var + ε) of a row, the variance from the centred values (two passes; the row
@@ -97,8 +97,8 @@ impl CustomOp3 for LayerNormOp {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let d = check_shapes(l1, l2, l3)?;
-        let program = Program::layer_norm(l1.shape().elem_count() / d, d, self.eps, row_kernels::cuda::elem_size(s1), &row_kernels::GPU);
-        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, l1.shape().clone()))
+        let program = Program::layer_norm(l1.shape().elem_count() / d, d, self.eps, gpu::cuda::elem_size(s1), &gpu::GPU);
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, l1.shape().clone()))
     }
 
     fn bwd(
@@ -212,17 +212,17 @@ impl CustomOp3 for LayerNormGrad {
             candle_core::bail!("layer norm gradient of shape {:?} for an input of shape {:?}", l3.dims(), l1.dims());
         }
         let n = l1.shape().elem_count();
-        let program = Program::layer_norm_grad(n / d, d, self.eps, row_kernels::cuda::elem_size(s1), &row_kernels::GPU)?;
-        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, Shape::from(n + 2 * d)))
+        let program = Program::layer_norm_grad(n / d, d, self.eps, gpu::cuda::elem_size(s1), &gpu::GPU)?;
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], None)?, Shape::from(n + 2 * d)))
     }
 }
 
 /// `(x − mean) / √(var + eps) · weight + bias` over the last dimension, differentiable in all
-/// three. One op in f32 / f64 where `ops::has_row_kernels` says so (the CPU, CUDA GPUs);
+/// three. One op in f32 / f64 where `ops::has_kernels` says so (the CPU, CUDA GPUs);
 /// elsewhere (bf16) composed from candle ops with the statistics in f32.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    if super::has_row_kernels(x, &[weight, bias]) {
+    if super::has_kernels(x, &[weight, bias]) {
         return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNormOp { eps });
     }
     let _profile = crate::util::profile::region("op/layer-norm");
@@ -291,8 +291,8 @@ mod tests {
 
 #[cfg(test)]
 mod gpu_tests {
+    use super::super::gpu::{run_on_host, Program, SMALL_GRID};
     use super::super::kernel_host::{assert_close, to_f32, values};
-    use super::super::row_kernels::{run_on_host, Program, SMALL_GRID};
     use super::*;
 
     #[test]

@@ -9,17 +9,17 @@ pub mod channel;
 pub mod conv_norm;
 pub mod depthwise;
 pub mod fast_math;
+// Without the `cuda` feature, only the tests run its programs (on the host emulation).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod gpu;
+#[cfg(test)]
+mod kernel_host;
 pub mod layer_norm;
 pub mod linear;
 mod matmul;
 pub mod mbconv;
 pub mod pointwise;
 pub mod residual;
-// Without the `cuda` feature, only the tests run its programs (on the host emulation).
-#[cfg(test)]
-mod kernel_host;
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-mod row_kernels;
 pub mod softmax;
 pub mod squeeze_excite;
 
@@ -36,10 +36,12 @@ pub fn fusable(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool
     x.device().is_cpu() && float_operands(x, params)
 }
 
-/// Whether the row-wise ops (LayerNorm, the attention softmax, bias + GELU, column sums) run as
-/// their own kernels on `x` and `params`: on the CPU, and on CUDA GPUs with the `cuda` feature
-/// (`kernels/rows.cu`), in f32 or f64 of one dtype.
-pub fn has_row_kernels(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
+/// Whether the per-op kernels run on `x` and `params`: the row-wise ops (LayerNorm, the
+/// attention softmax, bias + GELU, column sums) and the per-channel ops (batch moments, BatchNorm
+/// with SiLU, channel scaling, spatial means, the scaled residual). They exist on the CPU and,
+/// with the `cuda` feature, on CUDA GPUs (`kernels/rows.cu`, `kernels/channels.cu`), in f32 or
+/// f64 of one dtype.
+pub fn has_kernels(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
     (x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda())) && float_operands(x, params)
 }
 

@@ -8,8 +8,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 #[cfg(feature = "cuda")]
-use super::row_kernels;
-use super::row_kernels::{Limits, Program};
+use super::gpu;
+use super::gpu::{Limits, Program};
 use super::{float_dispatch, float_dispatch2, lane_dot, lane_max, lane_sum, last_dim, output_buffer, simd, Float};
 
 /// `row ← softmax(scale·row + bias)` in place; `bias` (a padding mask) may be absent.
@@ -114,9 +114,9 @@ impl CustomOp1 for Softmax {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        let program = self.program(l, row_kernels::cuda::elem_size(s), &row_kernels::GPU);
-        let bias = self.key_bias.as_ref().map(|(b, _)| b.as_slice());
-        Ok((row_kernels::cuda::run(&program, &[(s, l)], bias)?, l.shape().clone()))
+        let program = self.program(l, gpu::cuda::elem_size(s), &gpu::GPU);
+        let bias = self.key_bias.as_ref().map(|(b, _)| gpu::Side::F32(b));
+        Ok((gpu::cuda::run(&program, &[(s, l)], bias)?, l.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -152,16 +152,15 @@ impl CustomOp2 for SoftmaxGrad {
             candle_core::bail!("softmax backward: gradient {:?} for output {:?}", l2.dims(), l1.dims());
         }
         let d = last_dim(l1);
-        let program =
-            Program::softmax_grad(l1.shape().elem_count() / d, d, self.scale, row_kernels::cuda::elem_size(s1), &row_kernels::GPU);
-        Ok((row_kernels::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
+        let program = Program::softmax_grad(l1.shape().elem_count() / d, d, self.scale, gpu::cuda::elem_size(s1), &gpu::GPU);
+        Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
     }
 }
 
 /// `softmax(scale·x + key_bias)` over the last dimension of `x` (`[batch, .., keys]`), with
 /// `key_bias` (`[batch, keys]`, e.g. 0 for tokens and −1e9 for padding) added to every row of its
 /// batch element: attention's scaling and padding mask inside the softmax's own pass, forward and
-/// backward. Differentiable in `x` only. One op in f32 / f64 where `ops::has_row_kernels` says
+/// backward. Differentiable in `x` only. One op in f32 / f64 where `ops::has_kernels` says
 /// so (the CPU, CUDA GPUs); composed elsewhere.
 pub fn scaled_masked_softmax(x: &Tensor, scale: f64, key_bias: Option<&Tensor>) -> Result<Tensor> {
     let dims = x.dims();
@@ -171,7 +170,7 @@ pub fn scaled_masked_softmax(x: &Tensor, scale: f64, key_bias: Option<&Tensor>) 
             candle_core::bail!("key bias of shape {:?} for scores of shape {dims:?}", b.dims());
         }
     }
-    if !super::has_row_kernels(x, &[]) {
+    if !super::has_kernels(x, &[]) {
         let z = if scale == 1.0 { x.clone() } else { (x * scale)? };
         let z = match key_bias {
             Some(b) => {
@@ -254,8 +253,8 @@ mod tests {
 
 #[cfg(test)]
 mod gpu_tests {
+    use super::super::gpu::{run_on_host, Program, Side, SMALL_GRID};
     use super::super::kernel_host::{assert_close, to_f32, values};
-    use super::super::row_kernels::{run_on_host, Program, SMALL_GRID};
     use super::*;
 
     #[test]
@@ -272,12 +271,12 @@ mod gpu_tests {
                 let op = Softmax { scale, key_bias: bias.clone().map(|b| (b, 15)) };
                 let what = format!("{keys} keys, scale {scale}");
                 let y = op.run(&x, keys);
-                assert_close(&run_on_host(&op.program(&layout, 8, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-12, &what);
+                assert_close(&run_on_host(&op.program(&layout, 8, &SMALL_GRID), &[&x], bias.as_deref().map(Side::F32)), &y, 1e-12, &what);
                 let grad = Program::softmax_grad(rows, keys, scale, 8, &SMALL_GRID);
                 assert_close(&run_on_host(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-12, &what);
                 let (x, dy) = (to_f32(&x), to_f32(&dy));
                 let y = op.run(&x, keys);
-                assert_close(&run_on_host(&op.program(&layout, 4, &SMALL_GRID), &[&x], bias.as_deref()), &y, 1e-6, &what);
+                assert_close(&run_on_host(&op.program(&layout, 4, &SMALL_GRID), &[&x], bias.as_deref().map(Side::F32)), &y, 1e-6, &what);
                 let grad = Program::softmax_grad(rows, keys, scale, 4, &SMALL_GRID);
                 assert_close(&run_on_host(&grad, &[&y, &dy], None), &softmax_grad(&y, &dy, keys, scale), 1e-6, &what);
             }

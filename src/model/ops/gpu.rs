@@ -1,9 +1,11 @@
-//! The GPU side of the row-wise ops (LayerNorm, softmax, bias + GELU, column sums): which
-//! kernels of `kernels/rows.cu` each op launches, in what order, on which buffers and with what
-//! grid, as a [`Program`] of plain data.
+//! The GPU side of the per-op kernels: the transformer towers' row-wise ops (`kernels/rows.cu`:
+//! LayerNorm, softmax, bias + GELU, column sums) and the convolutional towers' per-channel ops
+//! (`kernels/channels.cu`: batch moments, BatchNorm + SiLU, channel scaling, plane sums, the
+//! scaled residual). Which kernels each op launches, in what order, on which buffers and with
+//! what grid is a [`Program`] of plain data.
 //!
 //! A program is run by one of two executors: cudarc's on a GPU (`--features cuda`), and in the
-//! tests a host emulation that compiles the same `.cu` source as C++ (`kernels/host/`) and runs
+//! tests a host emulation that compiles the same `.cu` sources as C++ (`kernels/host/`) and runs
 //! each launch with real threads meeting at `__syncthreads`. So the kernels, their launch
 //! geometry and their argument wiring are all checked against the CPU ops on machines without a
 //! GPU; only cudarc's copying of arguments is not.
@@ -23,9 +25,38 @@ pub(super) struct RowParams {
     value: f64,
 }
 
+/// `struct ChannelParams` of `kernels/channels.cu`, field for field.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct ChannelParams {
+    n: i32,
+    c: i32,
+    hw: i64,
+    silu: i32,
+    batch_stats: i32,
+}
+
 #[cfg(feature = "cuda")]
-// SAFETY: a #[repr(C)] struct of plain numbers, laid out as the kernels' struct.
+// SAFETY (both): #[repr(C)] structs of plain numbers, laid out as the kernels' structs.
 unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for RowParams {}
+#[cfg(feature = "cuda")]
+unsafe impl candle_core::cuda_backend::cudarc::driver::DeviceRepr for ChannelParams {}
+
+/// A kernel file, and the parameter struct its kernels take.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Params {
+    /// `kernels/rows.cu`; its side buffer is the softmax's f32 key bias.
+    Row(RowParams),
+    /// `kernels/channels.cu`; its side buffer is f64 (BatchNorm statistics, sample factors).
+    Channel(ChannelParams),
+}
+
+/// An op's side buffer: values computed on the host that a kernel reads besides its operands.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Side<'a> {
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+}
 
 /// Where a launch reads an operand from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,10 +81,10 @@ pub(super) struct Launch {
     /// The kernel's name without its dtype suffix.
     pub kernel: &'static str,
     pub inputs: [Src; 3],
-    /// Whether the kernel reads the op's key bias (f32, softmax only).
-    pub key_bias: bool,
+    /// Whether the kernel reads the op's side buffer.
+    pub side: bool,
     pub out: Dst,
-    pub params: RowParams,
+    pub params: Params,
     pub grid: u32,
     pub block: u32,
     pub shared_bytes: u32,
@@ -104,10 +135,11 @@ impl Program {
     }
 
     /// A kernel with one block per row and a reduction scratch of one element per thread.
-    fn per_row(kernel: &'static str, inputs: [Src; 3], key_bias: bool, p: RowParams, elem: usize, limits: &Limits) -> Launch {
+    fn per_row(kernel: &'static str, inputs: [Src; 3], side: bool, p: RowParams, elem: usize, limits: &Limits) -> Launch {
         let block = row_threads(p.cols as usize);
         let out = Dst::Out { offset: 0, len: p.rows as usize * p.cols as usize };
-        Launch { kernel, inputs, key_bias, out, params: p, grid: grid(p.rows as usize, limits), block, shared_bytes: block * elem as u32 }
+        let grid = grid(p.rows as usize, limits);
+        Launch { kernel, inputs, side, out, params: Params::Row(p), grid, block, shared_bytes: block * elem as u32 }
     }
 
     /// An elementwise kernel over `rows × cols`.
@@ -115,7 +147,7 @@ impl Program {
         let len = p.rows as usize * p.cols as usize;
         let out = Dst::Out { offset: 0, len };
         let grid = grid(len.div_ceil(THREADS as usize), limits);
-        Launch { kernel, inputs, key_bias: false, out, params: p, grid, block: THREADS, shared_bytes: 0 }
+        Launch { kernel, inputs, side: false, out, params: Params::Row(p), grid, block: THREADS, shared_bytes: 0 }
     }
 
     /// `column_sums` of `src` as `[rows, cols]` in chunks of `chunk` rows, to `out`.
@@ -126,9 +158,9 @@ impl Program {
         Launch {
             kernel: "column_sums",
             inputs: [src, Src::Null, Src::Null],
-            key_bias: false,
+            side: false,
             out,
-            params: p,
+            params: Params::Row(p),
             grid,
             block: THREADS,
             shared_bytes: 0,
@@ -166,9 +198,9 @@ impl Program {
         let partial = Launch {
             kernel: "layer_norm_grad_params",
             inputs: [Src::Operand(0), Src::Null, Src::Operand(2)],
-            key_bias: false,
+            side: false,
             out: Dst::Scratch(0),
-            params: RowParams { chunk: chunk as i32, ..p },
+            params: Params::Row(RowParams { chunk: chunk as i32, ..p }),
             grid: grid(chunks, limits),
             block,
             shared_bytes: shared as u32,
@@ -213,6 +245,86 @@ impl Program {
         let total = Program::column_sums_launch(Src::Scratch(0), chunks, cols, chunks, Dst::Out { offset: 0, len: cols }, limits);
         Program { launches: vec![partial, total], scratch: vec![chunks * cols], out_len: cols }
     }
+
+    /// A per-channel kernel over NCHW `(n, c, hw)` operands: one block per channel (`Channel`),
+    /// per plane (`Plane`), or a thread per element (`Element`); the reductions' scratch is one
+    /// f64 per thread.
+    fn channel(
+        kernel: &'static str,
+        inputs: [Src; 3],
+        side: bool,
+        p: ChannelParams,
+        shape: Spread,
+        out_len: usize,
+        limits: &Limits,
+    ) -> Program {
+        let (n, c, hw) = (p.n as usize, p.c as usize, p.hw as usize);
+        let (units, block, shared_bytes) = match shape {
+            Spread::Channel => (c, THREADS, THREADS * 8),
+            Spread::Plane => (n * c, row_threads(hw), row_threads(hw) * 8),
+            Spread::Element => ((n * c * hw).div_ceil(THREADS as usize), THREADS, 0),
+        };
+        let out = Dst::Out { offset: 0, len: out_len };
+        let launch = Launch { kernel, inputs, side, out, params: Params::Channel(p), grid: grid(units, limits), block, shared_bytes };
+        Program::one(launch, out_len)
+    }
+
+    /// Per-channel mean and biased variance of operand `[x]`: `[2, c]`.
+    pub fn channel_moments((n, c, hw): (usize, usize, usize), limits: &Limits) -> Program {
+        let ops = [Src::Operand(0), Src::Null, Src::Null];
+        Program::channel("channel_moments", ops, false, channel_params(n, c, hw), Spread::Channel, 2 * c, limits)
+    }
+
+    /// `act(γ·(x − μ)·r + β)` on operands `[x, γ, β]`; the side buffer is `[μ (c) | r (c)]`.
+    pub fn batch_norm_act((n, c, hw): (usize, usize, usize), silu: bool, limits: &Limits) -> Program {
+        let p = ChannelParams { silu: i32::from(silu), ..channel_params(n, c, hw) };
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Operand(2)];
+        Program::channel("batch_norm_act", ops, true, p, Spread::Element, n * c * hw, limits)
+    }
+
+    /// BatchNorm's backward on operands `[x, dy, γ|β]` with the side buffer `[μ (c) | r (c)]`:
+    /// `[dx | Σdz·x̂ (c) | Σdz (c)]`.
+    pub fn batch_norm_act_grad((n, c, hw): (usize, usize, usize), silu: bool, batch_stats: bool, limits: &Limits) -> Program {
+        let p = ChannelParams { silu: i32::from(silu), batch_stats: i32::from(batch_stats), ..channel_params(n, c, hw) };
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Operand(2)];
+        Program::channel("batch_norm_act_grad", ops, true, p, Spread::Channel, n * c * hw + 2 * c, limits)
+    }
+
+    /// `h · s[plane]` on operands `[h, s]`.
+    pub fn channel_scale((n, c, hw): (usize, usize, usize), limits: &Limits) -> Program {
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Null];
+        Program::channel("channel_scale", ops, false, channel_params(n, c, hw), Spread::Element, n * c * hw, limits)
+    }
+
+    /// `Σ_hw a·b` per plane on operands `[a, b]`: `[n, c]`.
+    pub fn dot_per_plane((n, c, hw): (usize, usize, usize), limits: &Limits) -> Program {
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Null];
+        Program::channel("dot_per_plane", ops, false, channel_params(n, c, hw), Spread::Plane, n * c, limits)
+    }
+
+    /// The mean of each plane of operand `[x]`: `[n, c]`.
+    pub fn spatial_mean((n, c, hw): (usize, usize, usize), limits: &Limits) -> Program {
+        let ops = [Src::Operand(0), Src::Null, Src::Null];
+        Program::channel("spatial_mean", ops, false, channel_params(n, c, hw), Spread::Plane, n * c, limits)
+    }
+
+    /// `h·keep[image] + x` on operands `[h, x]`, the side buffer `keep` (n).
+    pub fn scaled_residual((n, c, hw): (usize, usize, usize), limits: &Limits) -> Program {
+        let ops = [Src::Operand(0), Src::Operand(1), Src::Null];
+        Program::channel("scaled_residual", ops, true, channel_params(n, c, hw), Spread::Element, n * c * hw, limits)
+    }
+}
+
+/// How a per-channel kernel spreads over the GPU.
+#[derive(Clone, Copy, Debug)]
+enum Spread {
+    Channel,
+    Plane,
+    Element,
+}
+
+fn channel_params(n: usize, c: usize, hw: usize) -> ChannelParams {
+    ChannelParams { n: n as i32, c: c as i32, hw: hw as i64, ..Default::default() }
 }
 
 #[cfg(feature = "cuda")]
@@ -223,21 +335,28 @@ pub(super) mod cuda {
     use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
     use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
-    use super::{Dst, Program, Src};
+    use super::{Dst, Params, Program, Side, Src};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rows.ptx"));
+    const ROWS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rows.ptx"));
+    const CHANNELS_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/channels.ptx"));
+
+    /// The side buffer on the device.
+    enum DeviceSide {
+        F32(CudaSlice<f32>),
+        F64(CudaSlice<f64>),
+    }
 
     fn run_typed<T: DeviceRepr + super::Float>(
         dev: &CudaDevice,
         program: &Program,
         operands: &[(&CudaSlice<T>, &Layout)],
-        key_bias: Option<&CudaSlice<f32>>,
+        side: Option<&DeviceSide>,
     ) -> Result<CudaSlice<T>> {
         let views = operands
             .iter()
             .map(|(s, l)| match l.contiguous_offsets() {
                 Some((lo, hi)) => Ok(s.slice(lo..hi)),
-                None => candle_core::bail!("row kernels: operands must be contiguous"),
+                None => candle_core::bail!("GPU kernels: operands must be contiguous"),
             })
             .collect::<Result<Vec<_>>>()?;
         // SAFETY (both allocations): the program's launches write every element of the output
@@ -248,8 +367,11 @@ pub(super) mod cuda {
         // Absent pointers (operands a kernel does not read, no key bias) are passed as null.
         let null = 0u64;
         for launch in &program.launches {
-            let func =
-                dev.get_or_load_custom_func(&format!("{}_{}", launch.kernel, super::super::kernel_suffix::<T>()), "align_rows", PTX)?;
+            let (module, ptx) = match launch.params {
+                Params::Row(_) => ("align_rows", ROWS_PTX),
+                Params::Channel(_) => ("align_channels", CHANNELS_PTX),
+            };
+            let func = dev.get_or_load_custom_func(&format!("{}_{}", launch.kernel, super::super::kernel_suffix::<T>()), module, ptx)?;
             // A launch writing a scratch buffer holds it alone; reading it in the same launch
             // would be an error of the program, reported below.
             let mut target = match launch.out {
@@ -263,11 +385,11 @@ pub(super) mod cuda {
                     .map(|src| match *src {
                         Src::Operand(i) => match views.get(i) {
                             Some(v) => Ok(Some(v.slice(..))),
-                            None => candle_core::bail!("row kernels: {} reads operand {i} of {}", launch.kernel, views.len()),
+                            None => candle_core::bail!("GPU kernels: {} reads operand {i} of {}", launch.kernel, views.len()),
                         },
                         Src::Scratch(k) => match &scratch[k] {
                             Some(s) => Ok(Some(s.slice(..))),
-                            None => candle_core::bail!("row kernels: {} reads the scratch buffer it writes", launch.kernel),
+                            None => candle_core::bail!("GPU kernels: {} reads the scratch buffer it writes", launch.kernel),
                         },
                         Src::Null => Ok(None),
                     })
@@ -275,7 +397,7 @@ pub(super) mod cuda {
                 let mut view = match (&mut target, launch.out) {
                     (Some(t), _) => t.slice_mut(..),
                     (None, Dst::Out { offset, len }) => out.slice_mut(offset..offset + len),
-                    (None, Dst::Scratch(_)) => candle_core::bail!("row kernels: {} writes a scratch buffer in use", launch.kernel),
+                    (None, Dst::Scratch(_)) => candle_core::bail!("GPU kernels: {} writes a scratch buffer in use", launch.kernel),
                 };
                 let mut args = func.builder();
                 for input in &inputs {
@@ -284,20 +406,24 @@ pub(super) mod cuda {
                         None => args.arg(&null),
                     };
                 }
-                match (launch.key_bias, key_bias) {
-                    (true, Some(b)) => args.arg(b),
-                    (true, None) => candle_core::bail!("row kernels: {} needs a key bias", launch.kernel),
-                    (false, _) => args.arg(&null),
+                match (launch.side, side, launch.params) {
+                    (true, Some(DeviceSide::F32(b)), Params::Row(_)) => args.arg(b),
+                    (true, Some(DeviceSide::F64(b)), Params::Channel(_)) => args.arg(b),
+                    (true, _, _) => candle_core::bail!("GPU kernels: {} needs its side buffer", launch.kernel),
+                    (false, _, _) => args.arg(&null),
                 };
                 args.arg(&mut view);
-                args.arg(&launch.params);
+                match &launch.params {
+                    Params::Row(p) => args.arg(p),
+                    Params::Channel(p) => args.arg(p),
+                };
                 let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
                     grid_dim: (launch.grid, 1, 1),
                     block_dim: (launch.block, 1, 1),
                     shared_mem_bytes: launch.shared_bytes,
                 };
-                // SAFETY: the arguments match the kernels' common signature (a, b, c, key_bias,
-                // out, params), and the launch's bounds are the program's.
+                // SAFETY: the arguments match the kernels' common signature (a, b, c, side, out,
+                // params), and the launch's bounds are the program's.
                 unsafe { args.launch(cfg) }.w()?;
             }
             if let Dst::Scratch(k) = launch.out {
@@ -312,22 +438,26 @@ pub(super) mod cuda {
         candle_core::backend::BackendStorage::dtype(s).size_in_bytes()
     }
 
-    /// Runs `program` on CUDA operands of one dtype (f32 or f64). `key_bias` is the softmax's
-    /// f32 bias, copied to the device here.
-    pub fn run(program: &Program, operands: &[(&CudaStorage, &Layout)], key_bias: Option<&[f32]>) -> Result<CudaStorage> {
-        let Some((first, _)) = operands.first() else { candle_core::bail!("row kernels: no operands") };
+    /// Runs `program` on CUDA operands of one dtype (f32 or f64), the side buffer copied to the
+    /// device here.
+    pub fn run(program: &Program, operands: &[(&CudaStorage, &Layout)], side: Option<Side>) -> Result<CudaStorage> {
+        let Some((first, _)) = operands.first() else { candle_core::bail!("GPU kernels: no operands") };
         let dev = &first.device;
-        let key_bias = key_bias.map(|b| dev.clone_htod(b)).transpose()?;
+        let side = match side {
+            Some(Side::F32(v)) => Some(DeviceSide::F32(dev.clone_htod(v)?)),
+            Some(Side::F64(v)) => Some(DeviceSide::F64(dev.clone_htod(v)?)),
+            None => None,
+        };
         macro_rules! typed {
             ($variant:ident) => {{
                 let slices = operands
                     .iter()
                     .map(|(s, l)| match &s.slice {
                         CudaStorageSlice::$variant(d) => Ok((d, *l)),
-                        _ => candle_core::bail!("row kernels: operands of mixed dtypes"),
+                        _ => candle_core::bail!("GPU kernels: operands of mixed dtypes"),
                     })
                     .collect::<Result<Vec<_>>>()?;
-                CudaStorageSlice::$variant(run_typed(dev, program, &slices, key_bias.as_ref())?)
+                CudaStorageSlice::$variant(run_typed(dev, program, &slices, side.as_ref())?)
             }};
         }
         let slice = match &first.slice {
@@ -349,7 +479,7 @@ pub(super) const SMALL_GRID: Limits = Limits { max_grid: 7, max_shared: 48 * 102
 /// Runs `program` on the host (`kernel_host`) on `operands`; every output and scratch element
 /// starts as NaN, so one the launches miss shows in the result.
 #[cfg(test)]
-pub(super) fn run_on_host<T: Float + Pod>(program: &Program, operands: &[&[T]], key_bias: Option<&[f32]>) -> Vec<T> {
+pub(super) fn run_on_host<T: Float + Pod>(program: &Program, operands: &[&[T]], side: Option<Side>) -> Vec<T> {
     let nan = T::from(f64::NAN);
     let mut out = vec![nan; program.out_len];
     let mut scratch: Vec<Vec<T>> = program.scratch.iter().map(|&n| vec![nan; n]).collect();
@@ -368,12 +498,16 @@ pub(super) fn run_on_host<T: Float + Pod>(program: &Program, operands: &[&[T]], 
             Dst::Out { offset, len } => &mut out[offset..offset + len],
             Dst::Scratch(k) => &mut scratch[k],
         };
-        let bias = match (l.key_bias, key_bias) {
+        let side = match (l.side, side) {
             (true, Some(b)) => Some(b),
-            (true, None) => panic!("{} needs a key bias", l.kernel),
+            (true, None) => panic!("{} needs its side buffer", l.kernel),
             (false, _) => None,
         };
-        kernel_host::launch(l.kernel, (l.grid, l.block, l.shared_bytes), kernel_host::param_bytes(&l.params), &inputs, bias, region);
+        let params = match &l.params {
+            Params::Row(p) => kernel_host::param_bytes(p),
+            Params::Channel(p) => kernel_host::param_bytes(p),
+        };
+        kernel_host::launch(l.kernel, (l.grid, l.block, l.shared_bytes), params, &inputs, side, region);
     }
     out
 }
@@ -390,7 +524,8 @@ mod tests {
         let mut program = Program::column_sums(40, 6, &SMALL_GRID);
         let last = program.launches.last_mut().unwrap();
         last.out = Dst::Out { offset: 0, len: 3 };
-        last.params.cols = 3;
+        let Params::Row(p) = &mut last.params else { unreachable!("column sums are a row kernel") };
+        p.cols = 3;
         let x = values(1, 0.0, 1.0, 240);
         let out = run_on_host(&program, &[&x], None);
         assert!(out[..3].iter().all(|v| v.is_finite()) && out[3..].iter().all(|v| v.is_nan()), "{out:?}");
