@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: [&str; 3] = ["channels", "depthwise", "rows"];
+const KERNELS: [&str; 4] = ["channels", "depthwise", "optim", "rows"];
 
 fn nvcc() -> PathBuf {
     if let Ok(p) = std::env::var("NVCC") {

@@ -1,5 +1,5 @@
 // Runs one kernel launch of kernels/*.cu on the host (emulate.h), for the tests of the CUDA ops
-// (src/model/ops/gpu.rs and depthwise.rs). Reads a request file (argv[1]) and writes the
+// (src/model/ops/gpu.rs, depthwise.rs and src/train/optim_kernels.rs). Reads a request file (argv[1]) and writes the
 // output buffer to argv[2]. Request, native byte order:
 //   name        u32 length + bytes (with the dtype suffix, as in the PTX)
 //   launch      grid, block, shared bytes (u32 each)
@@ -19,6 +19,7 @@
 #include "emulate.h"
 #include "../channels.cu"
 #include "../depthwise.cu"
+#include "../optim.cu"
 #include "../rows.cu"
 
 namespace {
@@ -95,6 +96,12 @@ std::map<std::string, Call<T>>& table() {
                         a.template param_struct<ChannelParams>());                                           \
     };
 
+#define REGISTER_OPTIM(NAME, T, SUFFIX, CALL)                                                                \
+    table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) {                                                         \
+        NAME##_##SUFFIX(a.operand(0), a.operand(1), a.operand(2), a.template side_as<double>(), a.out.data(), \
+                        a.template param_struct<OptimParams>());                                             \
+    };
+
 #define REGISTER_DEPTHWISE(NAME, T, SUFFIX) \
     table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) { NAME##_##SUFFIX(a.operand(0), a.operand(1), a.out.data(), a.param_struct<Geometry>()); };
 
@@ -103,6 +110,7 @@ void register_kernels() {
     ROW_KERNELS(REGISTER_ROW, double, f64)
     CHANNEL_KERNELS(REGISTER_CHANNEL, float, f32)
     CHANNEL_KERNELS(REGISTER_CHANNEL, double, f64)
+    OPTIM_KERNELS(REGISTER_OPTIM, float, f32)
     REGISTER_DEPTHWISE(depthwise_fwd, float, f32)
     REGISTER_DEPTHWISE(depthwise_grad_input, float, f32)
     REGISTER_DEPTHWISE(depthwise_grad_kernel, float, f32)

@@ -13,6 +13,10 @@ use std::sync::Mutex;
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 
+// Run on CUDA GPUs, and by the tests in the host emulation.
+#[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
+mod kernels;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerKind {
@@ -114,11 +118,23 @@ pub struct Param {
 }
 
 /// One parameter's Adam moments. On the CPU they live in plain host buffers that the update
-/// rewrites in place (with the parameter) in one multithreaded pass; elsewhere they are device
-/// tensors updated with candle ops.
+/// rewrites in place (with the parameter) in one multithreaded pass. On a CUDA GPU they are one
+/// device buffer `[m | v]` that the optimizer kernels rewrite in place (`kernels`), with a small
+/// buffer for LAMB's norms and trust ratio. Elsewhere (other devices, parameters not f32) they
+/// are device tensors updated with candle ops.
 enum Moments {
     Host(Mutex<(Vec<f32>, Vec<f32>)>),
+    Kernel { mv: Tensor, partials: Tensor },
     Device(Tensor, Tensor),
+}
+
+/// Zeroed moments for the optimizer kernels.
+fn kernel_moments(t: &Tensor) -> Result<Moments> {
+    let n = t.elem_count();
+    Ok(Moments::Kernel {
+        mv: Tensor::zeros(2 * n, DType::F32, t.device())?,
+        partials: Tensor::zeros(kernels::partials_len(n), DType::F32, t.device())?,
+    })
 }
 
 pub struct Optimizer {
@@ -258,6 +274,8 @@ impl Optimizer {
                 let t = p.var.as_tensor();
                 Ok(if t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() {
                     Moments::Host(Mutex::new((vec![0.0; t.elem_count()], vec![0.0; t.elem_count()])))
+                } else if t.device().is_cuda() && t.dtype() == DType::F32 && t.is_contiguous() {
+                    kernel_moments(t)?
                 } else {
                     let z = t.zeros_like()?.to_dtype(DType::F32)?;
                     Moments::Device(z.clone(), z)
@@ -277,6 +295,16 @@ impl Optimizer {
         for (p, mo) in self.params.iter().zip(self.moments.iter_mut()) {
             let z = p.var.as_tensor().zeros_like()?.to_dtype(DType::F32)?;
             *mo = Moments::Device(z.clone(), z);
+        }
+        Ok(self)
+    }
+
+    /// Keeps every moment as the optimizer kernels do on a GPU, the kernels running in the host
+    /// emulation: the GPU path on the CPU, for tests.
+    #[cfg(test)]
+    fn with_kernel_moments(mut self) -> Result<Self> {
+        for (p, mo) in self.params.iter().zip(self.moments.iter_mut()) {
+            *mo = kernel_moments(p.var.as_tensor())?;
         }
         Ok(self)
     }
@@ -311,6 +339,16 @@ impl Optimizer {
                     let g = g.to_dtype(DType::F32)?.contiguous()?;
                     p.var.as_tensor().inplace_op2(&g, &HostUpdate { moments, c })?;
                 }
+                Moments::Kernel { mv, partials } => {
+                    let g = g.to_dtype(DType::F32)?.contiguous()?;
+                    let params = kernels::OptimParams::new(g.elem_count(), &c);
+                    let w = p.var.as_tensor();
+                    mv.inplace_op2(&g, &kernels::UpdateMoments(params))?;
+                    if c.lamb {
+                        partials.inplace_op3(w, mv, &kernels::TrustRatio(params))?;
+                    }
+                    w.inplace_op3(mv, partials, &kernels::Apply(params))?;
+                }
                 Moments::Device(m, v) => device_update(&p.var, g, m, v, &c)?,
             }
         }
@@ -328,6 +366,12 @@ impl Optimizer {
                     let shape = p.var.shape();
                     let host = |x: &[f32]| Tensor::from_slice(x, shape, &candle_core::Device::Cpu).expect("moments match their parameter");
                     (host(&h.0), host(&h.1))
+                }
+                Moments::Kernel { mv, .. } => {
+                    // Copies: the kernels rewrite `mv` in place at the next step.
+                    let n = p.var.elem_count();
+                    let half = |at: usize| mv.narrow(0, at, n).and_then(|t| t.reshape(p.var.shape())).and_then(|t| t.copy());
+                    (half(0).expect("moments match their parameter"), half(n).expect("moments match their parameter"))
                 }
                 Moments::Device(m, v) => (m.clone(), v.clone()),
             };
@@ -352,6 +396,7 @@ impl Optimizer {
             if let [m, v] = loaded.as_slice() {
                 match mo {
                     Moments::Host(h) => *h.get_mut().unwrap() = (m.flatten_all()?.to_vec1()?, v.flatten_all()?.to_vec1()?),
+                    Moments::Kernel { mv, .. } => *mv = Tensor::cat(&[m.flatten_all()?, v.flatten_all()?], 0)?.to_device(mv.device())?,
                     Moments::Device(dm, dv) => (*dm, *dv) = (m.to_device(dm.device())?, v.to_device(dv.device())?),
                 }
             }
@@ -477,6 +522,40 @@ mod tests {
                 let d = (t - &sb[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 assert!(d < 1e-6, "{k}: {d}");
             }
+        }
+    }
+
+    /// The GPU's kernel update (its kernels run in the host emulation) follows the in-place host
+    /// update, both kinds, with clipping, on a tensor wider than one grid of norm blocks; its
+    /// moments save as the host's do and load back into a fresh optimizer that steps on alike.
+    #[test]
+    fn the_kernel_update_equals_the_in_place_update() {
+        let dev = Device::Cpu;
+        for kind in [OptimizerKind::Adamw, OptimizerKind::Lamb] {
+            let cfg = OptimizerConfig { kind, weight_decay: 0.01, grad_clip: 5.0, ..Default::default() };
+            let init = crate::util::rng::randn(140, 0.0, 1.0, (70_001, 2), DType::F32, &dev).unwrap();
+            let (a, b) = (Var::from_tensor(&init.copy().unwrap()).unwrap(), Var::from_tensor(&init.copy().unwrap()).unwrap());
+            let mut host = Optimizer::new(vec![("w.weight".into(), a.clone())], cfg.clone()).unwrap();
+            let mut gpu = Optimizer::new(vec![("w.weight".into(), b.clone())], cfg.clone()).unwrap().with_kernel_moments().unwrap();
+            let grad = |step: u64| crate::util::rng::randn(141 + step, 0.0, 0.3, init.dims(), DType::F32, &dev).unwrap();
+            let max_diff = |x: &Tensor, y: &Tensor| (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            for step in 0..3u64 {
+                host.step(&Grads(vec![Some(grad(step))]), 1e-2).unwrap();
+                gpu.step(&Grads(vec![Some(grad(step))]), 1e-2).unwrap();
+            }
+            assert!(max_diff(a.as_tensor(), b.as_tensor()) < 1e-6, "{kind:?}: {}", max_diff(a.as_tensor(), b.as_tensor()));
+            let (sa, sb) = (host.state_tensors(), gpu.state_tensors());
+            for (k, t) in &sa {
+                assert!(max_diff(t, &sb[k]) < 1e-6, "{kind:?} {k}: {}", max_diff(t, &sb[k]));
+            }
+            let c = Var::from_tensor(&b.as_tensor().copy().unwrap()).unwrap();
+            let mut resumed = Optimizer::new(vec![("w.weight".into(), c.clone())], cfg.clone()).unwrap().with_kernel_moments().unwrap();
+            resumed.load_state(&sb, gpu.step).unwrap();
+            for opt in [&mut host, &mut gpu, &mut resumed] {
+                opt.step(&Grads(vec![Some(grad(3))]), 1e-2).unwrap();
+            }
+            assert!(max_diff(b.as_tensor(), c.as_tensor()) == 0.0, "{kind:?}: resumed {}", max_diff(b.as_tensor(), c.as_tensor()));
+            assert!(max_diff(a.as_tensor(), b.as_tensor()) < 1e-6, "{kind:?}: {}", max_diff(a.as_tensor(), b.as_tensor()));
         }
     }
 

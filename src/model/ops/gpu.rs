@@ -53,7 +53,7 @@ pub(super) enum Params {
 
 /// An op's side buffer: values computed on the host that a kernel reads besides its operands.
 #[derive(Clone, Copy, Debug)]
-pub(super) enum Side<'a> {
+pub(crate) enum Side<'a> {
     F32(&'a [f32]),
     F64(&'a [f64]),
 }

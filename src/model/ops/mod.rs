@@ -11,9 +11,9 @@ pub mod depthwise;
 pub mod fast_math;
 // Without the `cuda` feature, only the tests run its programs (on the host emulation).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-mod gpu;
+pub(crate) mod gpu;
 #[cfg(test)]
-mod kernel_host;
+pub(crate) mod kernel_host;
 pub mod layer_norm;
 pub mod linear;
 mod matmul;
@@ -121,7 +121,7 @@ unsafe fn output_buffer<T: Float>(n: usize) -> Vec<T> {
 /// precision the gradient checks run in; `exp` likewise (libm's `expf` is a scalar call, which
 /// keeps SiLU and softmax loops from vectorising: with `fast_math::exp` and [`simd`], a B0
 /// step's BatchNorm backward went from 273 to 147 ms).
-trait Float:
+pub(crate) trait Float:
     candle_core::WithDType
     + Copy
     + PartialOrd
