@@ -154,6 +154,9 @@ enum BenchCommand {
     Model(cli::bench::ModelArgs),
     /// EfficientNet's depthwise layers: our op against candle's grouped convolution.
     Depthwise(cli::bench::DepthwiseArgs),
+    /// Every per-op kernel on the device (f32) against the CPU's f64 op, forward and backward,
+    /// and the optimizer update, with time per call: the first run on a new GPU.
+    Ops(cli::bench::OpsArgs),
 }
 
 fn main() -> Result<()> {
@@ -191,5 +194,6 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),
+        Command::Bench(BenchCommand::Ops(a)) => cli::bench::ops(&a),
     }
 }

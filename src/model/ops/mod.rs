@@ -6,6 +6,7 @@ use candle_core::{Layout, Result};
 pub mod attention;
 pub mod bias;
 pub mod channel;
+pub mod check;
 pub mod conv_norm;
 pub mod depthwise;
 pub mod fast_math;
