@@ -46,7 +46,7 @@ __device__ void channel_moments(const T* x, T* out, ChannelParams p, double* scr
     long long per_channel = (long long)p.n * p.hw;
     double m = per_channel > 0 ? (double)per_channel : 1.0;
     for (int ch = blockIdx.x; ch < p.c; ch += gridDim.x) {
-        double k = p.hw > 0 ? (double)x[(long long)ch * p.hw] : 0.0;
+        double k = per_channel > 0 ? (double)x[(long long)ch * p.hw] : 0.0;
         double s1 = 0, s2 = 0;
         for (long long j = threadIdx.x; j < per_channel; j += blockDim.x) {
             double d = (double)x[channel_index(j, ch, p)] - k;

@@ -368,9 +368,9 @@ impl Optimizer {
                     (host(&h.0), host(&h.1))
                 }
                 Moments::Kernel { mv, .. } => {
-                    // Copies: the kernels rewrite `mv` in place at the next step.
+                    // Copies of each half alone: the kernels rewrite `mv` in place at the next step.
                     let n = p.var.elem_count();
-                    let half = |at: usize| mv.narrow(0, at, n).and_then(|t| t.reshape(p.var.shape())).and_then(|t| t.copy());
+                    let half = |at: usize| mv.narrow(0, at, n).and_then(|t| t.force_contiguous()).and_then(|t| t.reshape(p.var.shape()));
                     (half(0).expect("moments match their parameter"), half(n).expect("moments match their parameter"))
                 }
                 Moments::Device(m, v) => (m.clone(), v.clone()),

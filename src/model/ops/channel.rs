@@ -20,6 +20,32 @@ fn nchw(l: &Layout) -> Result<(usize, usize, usize)> {
     }
 }
 
+/// `(n, c, h·w)` of NCHW `l1` and a second operand `l2` of the same shape.
+fn nchw_pair(l1: &Layout, l2: &Layout, what: &str) -> Result<(usize, usize, usize)> {
+    let dims = nchw(l1)?;
+    if l2.dims() != l1.dims() {
+        candle_core::bail!("{what}: operands of shapes {:?} and {:?}", l1.dims(), l2.dims());
+    }
+    Ok(dims)
+}
+
+/// `(n, c, h·w)` of NCHW `l1` and a second operand `l2` with one value per plane (`[N, C]`).
+fn nchw_planes(l1: &Layout, l2: &Layout, what: &str) -> Result<(usize, usize, usize)> {
+    let dims = nchw(l1)?;
+    if l2.shape().elem_count() != dims.0 * dims.1 {
+        candle_core::bail!("{what}: {:?} is not one value per plane of {:?}", l2.dims(), l1.dims());
+    }
+    Ok(dims)
+}
+
+/// Checks that each of `dims` is one value per channel.
+fn per_channel(c: usize, dims: &[&[usize]], what: &str) -> Result<()> {
+    if let Some(d) = dims.iter().find(|d| **d != [c]) {
+        candle_core::bail!("{what}: {d:?} for {c} channels");
+    }
+    Ok(())
+}
+
 /// Per-plane pairs of sums (planes in NCHW order) added up per channel.
 fn channel_totals(plane_sums: Vec<[f64; 2]>, c: usize) -> Vec<[f64; 2]> {
     let mut sums = vec![[0.0f64; 2]; c];
@@ -131,6 +157,13 @@ impl BatchNormAct {
             batch_stats: stats.from_batch,
             silu,
         }
+    }
+
+    /// `(n, c, h·w)` of the input, checking γ, β and the statistics against its channels.
+    fn check(&self, x: &Layout, gamma: &Layout, beta: &Layout) -> Result<(usize, usize, usize)> {
+        let dims = nchw(x)?;
+        per_channel(dims.1, &[gamma.dims(), beta.dims(), &[self.mean.len()], &[self.inv_std.len()]], "batch norm")?;
+        Ok(dims)
     }
 
     /// `[μ (c) | 1/√(σ² + ε) (c)]`: the GPU kernels' side buffer.
@@ -267,7 +300,7 @@ impl CustomOp3 for BatchNormAct {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/batch-norm");
-        let (_, c, hw) = nchw(l1)?;
+        let (_, c, hw) = self.check(l1, l2, l3)?;
         let out = float_dispatch3!(s1, l1, s2, l2, s3, l3, "batch norm", |x, g, b| self.apply(x, g, b, c, hw));
         Ok((out, l1.shape().clone()))
     }
@@ -282,7 +315,7 @@ impl CustomOp3 for BatchNormAct {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let program = Program::batch_norm_act(nchw(l1)?, self.silu, &gpu::GPU);
+        let program = Program::batch_norm_act(self.check(l1, l2, l3)?, self.silu, &gpu::GPU);
         let side = self.side();
         Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2), (s3, l3)], Some(gpu::Side::F64(&side)))?, l1.shape().clone()))
     }
@@ -312,6 +345,16 @@ pub(super) struct BnGrad {
     pub beta: Tensor,
 }
 
+impl BnGrad {
+    /// `(n, c, h·w)` of the input, checking the gradient, γ, β and the statistics against it.
+    fn check(&self, x: &Layout, dy: &Layout) -> Result<(usize, usize, usize)> {
+        let dims = nchw_pair(x, dy, "batch norm backward")?;
+        let stats = [self.op.mean.len()];
+        per_channel(dims.1, &[self.gamma.dims(), self.beta.dims(), &stats], "batch norm backward")?;
+        Ok(dims)
+    }
+}
+
 impl CustomOp2 for BnGrad {
     fn name(&self) -> &'static str {
         "batch-norm-act-grad"
@@ -319,7 +362,7 @@ impl CustomOp2 for BnGrad {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/batch-norm-grad");
-        let dims = nchw(l1)?;
+        let dims = self.check(l1, l2)?;
         let c = dims.1;
         let out = float_dispatch2!(s1, l1, s2, l2, "batch norm backward", |x, dy| {
             with_cpu_slice(&self.gamma, "batch norm's gamma", |gamma| {
@@ -337,7 +380,7 @@ impl CustomOp2 for BnGrad {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = nchw(l1)?;
+        let dims = self.check(l1, l2)?;
         // γ and β side by side, the kernel's third operand.
         let gb = Tensor::cat(&[&self.gamma, &self.beta], 0)?;
         let (storage, layout) = gb.storage_and_layout();
@@ -382,7 +425,7 @@ impl CustomOp2 for ChannelScale {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/channel");
-        let (_, _, hw) = nchw(l1)?;
+        let (_, _, hw) = nchw_planes(l1, l2, "channel scale")?;
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale", |h, s| {
             scale_planes(h, &s.iter().map(|v| v.f()).collect::<Vec<_>>(), None, hw)
         });
@@ -397,7 +440,7 @@ impl CustomOp2 for ChannelScale {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let program = Program::channel_scale(nchw(l1)?, &gpu::GPU);
+        let program = Program::channel_scale(nchw_planes(l1, l2, "channel scale")?, &gpu::GPU);
         Ok((gpu::cuda::run(&program, &[(s1, l1), (s2, l2)], None)?, l1.shape().clone()))
     }
 
@@ -437,7 +480,7 @@ impl CustomOp2 for DotPerPlane {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let _profile = crate::util::profile::region("op/channel");
-        let (n, c, hw) = nchw(l1)?;
+        let (n, c, hw) = nchw_pair(l1, l2, "channel scale backward")?;
         let out = float_dispatch2!(s1, l1, s2, l2, "channel scale backward", |a, b| {
             a.par_chunks(hw).zip(b.par_chunks(hw)).map(|(x, y)| simd(|| lane_dot(x, y))).collect()
         });
@@ -452,7 +495,7 @@ impl CustomOp2 for DotPerPlane {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = nchw(l1)?;
+        let dims = nchw_pair(l1, l2, "channel scale backward")?;
         Ok((gpu::cuda::run(&Program::dot_per_plane(dims, &gpu::GPU), &[(s1, l1), (s2, l2)], None)?, Shape::from((dims.0, dims.1))))
     }
 }

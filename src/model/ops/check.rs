@@ -62,6 +62,10 @@ fn cases() -> Vec<Case> {
         case("layer-norm", &[(&[16, 50, 192], 1.0, 2.0), (&[192], 1.0, 0.3), (&[192], 0.0, 0.3)], |t| {
             layer_norm(&t[0], &t[1], &t[2], 1e-5)
         }),
+        // A view starting one row in: the kernels' operands at an offset into their buffer.
+        case("layer-norm, offset view", &[(&[17, 50, 192], 1.0, 2.0), (&[192], 1.0, 0.3), (&[192], 0.0, 0.3)], |t| {
+            layer_norm(&t[0].narrow(0, 1, 16)?, &t[1], &t[2], 1e-5)
+        }),
         case("attention softmax (scaled, masked)", &[(&[8, 3, 50, 50], 0.0, 3.0)], |t| {
             scaled_masked_softmax(&t[0], 0.125, Some(&key_mask(8, 50, t[0].device(), t[0].dtype())?))
         }),

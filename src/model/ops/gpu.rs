@@ -121,6 +121,18 @@ fn row_threads(cols: usize) -> u32 {
     (cols.next_power_of_two() as u32).clamp(32, THREADS)
 }
 
+/// Shared memory of the LayerNorm parameter gradients' kernel: the reduction scratch and the
+/// block's sums of two rows' worth of values.
+fn layer_norm_grad_shared(cols: usize, elem: usize) -> usize {
+    (row_threads(cols) as usize + 2 * cols) * elem
+}
+
+/// Whether the LayerNorm backward kernels take rows of `cols` values of `elem` bytes; wider ones
+/// (above about 6000 in f32) compose candle ops on the GPU.
+pub(super) fn layer_norm_fits(cols: usize, elem: usize) -> bool {
+    layer_norm_grad_shared(cols, elem) <= GPU.max_shared
+}
+
 fn grid(units: usize, limits: &Limits) -> u32 {
     units.clamp(1, limits.max_grid as usize) as u32
 }
@@ -188,7 +200,7 @@ impl Program {
         let chunk = Program::chunk(rows);
         let chunks = rows.div_ceil(chunk);
         let block = row_threads(cols);
-        let shared = (block as usize + 2 * cols) * elem;
+        let shared = layer_norm_grad_shared(cols, elem);
         if shared > limits.max_shared {
             candle_core::bail!(
                 "layer norm backward on the GPU: rows of {cols} need {shared} bytes of shared memory, more than {}",
@@ -205,8 +217,14 @@ impl Program {
             block,
             shared_bytes: shared as u32,
         };
-        let total =
-            Program::column_sums_launch(Src::Scratch(0), chunks, 2 * cols, chunks, Dst::Out { offset: rows * cols, len: 2 * cols }, limits);
+        let total = Program::column_sums_launch(
+            Src::Scratch(0),
+            chunks,
+            2 * cols,
+            chunks.max(1),
+            Dst::Out { offset: rows * cols, len: 2 * cols },
+            limits,
+        );
         Ok(Program { launches: vec![dx, partial, total], scratch: vec![chunks * 2 * cols], out_len: rows * cols + 2 * cols })
     }
 
@@ -242,7 +260,7 @@ impl Program {
         let chunk = Program::chunk(rows);
         let chunks = rows.div_ceil(chunk);
         let partial = Program::column_sums_launch(Src::Operand(0), rows, cols, chunk, Dst::Scratch(0), limits);
-        let total = Program::column_sums_launch(Src::Scratch(0), chunks, cols, chunks, Dst::Out { offset: 0, len: cols }, limits);
+        let total = Program::column_sums_launch(Src::Scratch(0), chunks, cols, chunks.max(1), Dst::Out { offset: 0, len: cols }, limits);
         Program { launches: vec![partial, total], scratch: vec![chunks * cols], out_len: cols }
     }
 

@@ -222,7 +222,8 @@ impl CustomOp3 for LayerNormGrad {
 /// elsewhere (bf16) composed from candle ops with the statistics in f32.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
-    if super::has_kernels(x, &[weight, bias]) {
+    let width = x.dims().last().copied().unwrap_or(0);
+    if super::has_kernels(x, &[weight, bias]) && (x.device().is_cpu() || super::gpu::layer_norm_fits(width, dtype.size_in_bytes())) {
         return x.contiguous()?.apply_op3(&weight.contiguous()?, &bias.contiguous()?, LayerNormOp { eps });
     }
     let _profile = crate::util::profile::region("op/layer-norm");

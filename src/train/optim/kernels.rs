@@ -104,6 +104,20 @@ enum Op {
     Apply,
 }
 
+/// Checks the lengths of an op's updated buffer and operands against the parameter's `n`: the
+/// kernels index them by `n` alone.
+fn check_lengths(op: Op, n: usize, out: usize, operands: &[usize]) -> Result<()> {
+    let (want_out, want): (usize, &[usize]) = match op {
+        Op::Moments => (2 * n, &[n]),
+        Op::TrustRatio => (partials_len(n), &[n, 2 * n]),
+        Op::Apply => (n, &[2 * n, partials_len(n)]),
+    };
+    if out != want_out || operands != want {
+        candle_core::bail!("{op:?} for {n} parameters: buffers of {out} and {operands:?} values, expected {want_out} and {want:?}");
+    }
+    Ok(())
+}
+
 /// `[m | v]` ← the new moments, in place, from the gradient (`moments.inplace_op2(g, ..)`).
 pub(super) struct UpdateMoments(pub OptimParams);
 
@@ -131,6 +145,8 @@ fn f32_slice_mut<'a>(s: &'a mut CpuStorage, l: &Layout) -> Result<&'a mut [f32]>
 
 /// The CPU side: the kernels in the host emulation (tests only).
 fn on_host(op: Op, p: &OptimParams, out: &mut [f32], [a, b]: [Option<&[f32]>; 2]) -> Result<()> {
+    let lens: Vec<usize> = [a, b].iter().flatten().map(|v| v.len()).collect();
+    check_lengths(op, p.n as usize, out.len(), &lens)?;
     #[cfg(test)]
     {
         use crate::model::ops::kernel_host;
@@ -235,6 +251,8 @@ mod cuda {
         let (CudaStorageSlice::F32(out), Some((a, b))) = (&mut out.slice, lo.contiguous_offsets()) else {
             candle_core::bail!("{op:?}: the optimizer kernels update contiguous f32 tensors")
         };
+        let lens: Vec<usize> = views.iter().map(|v| v.len()).collect();
+        super::check_lengths(op, p.n as usize, b - a, &lens)?;
         let mut target = out.slice_mut(a..b);
         let null = 0u64;
         for l in plan(op, p) {
