@@ -29,6 +29,7 @@ fn main() {
     for k in KERNELS {
         println!("cargo:rerun-if-changed=kernels/{k}.cu");
     }
+    println!("cargo:rerun-if-changed=kernels/reduce.cuh");
     for var in ["NVCC", "CUDA_HOME", "CUDA_ROOT", "CUDA_PATH", "CUDA_COMPUTE_CAP"] {
         println!("cargo:rerun-if-env-changed={var}");
     }

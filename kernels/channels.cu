@@ -8,6 +8,8 @@
 // `aux` holds f64 values computed on the host (BatchNorm's mean and 1/std, the per-sample
 // factors). Reductions run in one block per channel or plane, in double, in a fixed tree order.
 
+#include "reduce.cuh"
+
 struct ChannelParams {
     int n;
     int c;
@@ -15,18 +17,6 @@ struct ChannelParams {
     int silu;         // BatchNorm: SiLU after the affine map
     int batch_stats;  // BatchNorm backward: the statistics are the batch's own
 };
-
-__device__ double block_sum_f64(double v, double* scratch) {
-    scratch[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-        if (threadIdx.x < half) scratch[threadIdx.x] += scratch[threadIdx.x + half];
-        __syncthreads();
-    }
-    double total = scratch[0];
-    __syncthreads();
-    return total;
-}
 
 template <typename T>
 __device__ T sigmoid(T z) {
@@ -53,8 +43,8 @@ __device__ void channel_moments(const T* x, T* out, ChannelParams p, double* scr
             s1 += d;
             s2 += d * d;
         }
-        s1 = block_sum_f64(s1, scratch);
-        s2 = block_sum_f64(s2, scratch);
+        s1 = block_sum<double>(s1, scratch);
+        s2 = block_sum<double>(s2, scratch);
         if (threadIdx.x == 0) {
             double d = s1 / m;
             double var = s2 / m - d * d;
@@ -104,8 +94,8 @@ __device__ void batch_norm_act_grad(const T* x, const T* dy, const T* gb, const 
             s_dzx += (double)(dz * ((x[i] - mt) * rt));
             s_dz += (double)dz;
         }
-        s_dzx = block_sum_f64(s_dzx, scratch);
-        s_dz = block_sum_f64(s_dz, scratch);
+        s_dzx = block_sum<double>(s_dzx, scratch);
+        s_dz = block_sum<double>(s_dz, scratch);
         if (p.batch_stats) {
             T k = (T)(g * r / m), sdz = (T)s_dz, sdzx = (T)s_dzx, mm = (T)m;
             for (long long j = threadIdx.x; j < per_channel; j += blockDim.x) {
@@ -144,7 +134,7 @@ __device__ void plane_sums(const T* a, const T* b, T* out, ChannelParams p, doub
         const T* bp = b ? b + q * p.hw : nullptr;
         double s = 0;
         for (long long j = threadIdx.x; j < p.hw; j += blockDim.x) s += bp ? (double)(ap[j] * bp[j]) : (double)ap[j];
-        s = block_sum_f64(s, scratch);
+        s = block_sum<double>(s, scratch);
         if (threadIdx.x == 0) out[q] = (T)(s * scale);
     }
 }

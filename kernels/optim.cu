@@ -7,6 +7,8 @@
 // block, on the device: no copy to the host between the launches. Same signature as the other
 // kernel files: kernel(a, b, c, aux, out, params); out is the buffer updated in place.
 
+#include "reduce.cuh"
+
 struct OptimParams {
     long long n;         // elements of the parameter (adam_ratio: pairs of partial sums)
     long long ratio_at;  // adam_apply: where the trust ratio sits in its buffer
@@ -28,23 +30,6 @@ __device__ void adam_moments(const float* g, float* mv, OptimParams p) {
     }
 }
 
-__device__ void block_sums_2(double* x, double* y, double* scratch) {
-    scratch[threadIdx.x] = *x;
-    scratch[blockDim.x + threadIdx.x] = *y;
-    __syncthreads();
-    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-        if (threadIdx.x < half) {
-            scratch[threadIdx.x] += scratch[threadIdx.x + half];
-            scratch[blockDim.x + threadIdx.x] += scratch[blockDim.x + threadIdx.x + half];
-        }
-        __syncthreads();
-    }
-    *x = scratch[0];
-    *y = scratch[blockDim.x];
-    // Before any later use of scratch, every thread has read the totals.
-    __syncthreads();
-}
-
 // a = w, b = [m | v], out = partial sums [|w|^2, |u|^2] per block (2 * gridDim.x values).
 __device__ void adam_norms(const float* w, const float* mv, float* partial, OptimParams p, double* scratch) {
     double ww = 0, uu = 0;
@@ -53,7 +38,8 @@ __device__ void adam_norms(const float* w, const float* mv, float* partial, Opti
         ww += (double)w[i] * w[i];
         uu += (double)u * u;
     }
-    block_sums_2(&ww, &uu, scratch);
+    ww = block_sum(ww, scratch);
+    uu = block_sum(uu, scratch);
     if (threadIdx.x == 0) {
         partial[2 * blockIdx.x] = (float)ww;
         partial[2 * blockIdx.x + 1] = (float)uu;
@@ -67,7 +53,8 @@ __device__ void adam_ratio(float* partial, OptimParams p, double* scratch) {
         ww += partial[2 * k];
         uu += partial[2 * k + 1];
     }
-    block_sums_2(&ww, &uu, scratch);
+    ww = block_sum(ww, scratch);
+    uu = block_sum(uu, scratch);
     if (threadIdx.x == 0) {
         double wn = sqrt(ww), un = sqrt(uu);
         partial[2 * p.n] = (float)(wn > 0 && un > 0 ? wn / un : 1.0);

@@ -9,6 +9,8 @@
 // shared memory in a fixed tree order; sums over rows go through per-chunk partials that a
 // second launch adds in chunk order. No atomics: results are the same on every run.
 
+#include "reduce.cuh"
+
 struct RowParams {
     long long rows;     // rows of the [rows, cols] operand
     int cols;
@@ -17,35 +19,6 @@ struct RowParams {
     int act;            // bias_act: 0 identity, 1 GELU (erf)
     double value;       // LayerNorm: epsilon; softmax: scale
 };
-
-template <typename T>
-__device__ T block_sum(T v, T* scratch) {
-    scratch[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-        if (threadIdx.x < half) scratch[threadIdx.x] += scratch[threadIdx.x + half];
-        __syncthreads();
-    }
-    T total = scratch[0];
-    // Nobody may overwrite scratch[0] for the next reduction before every thread has read it.
-    __syncthreads();
-    return total;
-}
-
-template <typename T>
-__device__ T block_max(T v, T* scratch) {
-    scratch[threadIdx.x] = v;
-    __syncthreads();
-    for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-        if (threadIdx.x < half && scratch[threadIdx.x + half] > scratch[threadIdx.x]) {
-            scratch[threadIdx.x] = scratch[threadIdx.x + half];
-        }
-        __syncthreads();
-    }
-    T best = scratch[0];
-    __syncthreads();
-    return best;
-}
 
 // Mean and 1/sqrt(var + eps) of one row, the variance from centred values as the CPU op has it.
 template <typename T>

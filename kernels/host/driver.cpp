@@ -1,12 +1,13 @@
 // Runs one kernel launch of kernels/*.cu on the host (emulate.h), for the tests of the CUDA ops
-// (src/model/ops/gpu.rs, depthwise.rs and src/train/optim_kernels.rs). Reads a request file (argv[1]) and writes the
-// output buffer to argv[2]. Request, native byte order:
+// (src/model/ops/gpu.rs and depthwise.rs, src/train/optim/kernels.rs). Reads a request file
+// (argv[1]) and writes the output buffer to argv[2]. Request, native byte order:
 //   name        u32 length + bytes (with the dtype suffix, as in the PTX)
 //   launch      grid, block, shared bytes (u32 each)
 //   elem        u32: 4 (f32) or 8 (f64)
 //   params      u32 length + the kernel's parameter struct as laid out in memory
 //   operands    u32 count, then each as u64 element count + elements (count 0: a null pointer)
-//   side        u64 byte count + bytes (rows.cu: the f32 key bias; channels.cu: f64 values)
+//   side        u64 byte count + bytes (rows.cu: the f32 key bias; channels.cu: f64 values;
+//               depthwise.cu and optim.cu: none)
 //   output      u64 count + initial elements
 #include <cstdint>
 #include <cstdio>

@@ -343,11 +343,11 @@ impl Optimizer {
                     let g = g.to_dtype(DType::F32)?.contiguous()?;
                     let params = kernels::OptimParams::new(g.elem_count(), &c);
                     let w = p.var.as_tensor();
-                    mv.inplace_op2(&g, &kernels::UpdateMoments(params))?;
+                    mv.inplace_op2(&g, &kernels::Update::moments(params))?;
                     if c.lamb {
-                        partials.inplace_op3(w, mv, &kernels::TrustRatio(params))?;
+                        partials.inplace_op3(w, mv, &kernels::Update::trust_ratio(params))?;
                     }
-                    w.inplace_op3(mv, partials, &kernels::Apply(params))?;
+                    w.inplace_op3(mv, partials, &kernels::Update::apply(params))?;
                 }
                 Moments::Device(m, v) => device_update(&p.var, g, m, v, &c)?,
             }

@@ -382,7 +382,7 @@ pub(super) mod cuda {
         // them with NaN first and check).
         let mut out = unsafe { dev.alloc::<T>(program.out_len)? };
         let mut scratch = program.scratch.iter().map(|&n| unsafe { dev.alloc::<T>(n) }.map(Some)).collect::<Result<Vec<_>>>()?;
-        // Absent pointers (operands a kernel does not read, no key bias) are passed as null.
+        // Absent pointers (operands a kernel does not read, no side buffer) are passed as null.
         let null = 0u64;
         for launch in &program.launches {
             let (module, ptx) = match launch.params {
@@ -481,7 +481,7 @@ pub(super) mod cuda {
         let slice = match &first.slice {
             CudaStorageSlice::F32(_) => typed!(F32),
             CudaStorageSlice::F64(_) => typed!(F64),
-            _ => candle_core::bail!("row kernels support f32 and f64"),
+            _ => candle_core::bail!("GPU kernels support f32 and f64"),
         };
         Ok(CudaStorage { slice, device: dev.clone() })
     }

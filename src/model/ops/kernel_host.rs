@@ -22,7 +22,7 @@ fn driver() -> &'static Path {
         let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         cxx.hash(&mut hasher);
-        for source in ["host/driver.cpp", "host/emulate.h", "rows.cu", "channels.cu", "depthwise.cu", "optim.cu"] {
+        for source in ["host/driver.cpp", "host/emulate.h", "reduce.cuh", "rows.cu", "channels.cu", "depthwise.cu", "optim.cu"] {
             std::fs::read(root.join(source)).expect("kernel source").hash(&mut hasher);
         }
         let dir = std::env::temp_dir().join("align-kernel-host");

@@ -83,7 +83,7 @@ fn elementwise(kernel: &'static str, p: &OptimParams) -> Launch {
 
 /// The launches of each op, shared by the CUDA launcher and the host emulation.
 fn plan(op: Op, p: &OptimParams) -> Vec<Launch> {
-    let reduce_shared = 2 * THREADS * 8;
+    let reduce_shared = THREADS * 8;
     match op {
         Op::Moments => vec![elementwise("adam_moments", p)],
         Op::TrustRatio => {
@@ -118,16 +118,38 @@ fn check_lengths(op: Op, n: usize, out: usize, operands: &[usize]) -> Result<()>
     Ok(())
 }
 
-/// `[m | v]` ← the new moments, in place, from the gradient (`moments.inplace_op2(g, ..)`).
-pub(super) struct UpdateMoments(pub OptimParams);
+/// One of the update's ops on the buffer it rewrites in place:
+/// - [`Update::moments`]: `[m | v]` from the gradient (`mv.inplace_op2(g, ..)`);
+/// - [`Update::trust_ratio`]: LAMB's partial sums and trust ratio from the parameter and the new
+///   moments (`partials.inplace_op3(w, mv, ..)`);
+/// - [`Update::apply`]: the parameter from the moments and the ratio buffer
+///   (`w.inplace_op3(mv, partials, ..)`; AdamW ignores the ratio).
+pub(super) struct Update {
+    op: Op,
+    params: OptimParams,
+}
 
-/// The partial-sum buffer ← LAMB's norms and trust ratio, in place, from the parameter and the
-/// new moments (`partials.inplace_op3(w, mv, ..)`).
-pub(super) struct TrustRatio(pub OptimParams);
+impl Update {
+    pub fn moments(params: OptimParams) -> Self {
+        Update { op: Op::Moments, params }
+    }
 
-/// The parameter ← its update, in place, from the moments and the ratio buffer
-/// (`w.inplace_op3(mv, partials, ..)`; AdamW ignores the ratio).
-pub(super) struct Apply(pub OptimParams);
+    pub fn trust_ratio(params: OptimParams) -> Self {
+        Update { op: Op::TrustRatio, params }
+    }
+
+    pub fn apply(params: OptimParams) -> Self {
+        Update { op: Op::Apply, params }
+    }
+
+    fn op_name(&self) -> &'static str {
+        match self.op {
+            Op::Moments => "adam-moments",
+            Op::TrustRatio => "lamb-trust-ratio",
+            Op::Apply => "adam-apply",
+        }
+    }
+}
 
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     match (s, l.contiguous_offsets()) {
@@ -162,28 +184,28 @@ fn on_host(op: Op, p: &OptimParams, out: &mut [f32], [a, b]: [Option<&[f32]>; 2]
     }
 }
 
-impl InplaceOp2 for UpdateMoments {
+impl InplaceOp2 for Update {
     fn name(&self) -> &'static str {
-        "adam-moments"
+        self.op_name()
     }
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<()> {
-        on_host(Op::Moments, &self.0, f32_slice_mut(s1, l1)?, [Some(f32_slice(s2, l2)?), None])
+        on_host(self.op, &self.params, f32_slice_mut(s1, l1)?, [Some(f32_slice(s2, l2)?), None])
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s1: &mut candle_core::CudaStorage, l1: &Layout, s2: &candle_core::CudaStorage, l2: &Layout) -> Result<()> {
-        cuda::run(Op::Moments, &self.0, (s1, l1), [(s2, l2)])
+        cuda::run(self.op, &self.params, (s1, l1), [(s2, l2)])
     }
 }
 
-impl InplaceOp3 for TrustRatio {
+impl InplaceOp3 for Update {
     fn name(&self) -> &'static str {
-        "lamb-trust-ratio"
+        self.op_name()
     }
 
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
-        on_host(Op::TrustRatio, &self.0, f32_slice_mut(s1, l1)?, [Some(f32_slice(s2, l2)?), Some(f32_slice(s3, l3)?)])
+        on_host(self.op, &self.params, f32_slice_mut(s1, l1)?, [Some(f32_slice(s2, l2)?), Some(f32_slice(s3, l3)?)])
     }
 
     #[cfg(feature = "cuda")]
@@ -196,30 +218,7 @@ impl InplaceOp3 for TrustRatio {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<()> {
-        cuda::run(Op::TrustRatio, &self.0, (s1, l1), [(s2, l2), (s3, l3)])
-    }
-}
-
-impl InplaceOp3 for Apply {
-    fn name(&self) -> &'static str {
-        "adam-apply"
-    }
-
-    fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> Result<()> {
-        on_host(Op::Apply, &self.0, f32_slice_mut(s1, l1)?, [Some(f32_slice(s2, l2)?), Some(f32_slice(s3, l3)?)])
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        s1: &mut candle_core::CudaStorage,
-        l1: &Layout,
-        s2: &candle_core::CudaStorage,
-        l2: &Layout,
-        s3: &candle_core::CudaStorage,
-        l3: &Layout,
-    ) -> Result<()> {
-        cuda::run(Op::Apply, &self.0, (s1, l1), [(s2, l2), (s3, l3)])
+        cuda::run(self.op, &self.params, (s1, l1), [(s2, l2), (s3, l3)])
     }
 }
 
