@@ -473,7 +473,7 @@ impl EfficientNet {
             let f = candle_core::DType::F32;
             x.to_dtype(f)?.conv2d(&self.stem.to_dtype(f)?, 0, 2, 1, 1)?.to_dtype(x.dtype())?
         } else {
-            x.conv2d(&self.stem, 0, 2, 1, 1)?
+            super::ops::dense_conv::conv2d_untracked(&x, &self.stem, 2)?
         };
         let mut x = self.stem_bn.forward_act(&stem, ctx, true)?;
         for b in &self.blocks {

@@ -8,6 +8,7 @@ pub mod bias;
 pub mod channel;
 pub mod check;
 pub mod conv_norm;
+pub mod dense_conv;
 pub mod depthwise;
 pub mod fast_math;
 // Without the `cuda` feature, only the tests run its programs (on the host emulation).

@@ -1,0 +1,214 @@
+//! A dense (one-group) convolution of an input that needs no gradient, as im2col + gemm per
+//! image: EfficientNet's stem (3 → 32+ channels, 3×3, stride 2) on the images.
+//!
+//! candle 0.11 convolves on the CPU with a direct loop, and its backward pass also computes the
+//! images' gradient (a transposed convolution) that nothing uses. Here each image's patches are
+//! unfolded into a `[c·k·k, ho·wo]` matrix on its thread and multiplied by the weight, and the
+//! backward pass computes only the weight's gradient, per run of images on each thread as the
+//! 1×1 convolution does.
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::linear::add_assign;
+use super::matmul::{gemm_serial, Dims as Product, Mat};
+use super::{float_dispatch2, output_buffer, Float};
+
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    out: usize,
+    k: usize,
+    stride: usize,
+    ho: usize,
+    wo: usize,
+}
+
+impl Geometry {
+    fn new(x: &[usize], w: &[usize], stride: usize) -> Result<Self> {
+        match (x, w) {
+            ([n, c, h, wd], [out, wc, k, k2]) if c == wc && k == k2 && stride > 0 && h >= k && wd >= k => {
+                Ok(Geometry { n: *n, c: *c, h: *h, w: *wd, out: *out, k: *k, stride, ho: (h - k) / stride + 1, wo: (wd - k) / stride + 1 })
+            }
+            _ => candle_core::bail!("dense convolution: input {x:?}, weight {w:?} and stride {stride} do not fit"),
+        }
+    }
+
+    /// Rows of the unfolded patches: `c·k·k`.
+    fn patch(&self) -> usize {
+        self.c * self.k * self.k
+    }
+
+    fn pixels(&self) -> usize {
+        self.ho * self.wo
+    }
+
+    /// One image's patches as `[c·k·k, ho·wo]`, row `(ci·k + ky)·k + kx`.
+    fn unfold<T: Float>(&self, x: &[T], cols: &mut [T]) {
+        let p = self.pixels();
+        for ci in 0..self.c {
+            let plane = &x[ci * self.h * self.w..(ci + 1) * self.h * self.w];
+            for ky in 0..self.k {
+                for kx in 0..self.k {
+                    let row = &mut cols[((ci * self.k + ky) * self.k + kx) * p..][..p];
+                    for (oy, dst) in row.chunks_exact_mut(self.wo).enumerate() {
+                        let src = &plane[(oy * self.stride + ky) * self.w + kx..];
+                        for (ox, d) in dst.iter_mut().enumerate() {
+                            *d = src[ox * self.stride];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct Forward {
+    stride: usize,
+}
+
+fn forward<T: Float>(g: Geometry, x: &[T], w: &[T]) -> Vec<T> {
+    let (kk, p) = (g.patch(), g.pixels());
+    // SAFETY: each image's product overwrites its own block.
+    let mut y = unsafe { output_buffer::<T>(g.n * g.out * p) };
+    y.par_chunks_mut(g.out * p).zip(x.par_chunks(g.c * g.h * g.w)).for_each(|(yn, xn)| {
+        // SAFETY: `unfold` writes every element of the patch matrix.
+        let mut cols = unsafe { output_buffer::<T>(kk * p) };
+        g.unfold(xn, &mut cols);
+        gemm_serial(yn, p, Product { m: g.out, n: p, k: kk }, Mat::rows(w, 0, kk), Mat::rows(&cols, 0, p), false);
+    });
+    y
+}
+
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        "dense-conv2d"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/dense-conv");
+        let g = Geometry::new(l1.dims(), l2.dims(), self.stride)?;
+        let out = float_dispatch2!(s1, l1, s2, l2, "dense convolution", |x, w| forward(g, x, w));
+        Ok((out, Shape::from((g.n, g.out, g.ho, g.wo))))
+    }
+
+    /// Only the weight's gradient: [`conv2d_untracked`] takes inputs that need none.
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dw = x.apply_op2_no_bwd(&grad.contiguous()?, &GradWeight { stride: self.stride, weight: w.dims().to_vec() })?;
+        Ok((None, Some(dw)))
+    }
+}
+
+/// `dW = Σ_n dy[n]·cols[n]ᵀ`. Arguments: the input and the output gradient.
+struct GradWeight {
+    stride: usize,
+    weight: Vec<usize>,
+}
+
+/// The images split into one run per thread, each run accumulating its own partial `dW`
+/// (`out × c·k·k`, small) over its images' long sums (`k = ho·wo`), the partials added at the end.
+fn grad_weight<T: Float>(g: Geometry, x: &[T], dy: &[T]) -> Vec<T> {
+    let (kk, p) = (g.patch(), g.pixels());
+    if g.n == 0 {
+        return vec![T::default(); g.out * kk];
+    }
+    let per = g.n.div_ceil(rayon::current_num_threads().clamp(1, g.n));
+    let parts = g.n.div_ceil(per);
+    // SAFETY: every part has at least one image, whose product overwrites its buffer before the
+    // others accumulate.
+    let mut partial: Vec<Vec<T>> = (0..parts).map(|_| unsafe { output_buffer::<T>(g.out * kk) }).collect();
+    partial.par_iter_mut().enumerate().for_each(|(i, dw)| {
+        // SAFETY: `unfold` writes every element before the product reads it.
+        let mut cols = unsafe { output_buffer::<T>(kk * p) };
+        for (j, img) in (i * per..((i + 1) * per).min(g.n)).enumerate() {
+            g.unfold(&x[img * g.c * g.h * g.w..][..g.c * g.h * g.w], &mut cols);
+            let dyn_ = &dy[img * g.out * p..][..g.out * p];
+            gemm_serial(dw, kk, Product { m: g.out, n: kk, k: p }, Mat::rows(dyn_, 0, p), Mat::transposed(&cols, 0, p), j > 0);
+        }
+    });
+    let mut dw = partial.swap_remove(0);
+    for part in &partial {
+        add_assign(&mut dw, part);
+    }
+    dw
+}
+
+impl CustomOp2 for GradWeight {
+    fn name(&self) -> &'static str {
+        "dense-conv2d-grad-weight"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let _profile = crate::util::profile::region("op/dense-conv-grad");
+        let g = Geometry::new(l1.dims(), &self.weight, self.stride)?;
+        if l2.dims() != [g.n, g.out, g.ho, g.wo] {
+            candle_core::bail!("dense convolution backward: gradient {:?} for output {:?}", l2.dims(), [g.n, g.out, g.ho, g.wo]);
+        }
+        let out = float_dispatch2!(s1, l1, s2, l2, "dense convolution backward", |x, dy| grad_weight(g, x, dy));
+        Ok((out, Shape::from(self.weight.clone())))
+    }
+}
+
+/// `x` (`[N, C, H, W]`, no padding added) convolved with `w` (`[O, C, k, k]`) at `stride`, as
+/// candle's `conv2d(w, 0, stride, 1, 1)` computes it; differentiable in `w` only. Where the op
+/// does not apply (an input that needs its gradient, other devices or dtypes) it is candle's.
+pub fn conv2d_untracked(x: &Tensor, w: &Tensor, stride: usize) -> Result<Tensor> {
+    if x.track_op() || !super::fusable(x, &[w]) {
+        return x.conv2d(w, 0, stride, 1, 1);
+    }
+    x.contiguous()?.apply_op2(&w.contiguous()?, Forward { stride })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{check_fd, max_abs, max_diff};
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    #[test]
+    fn matches_candles_convolution_forward_and_in_the_weight_gradient() {
+        let dev = Device::Cpu;
+        // The stem's shape at a small size (odd sides cut so the stride tiles them), a 5×5
+        // kernel at stride 1, and more images than threads so runs hold several.
+        for (n, c, h, w, out, k, stride) in [(5, 3, 17, 15, 8, 3, 2), (3, 2, 9, 10, 4, 5, 1)] {
+            for dtype in [DType::F64, DType::F32] {
+                let x = crate::util::rng::randn(230, 0.0, 1.0, (n, c, h, w), dtype, &dev).unwrap();
+                let wv = Var::from_tensor(&crate::util::rng::randn(231, 0.0, 0.5, (out, c, k, k), dtype, &dev).unwrap()).unwrap();
+                let ours = conv2d_untracked(&x, &wv, stride).unwrap();
+                let reference = x.conv2d(wv.as_tensor(), 0, stride, 1, 1).unwrap();
+                let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+                assert!(max_diff(&ours, &reference) < tol * max_abs(&reference), "{dtype:?} k{k}");
+                let up = crate::util::rng::randn(232, 0.0, 1.0, ours.dims(), dtype, &dev).unwrap();
+                let g1 = (ours * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (reference * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let (a, b) = (g1.get(wv.as_tensor()).unwrap(), g2.get(wv.as_tensor()).unwrap());
+                assert!(max_diff(a, b) < tol * max_abs(b), "{dtype:?} k{k}: {}", max_diff(a, b) / max_abs(b));
+            }
+        }
+    }
+
+    #[test]
+    fn the_weight_gradient_matches_finite_differences() {
+        let dev = Device::Cpu;
+        let x = crate::util::rng::randn(233, 0.0, 1.0, (2, 2, 7, 7), DType::F64, &dev).unwrap();
+        let w0 = crate::util::rng::randn(234, 0.0, 0.5, (3, 2, 3, 3), DType::F64, &dev).unwrap();
+        let up = crate::util::rng::randn(235, 0.0, 1.0, (2, 3, 3, 3), DType::F64, &dev).unwrap();
+        let loss = |w: &Tensor| (conv2d_untracked(&x, w, 2).unwrap() * &up).unwrap().sum_all().unwrap();
+        let wv = Var::from_tensor(&w0).unwrap();
+        let grads = loss(wv.as_tensor()).backward().unwrap();
+        let all: Vec<usize> = (0..54).collect();
+        assert!(check_fd(|t| loss(t).to_scalar::<f64>().unwrap(), &w0, grads.get(wv.as_tensor()).unwrap(), &all) < 1e-7);
+    }
+
+    #[test]
+    fn a_tracked_input_keeps_candles_convolution_and_its_gradient() {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&crate::util::rng::randn(236, 0.0, 1.0, (1, 2, 5, 5), DType::F64, &dev).unwrap()).unwrap();
+        let w = crate::util::rng::randn(237, 0.0, 0.5, (2, 2, 3, 3), DType::F64, &dev).unwrap();
+        let grads = conv2d_untracked(x.as_tensor(), &w, 1).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(x.as_tensor()).is_some());
+    }
+}
