@@ -468,10 +468,10 @@ impl EfficientNet {
         let wo = (w + 1 - 3) / 2 + 1;
         let x = images.pad_with_zeros(2, 0, 1)?.pad_with_zeros(3, 0, 1)?;
         let x = x.narrow(2, 0, 2 * (ho - 1) + 3)?.narrow(3, 0, 2 * (wo - 1) + 3)?;
-        // candle's CPU convolution has no bf16 kernel: there the stem runs in f32.
+        // The CPU has no bf16 convolution kernel: there the stem runs in f32.
         let stem = if x.device().is_cpu() && matches!(x.dtype(), candle_core::DType::BF16 | candle_core::DType::F16) {
             let f = candle_core::DType::F32;
-            x.to_dtype(f)?.conv2d(&self.stem.to_dtype(f)?, 0, 2, 1, 1)?.to_dtype(x.dtype())?
+            super::ops::dense_conv::conv2d_untracked(&x.to_dtype(f)?, &self.stem.to_dtype(f)?, 2)?.to_dtype(x.dtype())?
         } else {
             super::ops::dense_conv::conv2d_untracked(&x, &self.stem, 2)?
         };

@@ -108,17 +108,20 @@ fn relative_error(a: &Tensor, b: &Tensor) -> Result<f64> {
     Ok(if diff.is_nan() { f64::INFINITY } else { diff / scale })
 }
 
-/// `f` of `inputs` as variables, and the gradients of `Σ f·up` with respect to each.
-fn run(f: &OpFn, inputs: &[Tensor], up: &Tensor) -> Result<(Tensor, Vec<Tensor>)> {
+/// `f` of `inputs` as variables: the variables and the output.
+fn forward(f: &OpFn, inputs: &[Tensor]) -> Result<(Vec<Var>, Tensor)> {
     let vars = inputs.iter().map(Var::from_tensor).collect::<Result<Vec<_>>>()?;
     let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let y = f(&tensors)?;
-    let grads = (&y * up)?.sum_all()?.backward()?;
-    let g = vars
-        .iter()
+    Ok((vars, y))
+}
+
+/// The gradients of `Σ y·up` with respect to each variable.
+fn gradients(vars: &[Var], y: &Tensor, up: &Tensor) -> Result<Vec<Tensor>> {
+    let grads = (y * up)?.sum_all()?.backward()?;
+    vars.iter()
         .map(|v| grads.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("an input got no gradient".into())))
-        .collect::<Result<Vec<_>>>()?;
-    Ok((y, g))
+        .collect()
 }
 
 fn check_case(case: &Case, device: &Device, reps: usize, seed: u64) -> Result<OpCheck> {
@@ -129,13 +132,14 @@ fn check_case(case: &Case, device: &Device, reps: usize, seed: u64) -> Result<Op
         .enumerate()
         .map(|(i, (shape, mean, sd))| crate::util::rng::randn(seed + i as u64, *mean, *sd, shape.as_slice(), DType::F64, &cpu))
         .collect::<Result<_>>()?;
-    let out_dims = (case.f)(&reference)?.dims().to_vec();
-    let up_ref = crate::util::rng::randn(seed + 100, 0.0, 1.0, out_dims.as_slice(), DType::F64, &cpu)?;
-    let (y_ref, g_ref) = run(&case.f, &reference, &up_ref)?;
+    let (vars, y_ref) = forward(&case.f, &reference)?;
+    let up_ref = crate::util::rng::randn(seed + 100, 0.0, 1.0, y_ref.dims(), DType::F64, &cpu)?;
+    let g_ref = gradients(&vars, &y_ref, &up_ref)?;
     let on_device = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(device);
     let inputs = reference.iter().map(on_device).collect::<Result<Vec<_>>>()?;
     let up = on_device(&up_ref)?;
-    let (y, g) = run(&case.f, &inputs, &up)?;
+    let (vars, y) = forward(&case.f, &inputs)?;
+    let g = gradients(&vars, &y, &up)?;
     let forward_error = relative_error(&y, &y_ref)?;
     let mut backward_error = 0.0f64;
     for (a, b) in g.iter().zip(&g_ref) {
@@ -144,7 +148,8 @@ fn check_case(case: &Case, device: &Device, reps: usize, seed: u64) -> Result<Op
     device.synchronize()?;
     let start = Instant::now();
     for _ in 0..reps {
-        run(&case.f, &inputs, &up)?;
+        let (vars, y) = forward(&case.f, &inputs)?;
+        gradients(&vars, &y, &up)?;
     }
     device.synchronize()?;
     let ms_per_call = start.elapsed().as_secs_f64() * 1e3 / reps.max(1) as f64;

@@ -10,7 +10,7 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::linear::add_assign;
+use super::linear::sum_over_image_runs;
 use super::matmul::{gemm_serial, Dims as Product, Mat};
 use super::{float_dispatch2, output_buffer, Float};
 
@@ -109,31 +109,17 @@ struct GradWeight {
 }
 
 /// The images split into one run per thread, each run accumulating its own partial `dW`
-/// (`out × c·k·k`, small) over its images' long sums (`k = ho·wo`), the partials added at the end.
+/// (`out × c·k·k`, small) over its images' long sums (`k = ho·wo`), with its own patch matrix
+/// (`linear::sum_over_image_runs`).
 fn grad_weight<T: Float>(g: Geometry, x: &[T], dy: &[T]) -> Vec<T> {
     let (kk, p) = (g.patch(), g.pixels());
-    if g.n == 0 {
-        return vec![T::default(); g.out * kk];
-    }
-    let per = g.n.div_ceil(rayon::current_num_threads().clamp(1, g.n));
-    let parts = g.n.div_ceil(per);
-    // SAFETY: every part has at least one image, whose product overwrites its buffer before the
-    // others accumulate.
-    let mut partial: Vec<Vec<T>> = (0..parts).map(|_| unsafe { output_buffer::<T>(g.out * kk) }).collect();
-    partial.par_iter_mut().enumerate().for_each(|(i, dw)| {
-        // SAFETY: `unfold` writes every element before the product reads it.
-        let mut cols = unsafe { output_buffer::<T>(kk * p) };
-        for (j, img) in (i * per..((i + 1) * per).min(g.n)).enumerate() {
-            g.unfold(&x[img * g.c * g.h * g.w..][..g.c * g.h * g.w], &mut cols);
-            let dyn_ = &dy[img * g.out * p..][..g.out * p];
-            gemm_serial(dw, kk, Product { m: g.out, n: kk, k: p }, Mat::rows(dyn_, 0, p), Mat::transposed(&cols, 0, p), j > 0);
-        }
-    });
-    let mut dw = partial.swap_remove(0);
-    for part in &partial {
-        add_assign(&mut dw, part);
-    }
-    dw
+    // SAFETY: `unfold` writes every element of a run's patch matrix before the product reads it.
+    let cols = || unsafe { output_buffer::<T>(kk * p) };
+    sum_over_image_runs(g.n, g.out * kk, cols, |dw, cols, img, accumulate| {
+        g.unfold(&x[img * g.c * g.h * g.w..][..g.c * g.h * g.w], cols);
+        let dyn_ = &dy[img * g.out * p..][..g.out * p];
+        gemm_serial(dw, kk, Product { m: g.out, n: kk, k: p }, Mat::rows(dyn_, 0, p), Mat::transposed(cols, 0, p), accumulate);
+    })
 }
 
 impl CustomOp2 for GradWeight {

@@ -183,6 +183,39 @@ pub(super) fn sum_into<T: Float>(dst: &mut [T], a: &[T], b: &[T]) {
     });
 }
 
+/// `Σ_img` of one `len`-element product per image, for weight gradients whose product per image
+/// is small (`out × c`) with a long sum (`h·w`): gemm would split only the small output across
+/// threads and synchronise them for every image. Here the `n` images are split into one run per
+/// thread, each run accumulating its own partial on its thread, and the partials are added at the
+/// end. `each(dst, scratch, img, accumulate)` writes (or with `accumulate`, adds) image `img`'s
+/// product into `dst`; `scratch()` makes a run's own work buffer.
+pub(super) fn sum_over_image_runs<T: Float, S>(
+    n: usize,
+    len: usize,
+    scratch: impl Fn() -> S + Sync,
+    each: impl Fn(&mut [T], &mut S, usize, bool) + Sync,
+) -> Vec<T> {
+    if n == 0 {
+        return vec![T::default(); len];
+    }
+    let per = n.div_ceil(rayon::current_num_threads().clamp(1, n));
+    let parts = n.div_ceil(per);
+    // SAFETY: every part has at least one image (parts = ⌈n / per⌉), whose product overwrites
+    // its buffer before the others accumulate.
+    let mut partial: Vec<Vec<T>> = (0..parts).map(|_| unsafe { output_buffer::<T>(len) }).collect();
+    partial.par_iter_mut().enumerate().for_each(|(i, dst)| {
+        let mut work = scratch();
+        for (j, img) in (i * per..((i + 1) * per).min(n)).enumerate() {
+            each(dst, &mut work, img, j > 0);
+        }
+    });
+    let mut sum = partial.swap_remove(0);
+    for p in &partial {
+        add_assign(&mut sum, p);
+    }
+    sum
+}
+
 /// `a += b` element by element, in parallel chunks.
 pub(super) fn add_assign<T: Float>(a: &mut [T], b: &[T]) {
     a.par_chunks_mut(16 * 1024).zip(b.par_chunks(16 * 1024)).for_each(|(a, b)| {

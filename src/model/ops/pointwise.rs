@@ -7,9 +7,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
-use rayon::prelude::*;
-
-use super::linear::add_assign;
+use super::linear::sum_over_image_runs;
 use super::matmul::{gemm_into, gemm_serial, Dims as Product, Mat};
 use super::{float_dispatch2, output_buffer, Float};
 
@@ -127,30 +125,18 @@ impl CustomOp2 for GradWeight {
 }
 
 /// `dW = Σ_n dy[n]·x[n]ᵀ`, the images split into one run per thread, each accumulating its own
-/// partial `dW` on its thread, the partials added at the end. The product per image is small
-/// (`out × c`, often under 100×100) with a long sum (k = h·w): gemm splits only the output across
-/// threads and synchronises them for every image.
+/// partial `dW` on its thread, the partials added at the end (`linear::sum_over_image_runs`).
 fn grad_weight<T: Float>(d: Dims, x: &[T], dy: &[T]) -> Vec<T> {
-    if d.n == 0 {
-        return vec![T::default(); d.out * d.c];
-    }
     let product = Product { m: d.out, n: d.c, k: d.hw };
-    let per = d.n.div_ceil(rayon::current_num_threads().clamp(1, d.n));
-    let parts = d.n.div_ceil(per);
-    // SAFETY: every part has at least one image (parts = ⌈n / per⌉), whose product overwrites
-    // its buffer before the others accumulate.
-    let mut partial: Vec<Vec<T>> = (0..parts).map(|_| unsafe { output_buffer::<T>(d.out * d.c) }).collect();
-    partial.par_iter_mut().enumerate().for_each(|(i, dw)| {
-        for (j, img) in (i * per..((i + 1) * per).min(d.n)).enumerate() {
+    sum_over_image_runs(
+        d.n,
+        d.out * d.c,
+        || (),
+        |dw, _, img, accumulate| {
             let (xn, dyn_) = (&x[img * d.c * d.hw..], &dy[img * d.out * d.hw..]);
-            gemm_serial(dw, d.c, product, Mat::rows(dyn_, 0, d.hw), Mat::transposed(xn, 0, d.hw), j > 0);
-        }
-    });
-    let mut dw = partial.swap_remove(0);
-    for p in &partial {
-        add_assign(&mut dw, p);
-    }
-    dw
+            gemm_serial(dw, d.c, product, Mat::rows(dyn_, 0, d.hw), Mat::transposed(xn, 0, d.hw), accumulate);
+        },
+    )
 }
 
 /// 1×1 convolution without bias: `x` `[N, C, H, W]`, `w` `[O, C, 1, 1]` → `[N, O, H, W]`.
