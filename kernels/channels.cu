@@ -1,7 +1,7 @@
 // Per-channel ops of the convolutional towers on NCHW tensors, for align's candle ops
-// (src/model/ops/channel.rs): batch moments, BatchNorm (+ SiLU) and its backward, channel
-// scaling (squeeze-and-excitation), per-plane dot products and means, and the per-sample scaled
-// residual of stochastic depth. One signature for all, as in rows.cu:
+// (src/ops/kernels/, planned by src/ops/gpu/channels.rs): batch moments, BatchNorm (+ SiLU) and
+// its backward, channel scaling (squeeze-and-excitation), per-plane dot products and means, and
+// the per-sample scaled residual of stochastic depth. One signature for all, as in rows.cu:
 //
 //   kernel(a, b, c, aux, out, params)
 //

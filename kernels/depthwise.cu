@@ -1,5 +1,5 @@
 // Depthwise 2-D convolution on NCHW tensors, forward and both gradients, for align's
-// `depthwise-conv2d` candle op (src/model/ops/depthwise.rs). Explicit per-side padding, any
+// `depthwise-conv2d` candle op (src/ops/kernels/depthwise.rs). Explicit per-side padding, any
 // square kernel, any stride. Every output element is computed by one thread in a fixed order,
 // so results are deterministic (no atomics).
 
@@ -93,16 +93,20 @@ __device__ void grad_kernel(const T* x, const T* grad, T* dk, Geometry g) {
     if (threadIdx.x == 0) dk[weight] = partial[0];
 }
 
-#define INSTANTIATE(T, SUFFIX)                                                                       \
-    extern "C" __global__ void depthwise_fwd_##SUFFIX(const T* x, const T* k, T* out, Geometry g) {     \
-        forward<T>(x, k, out, g);                                                                    \
-    }                                                                                                \
-    extern "C" __global__ void depthwise_grad_input_##SUFFIX(const T* gr, const T* k, T* dx, Geometry g) { \
-        grad_input<T>(gr, k, dx, g);                                                                 \
-    }                                                                                                \
-    extern "C" __global__ void depthwise_grad_kernel_##SUFFIX(const T* x, const T* gr, T* dk, Geometry g) { \
-        grad_kernel<T>(x, gr, dk, g);                                                                \
+// Every kernel file's kernels take (a, b, c, side, out, params); depthwise reads two operands
+// and no side buffer.
+#define DEPTHWISE_KERNEL(NAME, T, SUFFIX, CALL)                                                            \
+    extern "C" __global__ void NAME##_##SUFFIX(const T* a, const T* b, const T* c, const double* aux, T* out,  \
+                                               Geometry g) {                                                  \
+        (void)c, (void)aux;                                                                                    \
+        CALL;                                                                                                  \
     }
 
-INSTANTIATE(float, f32)
-INSTANTIATE(double, f64)
+// The kernels by name, for instantiation here and for the host emulation's table.
+#define DEPTHWISE_KERNELS(X, T, SUFFIX)                                   \
+    X(depthwise_fwd, T, SUFFIX, forward<T>(a, b, out, g))                 \
+    X(depthwise_grad_input, T, SUFFIX, grad_input<T>(a, b, out, g))       \
+    X(depthwise_grad_kernel, T, SUFFIX, grad_kernel<T>(a, b, out, g))
+
+DEPTHWISE_KERNELS(DEPTHWISE_KERNEL, float, f32)
+DEPTHWISE_KERNELS(DEPTHWISE_KERNEL, double, f64)

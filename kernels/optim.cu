@@ -1,5 +1,6 @@
 // AdamW and LAMB updating one f32 parameter and its moments in place, for align's optimizer
-// (src/train/optim_kernels.rs), with the formulas of its CPU update:
+// (src/train/optim/kernels.rs, planned by src/ops/gpu/optim.rs), with the formulas of its CPU
+// update:
 //   m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2   (g already scaled by the clip factor)
 //   u = m / bc1 / (sqrt(v / bc2) + eps) + wd w,  w <- w - lr * ratio * u
 // with ratio = |w| / |u| for LAMB (1 when either norm is 0) and 1 for AdamW. The moments live in

@@ -1,4 +1,5 @@
-// Row-wise ops of the transformer towers for align's candle ops (src/model/ops/row_kernels.rs):
+// Row-wise ops of the transformer towers for align's candle ops (src/ops/kernels/, planned by
+// src/ops/gpu/rows.rs):
 // LayerNorm and its gradients, the scaled and masked softmax and its gradient, bias + GELU and
 // its gradient, and column sums. Every kernel has the same signature, so that one launcher (and
 // the host emulation the tests run, kernels/host/) serves them all:

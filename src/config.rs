@@ -8,14 +8,12 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::data::transform::ImageConfig;
-use crate::model::config::{
+use crate::model::dual_encoder::{ImageSpec, ModelSpec};
+use crate::model::efficientnet::EfficientNetConfig;
+use crate::model::presets::{
     BertConfig, BertOverrides, EfficientNetOverrides, TemperatureKind, TextPooling, VitConfig, VitOverrides, BERT_PRESETS,
     EFFICIENTNET_PRESETS, VIT_PRESETS,
 };
-use crate::model::dual_encoder::{ImageSpec, ModelSpec};
-use crate::model::efficientnet::EfficientNetConfig;
-use crate::train::optim::OptimizerConfig;
-use crate::train::schedule::ScheduleKind;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -25,6 +23,7 @@ pub struct Config {
     pub text: TextConfig,
     pub model: ModelConfig,
     pub loss: LossConfig,
+    /// ALIGN §5: LAMB with weight decay ratio 1e-5 (the defaults of [`OptimizerConfig`]).
     pub optimizer: OptimizerConfig,
     pub train: TrainConfig,
     pub eval: EvalConfig,
@@ -64,6 +63,9 @@ pub struct DataConfig {
     /// How much the loader threads lower their scheduling priority (Linux nice, 0-19): they
     /// then use the cycles compute leaves idle without delaying a step.
     pub worker_nice: i32,
+    /// Decoding and augmentation. The defaults (`data::transform::ImageConfig`) are ALIGN §5's:
+    /// a square resize, a random crop with horizontal flip for training, the central crop for
+    /// evaluation, at the same size for every EfficientNet variant.
     pub image: ImageConfig,
 }
 
@@ -86,12 +88,13 @@ impl Default for DataConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct TextConfig {
     /// A `tokenizer.json`; when empty or missing, a WordPiece vocabulary is trained on the
-    /// training captions (ALIGN §4) and saved with the run.
+    /// training captions (ALIGN §4.1 builds its own from its training data) and saved with the run.
     pub tokenizer: PathBuf,
-    /// Tokens per caption including [CLS] and [SEP] (ALIGN: 64).
+    /// Tokens per caption including [CLS] and [SEP]. ALIGN §5: 64 wordpieces, its alt-texts
+    /// having at most 20 unigrams.
     pub max_len: usize,
     pub lowercase: bool,
-    /// Size of a vocabulary trained from the captions (ALIGN: 100k).
+    /// Size of a vocabulary trained from the captions. ALIGN §4.1: 100k wordpieces.
     pub vocab_size: usize,
     /// Captions read to train the vocabulary (0 = all).
     pub vocab_samples: usize,
@@ -106,18 +109,29 @@ impl Default for TextConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
-    /// `efficientnet-b0` … `efficientnet-b7`, `efficientnet-l2` (ALIGN), or `vit-ti16`, `vit-s16`,
-    /// `vit-b32`, `vit-b16`, `vit-l14`, or `vit` with sizes in `[model.vit]`.
+    /// `efficientnet-b0` … `efficientnet-b7`, `efficientnet-l2`, or `vit-ti16`, `vit-s16`,
+    /// `vit-b32`, `vit-b16`, `vit-l14`, or `vit` with sizes in `[model.vit]`. ALIGN §4.1: an
+    /// EfficientNet with global pooling; `efficientnet-b7` is ALIGN's 640-d model (§6.1, Table 9;
+    /// Hugging Face's `kakaobrain/align-base`). The results of §5 use `efficientnet-l2`
+    /// (`configs/align-l2-bert-large.toml`).
     pub image_tower: String,
-    /// `bert-tiny` … `bert-large`, or `bert` with sizes in `[model.bert]`.
+    /// `bert-tiny` … `bert-large`, or `bert` with sizes in `[model.bert]`. ALIGN §4.1 and §6.2:
+    /// `bert-base`, trained from scratch.
     pub text_tower: String,
-    /// Shared embedding size (ALIGN: 640).
+    /// Size of the shared embedding space. ALIGN §6.1: 640, the width of EfficientNet-B7's pooled
+    /// feature, to which the ablations project the other towers (Table 8's baseline included);
+    /// it grows with the image tower, 1376 for L2.
     pub embed_dim: usize,
-    /// Project image features to `embed_dim` (off requires tower width == embed_dim).
+    /// A linear layer from the image tower's feature to `embed_dim`. ALIGN §4.1: none, the
+    /// EfficientNet's globally pooled feature is the image embedding; §6.1's ablations add one to
+    /// towers narrower or wider than B7. Off requires the tower's width to equal `embed_dim`.
     pub image_projection: bool,
+    /// ALIGN §4.1: BERT's [CLS] state, then a linear layer to `embed_dim` (always present).
     pub text_pooling: TextPooling,
+    /// ALIGN §4.1: logits are cosine similarities divided by a learned σ, one σ for both
+    /// directions.
     pub temperature: TemperatureKind,
-    /// σ at initialisation: ALIGN 1.0; CLIP 0.07.
+    /// σ at initialisation. ALIGN §5: 1.0 (CLIP: 0.07).
     pub temperature_init: f64,
     pub vit: VitOverrides,
     pub efficientnet: EfficientNetOverrides,
@@ -135,10 +149,10 @@ pub struct ModelConfig {
 impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
-            image_tower: "vit-b16".into(),
+            image_tower: "efficientnet-b7".into(),
             text_tower: "bert-base".into(),
             embed_dim: 640,
-            image_projection: true,
+            image_projection: false,
             text_pooling: TextPooling::Cls,
             temperature: TemperatureKind::Align,
             temperature_init: 1.0,
@@ -155,7 +169,7 @@ impl Default for ModelConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LossConfig {
-    /// ALIGN: 0.1.
+    /// Label smoothing of both softmax losses. ALIGN §5: 0.1.
     pub label_smoothing: f64,
 }
 
@@ -168,16 +182,20 @@ impl Default for LossConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
-    /// Pairs per optimiser step over all ranks (ALIGN: 16384). Each micro-batch is
-    /// `batch_size / (world_size · accum_steps)`; negatives come from one micro-batch.
+    /// Pairs per optimiser step over all ranks; each pair's negatives are all other pairs of the
+    /// batch. ALIGN §5: 16384 (16 pairs on each of 1024 TPU cores). Each micro-batch is
+    /// `batch_size / (world_size · accum_steps)`.
     pub batch_size: usize,
+    /// Micro-batches per step; their embeddings are cached so that negatives still come from the
+    /// whole batch (GradCache).
     pub accum_steps: usize,
-    /// Optimiser steps in the run (ALIGN: 1.2M).
+    /// Optimiser steps in the run. ALIGN §5: 1.2M (about 12 epochs); §6.1's ablations: 1M.
     pub steps: u64,
-    /// Peak learning rate (ALIGN: 1e-3).
+    /// Peak learning rate. ALIGN §5: 1e-3.
     pub lr: f64,
-    /// ALIGN: 10k.
+    /// Steps of linear warm-up from zero. ALIGN §5: 10k.
     pub warmup_steps: u64,
+    /// Decay after the warm-up. ALIGN §5: linear, to zero at `steps`.
     pub schedule: ScheduleKind,
     pub log_every: u64,
     /// Save every N steps (and always at the end); 0 = only at the end.
@@ -220,12 +238,6 @@ impl Precision {
             Precision::F32 => candle_core::DType::F32,
             Precision::Bf16 => candle_core::DType::BF16,
         }
-    }
-}
-
-impl TrainConfig {
-    pub fn gather_options(&self) -> crate::train::gather::GatherOptions {
-        crate::train::gather::GatherOptions { gather_with_grad: self.gather_with_grad, local_loss: self.local_loss }
     }
 }
 
@@ -276,6 +288,57 @@ impl Default for EvalConfig {
             batch_size: 256,
         }
     }
+}
+
+/// The update rule (`optimizer.kind`): AdamW or LAMB (`train::optim`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    Adamw,
+    Lamb,
+}
+
+/// The optimiser (`[optimizer]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub kind: OptimizerKind,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// Clip gradients to this global L2 norm (0 disables).
+    pub grad_clip: f64,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig { kind: OptimizerKind::Lamb, beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 1e-5, grad_clip: 0.0 }
+    }
+}
+
+impl OptimizerConfig {
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+            return Err(format!("betas ({}, {}) must be in [0, 1)", self.beta1, self.beta2));
+        }
+        if self.eps <= 0.0 || self.weight_decay < 0.0 || self.grad_clip < 0.0 {
+            return Err("eps must be positive; weight_decay and grad_clip non-negative".into());
+        }
+        Ok(())
+    }
+}
+
+/// The learning-rate schedule after the warm-up (`train.schedule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleKind {
+    /// Linear warmup from zero, then linear decay to zero at the last step (ALIGN §5).
+    Linear,
+    /// Linear warmup, then half-cosine decay to zero (CLIP, open_clip).
+    Cosine,
+    /// Linear warmup, then constant.
+    Constant,
 }
 
 impl Config {
@@ -412,16 +475,32 @@ pub fn apply_override(table: &mut toml::Table, spec: &str) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// ALIGN §4.1 and §5, number by number.
     #[test]
-    fn defaults_are_alignss_recipe() {
+    fn defaults_are_aligns_recipe() {
         let c = Config::default();
+        assert_eq!((c.model.image_tower.as_str(), c.model.text_tower.as_str()), ("efficientnet-b7", "bert-base"));
+        assert!(!c.model.image_projection, "ALIGN embeds the EfficientNet's pooled feature unprojected");
         assert_eq!(c.model.embed_dim, 640);
+        assert_eq!((c.model.text_pooling, c.model.temperature), (TextPooling::Cls, TemperatureKind::Align));
         assert_eq!(c.model.temperature_init, 1.0);
         assert_eq!(c.loss.label_smoothing, 0.1);
-        assert_eq!(c.train.batch_size, 16384);
+        assert_eq!(toml::Value::try_from(c.optimizer.kind).unwrap().as_str(), Some("lamb"));
         assert_eq!(c.optimizer.weight_decay, 1e-5);
+        assert_eq!((c.train.lr, c.train.warmup_steps, c.train.schedule), (1e-3, 10_000, ScheduleKind::Linear));
+        assert_eq!((c.train.batch_size, c.train.steps), (16384, 1_200_000));
         assert_eq!((c.data.image.resize, c.data.image.image_size), (346, 289));
-        assert_eq!(c.text.max_len, 64);
+        assert_eq!((c.text.max_len, c.text.vocab_size), (64, 100_000));
+    }
+
+    #[test]
+    fn the_defaults_are_a_runnable_experiment() {
+        let c = Config::default();
+        c.validate().unwrap();
+        let spec = c.model_spec(100_000).unwrap();
+        assert!(matches!(spec.image, ImageSpec::EfficientNet(_)));
+        assert_eq!((spec.image.image_size(), spec.image.width(), spec.embed_dim), (289, 640, 640));
+        assert_eq!((spec.text.layers, spec.text.hidden, spec.text.vocab_size), (12, 768, 100_000));
     }
 
     #[test]
@@ -450,13 +529,70 @@ mod tests {
         assert!(err.contains("accum_steps"), "{err}");
     }
 
+    fn shipped_configs() -> Vec<PathBuf> {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+            .collect();
+        paths.sort();
+        paths
+    }
+
+    fn shipped(name: &str, overrides: &[String]) -> Config {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs").join(name);
+        Config::load(&path, overrides).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()))
+    }
+
+    /// Every experiment file describes a model that can be built: a config with `model.init` takes
+    /// its sizes from the checkpoint, but its `[model]` section must still be consistent.
     #[test]
-    fn the_shipped_configs_parse() {
-        for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/configs")).unwrap() {
-            let path = entry.unwrap().path();
-            if path.extension().is_some_and(|e| e == "toml") {
-                Config::load(&path, &[]).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+    fn the_shipped_configs_parse_and_build_a_model() {
+        let paths = shipped_configs();
+        assert!(paths.iter().any(|p| p.ends_with("align-b7-bert-base.toml")), "{paths:?}");
+        for path in paths {
+            let cfg = Config::load(&path, &[]).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+            cfg.model_spec(1000).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
+        }
+    }
+
+    /// The paper's recipe file only names the run and its data: every number of the recipe is the
+    /// default's.
+    #[test]
+    fn the_paper_recipe_file_is_the_defaults() {
+        let (c, d) = (shipped("align-b7-bert-base.toml", &[]), Config::default());
+        assert_eq!((&c.model, &c.loss, &c.optimizer, &c.text, &c.data.image), (&d.model, &d.loss, &d.optimizer, &d.text, &d.data.image));
+        let recipe = |t: &TrainConfig| (t.batch_size, t.accum_steps, t.steps, t.lr, t.warmup_steps, t.schedule, t.precision);
+        assert_eq!(recipe(&c.train), recipe(&d.train));
+    }
+
+    /// The towers and embedding sizes that the ablation files tell the user to set (ALIGN §6.1,
+    /// Figure 3 and Table 8) all build.
+    #[test]
+    fn the_ablation_overrides_build() {
+        let images = ["efficientnet-b1", "efficientnet-b3", "efficientnet-b5", "efficientnet-b7", "efficientnet-l2"];
+        let texts = ["bert-mini", "bert-medium", "bert-base", "bert-large"];
+        for image in images {
+            for text in texts {
+                // B7's feature is 640 wide already: §6.1 projects only the other towers.
+                let projection = image != "efficientnet-b7";
+                let set = [
+                    format!("model.image_tower={image:?}"),
+                    format!("model.text_tower={text:?}"),
+                    format!("model.image_projection={projection}"),
+                ];
+                let spec = shipped("ablation-b5-bert-base.toml", &set).model_spec(1000).unwrap();
+                assert_eq!((spec.embed_dim, spec.image_projection), (640, projection), "{image} + {text}");
             }
+        }
+        for dim in [320, 160, 80] {
+            let c = shipped("ablation-b5-bert-base.toml", &[format!("model.embed_dim={dim}")]);
+            assert_eq!(c.model_spec(1000).unwrap().embed_dim, dim);
+        }
+        for name in ["ablation-b3-bert-mini.toml", "ablation-b7-bert-base.toml"] {
+            let c = shipped(name, &["train.steps=100000".into()]);
+            assert_eq!(c.train.steps, 100_000);
+            c.model_spec(1000).unwrap();
         }
     }
 }

@@ -6,7 +6,9 @@
 pub mod config;
 pub mod data;
 pub mod eval;
+pub mod io;
 pub mod model;
+pub mod ops;
 pub mod plot;
 pub mod train;
 pub mod util;

@@ -4,13 +4,15 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use align::io::hf::align::export_hf_align;
+use align::io::hf::files::{load_prefixed, read_json, read_weights};
+use align::io::hf::layout::{bert_from_hf, vit_from_hf};
+use align::io::load::load_model;
+use align::io::tensors::read_tensors;
 use align::model::bert::Bert;
-use align::model::hf::{bert_from_hf, vit_from_hf};
 use align::model::init::SeededVars;
 use align::model::vit::Vit;
 use align::model::Ctx;
-use align::train::checkpoint::{load_model, read_tensors};
-use align::train::hf_io::{export_hf_align, load_prefixed, read_json, read_weights};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
@@ -181,6 +183,7 @@ fn training_starts_from_a_hugging_face_align_model_or_pretrained_towers() {
             "data.image.resize=36".into(),
             "data.workers=1".into(),
             "model.embed_dim=16".into(),
+            "model.image_projection=true".into(),
             "train.batch_size=8".into(),
             "train.steps=2".into(),
             "train.lr=1e-30".into(),

@@ -4,7 +4,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use align::train::checkpoint;
+use align::io::{load, run_dir, tensors};
 use align::train::metrics_log;
 use align::train::trainer::{train, TrainOptions};
 use candle_core::{Device, Tensor};
@@ -14,7 +14,7 @@ fn opts(resume: bool, stop_after: Option<u64>) -> TrainOptions {
 }
 
 fn weights(dir: &std::path::Path) -> HashMap<String, Tensor> {
-    checkpoint::read_tensors(&dir.join(checkpoint::MODEL_FILE), &Device::Cpu).unwrap()
+    tensors::read_tensors(&dir.join(run_dir::MODEL_FILE), &Device::Cpu).unwrap()
 }
 
 fn assert_identical(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) {
@@ -44,8 +44,8 @@ fn resumed_run_matches_uninterrupted_run_bit_for_bit() {
     assert_eq!(second.samples_seen, s.samples_seen);
 
     assert_identical(&weights(&s.checkpoint), &weights(&second.checkpoint));
-    let a = checkpoint::read_tensors(&s.checkpoint.join(checkpoint::OPTIMIZER_FILE), &Device::Cpu).unwrap();
-    let b = checkpoint::read_tensors(&second.checkpoint.join(checkpoint::OPTIMIZER_FILE), &Device::Cpu).unwrap();
+    let a = tensors::read_tensors(&s.checkpoint.join(run_dir::OPTIMIZER_FILE), &Device::Cpu).unwrap();
+    let b = tensors::read_tensors(&second.checkpoint.join(run_dir::OPTIMIZER_FILE), &Device::Cpu).unwrap();
     assert_identical(&a, &b);
     // The metrics log reads as one run: steps 1..=8 once each, with the same losses.
     let la = metrics_log::read(&straight.run_dir().join("metrics.jsonl")).unwrap();
@@ -99,9 +99,9 @@ fn checkpoints_keep_the_last_k_and_latest_points_at_the_newest() {
     let tok = common::tiny_tokenizer(&data, dir.path());
     let cfg = common::tiny_config(&data, &tok, &dir.path().join("run"), &["train.steps=6"]);
     train(&cfg, &opts(false, None)).unwrap();
-    let steps: Vec<u64> = checkpoint::list_steps(&cfg.run_dir()).unwrap().into_iter().map(|(s, _)| s).collect();
+    let steps: Vec<u64> = run_dir::list_steps(&cfg.run_dir()).unwrap().into_iter().map(|(s, _)| s).collect();
     assert_eq!(steps, vec![4, 6]);
-    assert_eq!(checkpoint::latest(&cfg.run_dir()).unwrap().unwrap(), cfg.run_dir().join("step-6"));
+    assert_eq!(run_dir::latest(&cfg.run_dir()).unwrap().unwrap(), cfg.run_dir().join("step-6"));
     let leftovers: Vec<_> = std::fs::read_dir(cfg.run_dir())
         .unwrap()
         .filter_map(|e| e.ok())
@@ -110,7 +110,7 @@ fn checkpoints_keep_the_last_k_and_latest_points_at_the_newest() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
     // The saved model loads back and embeds.
-    let m = checkpoint::load_model(&cfg.run_dir(), &Device::Cpu).unwrap();
+    let m = load::load_model(&cfg.run_dir(), &Device::Cpu).unwrap();
     assert_eq!(m.dir, cfg.run_dir().join("step-6"));
 }
 
@@ -150,7 +150,7 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
     let err = train(&bad, &opts(true, None)).unwrap_err().to_string();
     assert!(err.contains("non-finite"), "{err}");
     assert!(err.contains("step-2"), "{err}");
-    assert_eq!(checkpoint::latest(&cfg.run_dir()).unwrap().unwrap(), cfg.run_dir().join("step-2"));
+    assert_eq!(run_dir::latest(&cfg.run_dir()).unwrap().unwrap(), cfg.run_dir().join("step-2"));
 }
 
 #[test]
@@ -235,7 +235,7 @@ fn a_two_rank_run_resumes_on_both_ranks() {
     let mut first = opts(false, Some(2));
     first.nproc = 2;
     train(&cfg2, &first).unwrap();
-    let state = checkpoint::read_state(&checkpoint::latest(&cfg2.run_dir()).unwrap().unwrap()).unwrap();
+    let state = run_dir::read_state(&run_dir::latest(&cfg2.run_dir()).unwrap().unwrap()).unwrap();
     assert_eq!(state.loaders.len(), 2, "a position per rank");
     let mut again = opts(true, None);
     again.nproc = 2;

@@ -1,5 +1,5 @@
 // Runs one kernel launch of kernels/*.cu on the host (emulate.h), for the tests of the CUDA ops
-// (src/model/ops/gpu.rs and depthwise.rs, src/train/optim/kernels.rs). Reads a request file
+// (src/ops/gpu/, through src/ops/gpu/host.rs). Reads a request file
 // (argv[1]) and writes the output buffer to argv[2]. Request, native byte order:
 //   name        u32 length + bytes (with the dtype suffix, as in the PTX)
 //   launch      grid, block, shared bytes (u32 each)
@@ -103,8 +103,11 @@ std::map<std::string, Call<T>>& table() {
                         a.template param_struct<OptimParams>());                                             \
     };
 
-#define REGISTER_DEPTHWISE(NAME, T, SUFFIX) \
-    table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) { NAME##_##SUFFIX(a.operand(0), a.operand(1), a.out.data(), a.param_struct<Geometry>()); };
+#define REGISTER_DEPTHWISE(NAME, T, SUFFIX, CALL)                                                           \
+    table<T>()[#NAME "_" #SUFFIX] = [](Args<T>& a) {                                                         \
+        NAME##_##SUFFIX(a.operand(0), a.operand(1), a.operand(2), a.template side_as<double>(), a.out.data(), \
+                        a.template param_struct<Geometry>());                                                \
+    };
 
 void register_kernels() {
     ROW_KERNELS(REGISTER_ROW, float, f32)
@@ -112,12 +115,8 @@ void register_kernels() {
     CHANNEL_KERNELS(REGISTER_CHANNEL, float, f32)
     CHANNEL_KERNELS(REGISTER_CHANNEL, double, f64)
     OPTIM_KERNELS(REGISTER_OPTIM, float, f32)
-    REGISTER_DEPTHWISE(depthwise_fwd, float, f32)
-    REGISTER_DEPTHWISE(depthwise_grad_input, float, f32)
-    REGISTER_DEPTHWISE(depthwise_grad_kernel, float, f32)
-    REGISTER_DEPTHWISE(depthwise_fwd, double, f64)
-    REGISTER_DEPTHWISE(depthwise_grad_input, double, f64)
-    REGISTER_DEPTHWISE(depthwise_grad_kernel, double, f64)
+    DEPTHWISE_KERNELS(REGISTER_DEPTHWISE, float, f32)
+    DEPTHWISE_KERNELS(REGISTER_DEPTHWISE, double, f64)
 }
 
 template <typename T>

@@ -11,7 +11,7 @@ use align::eval::embed::{embed_images, embed_source, embed_texts};
 use align::eval::knn::top_k;
 use align::eval::metrics::Embeddings;
 use align::eval::zeroshot::read_lines;
-use align::train::checkpoint::load_model;
+use align::io::load::load_model;
 use align::util::progress::Progress;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -237,7 +237,7 @@ pub struct ExportArgs {
 
 pub fn export(a: &ExportArgs) -> Result<()> {
     let m = load_model(&a.checkpoint, &Device::Cpu)?;
-    align::train::hf_io::export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &a.out)?;
+    align::io::hf::align::export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &a.out)?;
     println!("wrote {} (load it with transformers.AlignModel.from_pretrained)", a.out.display());
     Ok(())
 }

@@ -4,7 +4,7 @@ use align::data::eval_reader::EvalSource;
 use align::data::folders::{self, imagenet, Variant};
 use align::data::spec;
 use align::eval::{retrieval as ret, zeroshot as zs};
-use align::train::checkpoint::load_model;
+use align::io::load::load_model;
 use anyhow::{bail, Result};
 use clap::Args;
 

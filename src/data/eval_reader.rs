@@ -2,7 +2,7 @@
 //! image files of a folder layout such as ImageNet's or a Karpathy split), decoding and the eval
 //! transform run in parallel on each chunk, and chunks come out in the data's order.
 
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::thread::JoinHandle;
 
 use rayon::prelude::*;
@@ -90,10 +90,9 @@ impl EvalReader {
     }
 
     pub fn from_source(source: EvalSource, cfg: ImageConfig, needs: Needs, chunk: usize) -> Self {
-        let (tx, rx) = sync_channel::<Chunk>(4);
         let origins = source.origins();
         let chunk = chunk.max(1);
-        let handle = std::thread::spawn(move || {
+        let spawned = super::reader_thread::spawn("eval-reader", 4, move |tx: SyncSender<Chunk>| {
             let fresh = || Chunk { samples: Vec::with_capacity(chunk), skips: SkipCounts::default() };
             let mut cur = fresh();
             match source {
@@ -139,6 +138,8 @@ impl EvalReader {
             }
             let _ = tx.send(cur);
         });
+        // As std::thread::spawn does: a process that cannot start a thread has no way on.
+        let (rx, handle) = spawned.expect("starting the evaluation reader thread");
         EvalReader { rx: Some(rx), handle: Some(handle), shards: origins, cfg, needs, skips: SkipCounts::default(), samples: 0 }
     }
 

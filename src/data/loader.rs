@@ -3,11 +3,11 @@
 //!
 //! Stages, in order, each its own small piece:
 //! 1. [`ShardPlan`] deals the epoch's shards to this rank's workers (or resamples them).
-//! 2. Each worker streams its shards with [`read_shard`] into a seeded shuffle buffer.
+//! 2. Each worker streams its shards with [`read_shard`] into a seeded [`ShuffleBuffer`].
 //! 3. Samples leaving the buffer are decoded, augmented ([`train_transform`]) and tokenised
-//!    straight into the worker's batch buffers (no per-sample tensors, no extra copies).
-//! 4. Full batches go into the worker's bounded queue; the main thread takes batches from the
-//!    workers round-robin, skipping workers that finished the current epoch.
+//!    straight into the worker's batch buffers by a [`BatchBuilder`].
+//! 4. Full batches go into the worker's bounded queue (`reader_thread`); the main thread takes
+//!    batches from the workers round-robin, skipping workers that finished the current epoch.
 //!
 //! ## Resumption guarantee
 //! Every random choice is a pure function of (seed, rank, worker, epoch, position), and each batch
@@ -23,53 +23,24 @@
 //! so no sample is dropped.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 
+pub use super::batch::Batch;
+use super::batch::BatchBuilder;
 use super::distribute::{Placement, ShardPlan};
 use super::sample;
+use super::shuffle::ShuffleBuffer;
 use super::skips::SkipCounts;
 use super::tar_read::{read_shard, RawSample, ShardEvent};
 use super::tokenizer::TextTokenizer;
 use super::transform::{decode, decode_min_side, train_transform, ImageConfig};
 use crate::util::log;
 use crate::util::rng::Rng;
-
-/// One training batch in host memory, laid out for zero-copy tensor construction.
-#[derive(Debug, Clone)]
-pub struct Batch {
-    pub size: usize,
-    /// `size × 3 × image_size × image_size`, normalised.
-    pub images: Vec<f32>,
-    pub image_size: usize,
-    /// `size × max_len` token ids and attention mask.
-    pub ids: Vec<u32>,
-    pub mask: Vec<u32>,
-    pub max_len: usize,
-    pub keys: Vec<String>,
-    pub captions: Vec<String>,
-    pub labels: Vec<Option<i64>>,
-}
-
-impl Batch {
-    fn with_capacity(n: usize, image_size: usize, max_len: usize) -> Self {
-        Batch {
-            size: 0,
-            images: Vec::with_capacity(n * 3 * image_size * image_size),
-            image_size,
-            ids: Vec::with_capacity(n * max_len),
-            mask: Vec::with_capacity(n * max_len),
-            max_len,
-            keys: Vec::with_capacity(n),
-            captions: Vec::with_capacity(n),
-            labels: Vec::with_capacity(n),
-        }
-    }
-}
 
 /// A worker's progress, as of the end of a batch it produced.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -189,20 +160,18 @@ impl TrainLoader {
         let mut receivers = Vec::new();
         let mut handles = Vec::new();
         for w in 0..placement.workers {
-            let (tx, rx) = sync_channel(settings.prefetch.max(1));
             let worker = Worker {
                 plan: plan.clone(),
                 at: placement.with_worker(w),
                 settings: settings.clone(),
                 tokenizer: tokenizer.clone(),
-                tx,
                 state: pos.workers[w].clone(),
-                buffer: Vec::new(),
-                batch: Batch::with_capacity(settings.batch_size, settings.image.image_size, tokenizer.max_len()),
+                buffer: ShuffleBuffer::new(settings.shuffle_buffer),
+                batch: BatchBuilder::new(settings.batch_size, settings.image.image_size, tokenizer.max_len()),
                 samples_in_epoch: 0,
                 cache: None,
             };
-            let handle = std::thread::Builder::new().name(format!("loader-{w}")).spawn(move || worker.run())?;
+            let (rx, handle) = super::reader_thread::spawn(&format!("loader-{w}"), settings.prefetch, move |tx| worker.run(tx))?;
             receivers.push(rx);
             handles.push(handle);
         }
@@ -273,10 +242,9 @@ struct Worker {
     at: Placement,
     settings: Arc<LoaderSettings>,
     tokenizer: Arc<TextTokenizer>,
-    tx: SyncSender<Msg>,
     state: WorkerState,
-    buffer: Vec<(usize, u64, RawSample)>,
-    batch: Batch,
+    buffer: ShuffleBuffer<RawSample>,
+    batch: BatchBuilder,
     samples_in_epoch: u64,
     cache: Option<(u64, Vec<usize>)>,
 }
@@ -285,26 +253,26 @@ struct Worker {
 struct Closed;
 
 impl Worker {
-    fn run(mut self) {
+    fn run(mut self, tx: SyncSender<Msg>) {
         crate::util::threads::lower_priority(self.settings.nice);
-        if let Err(Closed) = self.run_inner() {
+        if let Err(Closed) = self.run_inner(&tx) {
             // Normal shutdown.
         }
     }
 
-    fn run_inner(&mut self) -> Result<(), Closed> {
+    fn run_inner(&mut self, tx: &SyncSender<Msg>) -> Result<(), Closed> {
         self.restore_buffer();
         loop {
             while let Some(shard) = self.plan.shard_at(self.state.epoch, self.at, self.state.cursor, &mut self.cache) {
-                self.read_one_shard(shard)?;
+                self.read_one_shard(shard, tx)?;
                 self.state.cursor += 1;
                 self.state.next_index = 0;
             }
             while !self.buffer.is_empty() {
-                self.pop_and_process()?;
+                self.pop_and_process(tx)?;
             }
             let epoch = self.state.epoch;
-            self.tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.samples_in_epoch }).map_err(|_| Closed)?;
+            tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.samples_in_epoch }).map_err(|_| Closed)?;
             self.state.epoch += 1;
             self.state.cursor = 0;
             self.state.next_index = 0;
@@ -313,7 +281,7 @@ impl Worker {
         }
     }
 
-    fn read_one_shard(&mut self, shard: usize) -> Result<(), Closed> {
+    fn read_one_shard(&mut self, shard: usize, tx: &SyncSender<Msg>) -> Result<(), Closed> {
         let source = self.plan.shards[shard].clone();
         let start = self.state.next_index;
         let cursor = self.state.cursor;
@@ -325,9 +293,9 @@ impl Worker {
                         return true;
                     }
                     self.state.next_index = s.index + 1;
-                    self.buffer.push((cursor, s.index, s));
-                    if self.buffer.len() > self.settings.shuffle_buffer {
-                        if let Err(c) = self.pop_and_process() {
+                    self.buffer.push(cursor, s.index, s);
+                    if self.buffer.is_over() {
+                        if let Err(c) = self.pop_and_process(tx) {
                             result = Err(c);
                             return false;
                         }
@@ -350,18 +318,18 @@ impl Worker {
         result
     }
 
-    fn pop_and_process(&mut self) -> Result<(), Closed> {
+    fn pop_and_process(&mut self, tx: &SyncSender<Msg>) -> Result<(), Closed> {
         let mut rng = Rng::derived(self.settings.seed, &[BUFFER, self.at.global_worker(), self.state.epoch, self.state.pops]);
         self.state.pops += 1;
-        let k = rng.below(self.buffer.len());
-        let (cursor, index, sample) = self.buffer.swap_remove(k);
-        self.process(cursor, index, sample)
+        match self.buffer.draw(&mut rng) {
+            Some((cursor, index, sample)) => self.process(cursor, index, sample, tx),
+            None => Ok(()),
+        }
     }
 
-    fn process(&mut self, cursor: usize, index: u64, s: RawSample) -> Result<(), Closed> {
+    fn process(&mut self, cursor: usize, index: u64, s: RawSample, tx: &SyncSender<Msg>) -> Result<(), Closed> {
         let mut rng = Rng::derived(self.settings.seed, &[AUGMENT, self.at.global_worker(), self.state.epoch, cursor as u64, index]);
         let cfg = &self.settings.image;
-        let numel = cfg.numel();
         let outcome = (|| -> Result<(), sample::Rejected> {
             let caps = sample::captions(&s)?;
             let label = sample::label(&s)?;
@@ -369,25 +337,9 @@ impl Worker {
             let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels)
                 .map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
             let caption = caps[rng.below(caps.len())].clone();
-            let b = &mut self.batch;
-            let start = b.images.len();
-            b.images.resize(start + numel, 0.0);
-            train_transform(&img, cfg, &mut rng, &mut b.images[start..]);
-            self.tokenizer
-                .encode_into(&caption, &mut b.ids, &mut b.mask)
-                .map_err(|e| sample::Rejected { reason: super::skips::reason::CAPTION_NOT_UTF8, detail: e.to_string() })?;
-            b.keys.push(s.key.clone());
-            b.captions.push(caption);
-            b.labels.push(label);
-            b.size += 1;
-            Ok(())
+            self.batch.add(&s.key, caption, label, &self.tokenizer, |row| train_transform(&img, cfg, &mut rng, row))
         })();
         if let Err(rej) = outcome {
-            // Undo a partly written slot.
-            let b = &mut self.batch;
-            b.images.truncate(b.size * numel);
-            b.ids.truncate(b.size * b.max_len);
-            b.mask.truncate(b.size * b.max_len);
             self.state.skips.add(rej.reason);
             let shard = self.plan.shards[self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache).unwrap_or(0)].clone();
             log::warn(format!("shard {shard}: sample {}: {}; skipped", s.key, rej.detail));
@@ -395,14 +347,10 @@ impl Worker {
         }
         self.state.samples += 1;
         self.samples_in_epoch += 1;
-        if self.batch.size == self.settings.batch_size {
-            let full = std::mem::replace(
-                &mut self.batch,
-                Batch::with_capacity(self.settings.batch_size, cfg.image_size, self.tokenizer.max_len()),
-            );
+        if self.batch.is_full() {
             let mut snapshot = self.state.clone();
-            snapshot.buffer = self.buffer.iter().map(|(c, i, _)| (*c, *i)).collect();
-            self.tx.send(Msg::Batch(Box::new(full), Box::new(snapshot))).map_err(|_| Closed)?;
+            snapshot.buffer = self.buffer.positions();
+            tx.send(Msg::Batch(Box::new(self.batch.take()), Box::new(snapshot))).map_err(|_| Closed)?;
         }
         Ok(())
     }
@@ -439,7 +387,7 @@ impl Worker {
         }
         for (c, i) in wanted {
             match found.remove(&(c, i)) {
-                Some(s) => self.buffer.push((c, i, s)),
+                Some(s) => self.buffer.push(c, i, s),
                 None => log::warn(format!("resuming: buffered sample {i} of shard position {c} could not be re-read; it is lost")),
             }
         }

@@ -1,12 +1,15 @@
 //! The data's journey from shards to batches. See `loader` for how the stages chain.
 
+pub mod batch;
 pub mod build;
 pub mod distribute;
 pub mod eval_reader;
 pub mod folders;
 pub mod loader;
+pub mod reader_thread;
 pub mod sample;
 pub mod shard_writer;
+pub mod shuffle;
 pub mod skips;
 pub mod spec;
 pub mod stats;

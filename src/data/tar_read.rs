@@ -93,69 +93,13 @@ pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool
     };
     let mut archive = tar::Archive::new(input);
     let mut grouper = Grouper::default();
-    let mut stopped = false;
-    let mut failure: Option<String> = None;
-    // The key of the member being read when the stream broke: only a pending sample with that key
-    // is known to be incomplete. A break at a header leaves it unknown, so that one counts too.
-    let mut reading_key: Option<String> = None;
-    match archive.entries() {
-        Err(e) => failure = Some(e.to_string()),
-        Ok(entries) => {
-            for entry in entries {
-                let mut entry = match entry {
-                    Ok(e) => e,
-                    Err(e) => {
-                        failure = Some(e.to_string());
-                        break;
-                    }
-                };
-                if !entry.header().entry_type().is_file() {
-                    continue;
-                }
-                let path = match entry.path() {
-                    Ok(p) => p.to_string_lossy().into_owned(),
-                    Err(e) => {
-                        failure = Some(format!("bad member name: {e}"));
-                        break;
-                    }
-                };
-                let Some((key, field)) = split_key(&path) else {
-                    continue;
-                };
-                let key = key.to_string();
-                reading_key = Some(key.clone());
-                let size = entry.size();
-                let mut data = Vec::with_capacity(size.min(1 << 30) as usize);
-                if let Err(e) = entry.read_to_end(&mut data) {
-                    failure = Some(format!("member {path}: {e}"));
-                    break;
-                }
-                // The reader hands back a short member at end of input without complaint.
-                if data.len() as u64 != size {
-                    failure = Some(format!("member {path} is cut off: {} of {size} bytes", data.len()));
-                    break;
-                }
-                reading_key = None;
-                if let Some(ev) = grouper.push(key, field, data) {
-                    if !sink(ev) {
-                        stopped = true;
-                        break;
-                    }
-                }
-            }
-        }
-    }
-    if stopped {
-        if let Input::Pipe { mut child, .. } = archive.into_inner() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        return;
-    }
-    match failure {
+    let ending = read_members(&mut archive, &mut grouper, &mut sink);
+    let input = archive.into_inner();
+    match ending {
+        Ending::Stopped => stop(input),
         // The sample being assembled when the stream broke may be missing fields: drop it.
-        Some(detail) => {
-            let pending_cut = match (&reading_key, grouper.current.as_ref()) {
+        Ending::Broken { detail, reading } => {
+            let pending_cut = match (&reading, grouper.current.as_ref()) {
                 (Some(k), Some(p)) => *k == p.key,
                 _ => true,
             };
@@ -164,36 +108,93 @@ pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool
                 sink(ev);
             }
             sink(ShardEvent::Failed { reason: reason::TRUNCATED_SHARD, detail });
-            if let Input::Pipe { mut child, .. } = archive.into_inner() {
-                let _ = child.kill();
-                let _ = child.wait();
+            stop(input);
+        }
+        Ending::Done => finish(input, grouper, &mut sink),
+    }
+}
+
+/// How a shard's stream of members ended.
+enum Ending {
+    /// The sink asked to stop.
+    Stopped,
+    /// The stream broke. `reading` is the key of the member being read when it broke inside one;
+    /// a break at a header leaves it unknown.
+    Broken { detail: String, reading: Option<String> },
+    /// Every member was read.
+    Done,
+}
+
+/// The archive's members, grouped into samples by key and handed to `sink`.
+fn read_members(archive: &mut tar::Archive<Input>, grouper: &mut Grouper, sink: &mut impl FnMut(ShardEvent) -> bool) -> Ending {
+    let broken = |detail: String, reading: Option<String>| Ending::Broken { detail, reading };
+    let entries = match archive.entries() {
+        Ok(e) => e,
+        Err(e) => return broken(e.to_string(), None),
+    };
+    for entry in entries {
+        let mut entry = match entry {
+            Ok(e) => e,
+            Err(e) => return broken(e.to_string(), None),
+        };
+        if !entry.header().entry_type().is_file() {
+            continue;
+        }
+        let path = match entry.path() {
+            Ok(p) => p.to_string_lossy().into_owned(),
+            Err(e) => return broken(format!("bad member name: {e}"), None),
+        };
+        let Some((key, field)) = split_key(&path) else {
+            continue;
+        };
+        let key = key.to_string();
+        let size = entry.size();
+        let mut data = Vec::with_capacity(size.min(1 << 30) as usize);
+        if let Err(e) = entry.read_to_end(&mut data) {
+            return broken(format!("member {path}: {e}"), Some(key));
+        }
+        // The reader hands back a short member at end of input without complaint.
+        if data.len() as u64 != size {
+            return broken(format!("member {path} is cut off: {} of {size} bytes", data.len()), Some(key));
+        }
+        if let Some(ev) = grouper.push(key, field, data) {
+            if !sink(ev) {
+                return Ending::Stopped;
             }
         }
-        None => {
-            let input = archive.into_inner();
-            if let Input::Pipe { mut child, cmd, .. } = input {
-                match child.wait() {
-                    Ok(status) if !status.success() => {
-                        if let Some(ev) = grouper.pending_as_bad("pipe command failed") {
-                            sink(ev);
-                        }
-                        sink(ShardEvent::Failed {
-                            reason: reason::TRUNCATED_SHARD,
-                            detail: format!("command {cmd:?} exited with {status}"),
-                        });
-                        return;
-                    }
-                    Err(e) => {
-                        sink(ShardEvent::Failed { reason: reason::TRUNCATED_SHARD, detail: format!("command {cmd:?}: {e}") });
-                        return;
-                    }
-                    _ => {}
+    }
+    Ending::Done
+}
+
+/// Ends a pipe's command early (a stopped or broken read).
+fn stop(input: Input) {
+    if let Input::Pipe { mut child, .. } = input {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// After the last member: a pipe whose command failed cuts its last sample short; otherwise the
+/// last sample is complete.
+fn finish(input: Input, mut grouper: Grouper, sink: &mut impl FnMut(ShardEvent) -> bool) {
+    if let Input::Pipe { mut child, cmd, .. } = input {
+        match child.wait() {
+            Ok(status) if !status.success() => {
+                if let Some(ev) = grouper.pending_as_bad("pipe command failed") {
+                    sink(ev);
                 }
+                sink(ShardEvent::Failed { reason: reason::TRUNCATED_SHARD, detail: format!("command {cmd:?} exited with {status}") });
+                return;
             }
-            if let Some(ev) = grouper.finish() {
-                sink(ev);
+            Err(e) => {
+                sink(ShardEvent::Failed { reason: reason::TRUNCATED_SHARD, detail: format!("command {cmd:?}: {e}") });
+                return;
             }
+            _ => {}
         }
+    }
+    if let Some(ev) = grouper.finish() {
+        sink(ev);
     }
 }
 

@@ -54,7 +54,7 @@ impl Interpolation {
     }
 }
 
-/// How images become tensors. Defaults are ALIGN's (paper §4 and `AlignProcessor`).
+/// How images become tensors. Defaults are ALIGN's (paper §5 and `AlignProcessor`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ImageConfig {

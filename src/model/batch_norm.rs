@@ -10,9 +10,10 @@
 
 use candle_core::{DType, Result, Tensor, Var};
 
-use super::ops::channel::{batch_norm_act, channel_moments, Statistics};
-use super::ops::conv_norm::{conv_norm, Conv, ConvNormStage, Norm};
 use super::Ctx;
+use crate::ops::blocks::conv_norm::{conv_norm, Conv, ConvNormStage, Norm};
+use crate::ops::kernels::batch_norm::{batch_norm_act, Statistics};
+use crate::ops::kernels::moments::channel_moments;
 use candle_nn::{Init, VarBuilder};
 
 pub struct BatchNorm2d {
@@ -71,7 +72,7 @@ impl BatchNorm2d {
 
     /// [`BatchNorm2d::conv_forward_act`] outside candle's graph, for `ops::mbconv`: the output
     /// and the stage that differentiates it. Operands as [`Conv::fusable`] requires.
-    pub fn conv_stage(&self, conv: Conv, x: &Tensor, w: &Tensor, ctx: &Ctx, silu: bool) -> Result<(Tensor, ConvNormStage)> {
+    pub(crate) fn conv_stage(&self, conv: Conv, x: &Tensor, w: &Tensor, ctx: &Ctx, silu: bool) -> Result<(Tensor, ConvNormStage)> {
         self.after_conv(conv, x, w, ctx, silu, |z, norm| ConvNormStage::conv_norm(conv, x, w, z, norm))
     }
 

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
 
-use super::checkpoint::Checkpointing;
-use super::config::{BertConfig, TextPooling};
 use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
+use super::presets::{BertConfig, TextPooling};
+use super::recompute::Checkpointing;
 
 struct Layer {
     query: Linear,

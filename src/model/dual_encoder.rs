@@ -9,11 +9,11 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::bert::Bert;
-use super::checkpoint::{Checkpointing, GradSink};
-use super::config::{BertConfig, TemperatureKind, TextPooling, VitConfig};
 use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
 use super::layers::{l2_normalize, linear, Linear};
+use super::presets::{BertConfig, TemperatureKind, TextPooling, VitConfig};
+use super::recompute::{Checkpointing, GradSink};
 use super::vit::Vit;
 use super::Ctx;
 
@@ -208,8 +208,8 @@ impl DualEncoder {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::model::config::ImagePooling;
     use crate::model::init::SeededVars;
+    use crate::model::presets::ImagePooling;
     use candle_core::{DType, Device, Tensor};
 
     pub fn tiny_spec() -> ModelSpec {
@@ -272,7 +272,6 @@ pub(crate) mod tests {
     /// towers (attention, LayerNorm, GELU, patch embedding, pooling, projections, temperature).
     #[test]
     fn gradients_of_every_variable_match_finite_differences() {
-        use crate::train::loss::contrastive_loss;
         let dev = Device::Cpu;
         for pool in [ImagePooling::Cls, ImagePooling::Gap] {
             let mut spec = tiny_spec();
@@ -288,7 +287,12 @@ pub(crate) mod tests {
             let loss = || {
                 let i = model.image_embeddings(&images, &Ctx::EVAL).unwrap();
                 let t = model.text_embeddings(&ids, &mask).unwrap();
-                contrastive_loss(&i, &t, &i, &t, 0, &model.logit_scale().unwrap(), 0.1).unwrap().total
+                // Both directions' cross-entropy of the scaled similarities: a scalar that depends
+                // on every variable (the training loss itself is tested in `train::loss`).
+                let logits = i.matmul(&t.t().unwrap()).unwrap().broadcast_mul(&model.logit_scale().unwrap()).unwrap();
+                let labels = Tensor::new(&[0u32, 1, 2], &dev).unwrap();
+                let ce = |l: &Tensor| candle_nn::loss::cross_entropy(l, &labels).unwrap();
+                (ce(&logits) + ce(&logits.t().unwrap())).unwrap()
             };
             let grads = loss().backward().unwrap();
             let vars: Vec<(String, candle_core::Var)> = vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -350,18 +354,20 @@ pub(crate) mod tests {
         // 2·64·768·3072) = 5.51 G. We count 2 FLOPs per multiply-add.
         let dev = Device::Cpu;
         let build = |image: &str, text: &str| {
-            let cfg = crate::config::Config::from_str_with_overrides(
-                "",
-                "flops",
-                &[
-                    format!("model.image_tower={image:?}"),
-                    format!("model.text_tower={text:?}"),
-                    "data.image.image_size=224".into(),
-                    "model.image_projection=true".into(),
-                ],
-            )
-            .unwrap();
-            DualEncoder::new(&cfg.model_spec(30522).unwrap(), candle_nn::VarBuilder::zeros(DType::F32, &dev)).unwrap()
+            let image = match crate::model::efficientnet::EfficientNetConfig::preset(image, 224) {
+                Some(e) => ImageSpec::EfficientNet(e),
+                None => ImageSpec::Vit(VitConfig::preset(image, 224).unwrap()),
+            };
+            let spec = ModelSpec {
+                image,
+                text: BertConfig::preset(text, 30522).unwrap(),
+                embed_dim: 640,
+                image_projection: true,
+                text_pooling: TextPooling::Cls,
+                temperature: TemperatureKind::Align,
+                temperature_init: 1.0,
+            };
+            DualEncoder::new(&spec, candle_nn::VarBuilder::zeros(DType::F32, &dev)).unwrap()
         };
         let vit = build("vit-b16", "bert-base");
         let text = 2.0 * 5.51e9;

@@ -17,13 +17,15 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::batch_norm::BatchNorm2d;
-use super::checkpoint::Checkpointing;
-use super::ops::channel::{channel_scale, scaled_residual, spatial_mean};
-use super::ops::conv_norm::Conv;
-use super::ops::depthwise::Padding;
-use super::ops::mbconv::{mbconv, ConvParams, MbConvParams, MbConvStages, Shortcut};
-use super::ops::squeeze_excite::{self, SqueezeExciteStage};
+use super::recompute::Checkpointing;
 use super::Ctx;
+use crate::ops::blocks::conv_norm::Conv;
+use crate::ops::blocks::mbconv::{mbconv, ConvParams, MbConvParams, MbConvStages, Shortcut};
+use crate::ops::blocks::squeeze_excite::{self, SqueezeExciteStage};
+use crate::ops::kernels::channel_scale::channel_scale;
+use crate::ops::kernels::depthwise::Padding;
+use crate::ops::kernels::spatial_mean::spatial_mean;
+use crate::ops::kernels::stochastic_depth::scaled_residual;
 use crate::util::rng::Rng;
 
 /// The base (B0) network's stages, which compound scaling widens and deepens.
@@ -134,7 +136,7 @@ impl EfficientNetConfig {
         })
     }
 
-    pub fn with(mut self, o: &super::config::EfficientNetOverrides) -> Self {
+    pub fn with(mut self, o: &super::presets::EfficientNetOverrides) -> Self {
         if let Some(v) = o.width_coefficient {
             self.width_coefficient = v;
         }
@@ -277,7 +279,7 @@ impl Block {
 
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let params = self.params();
-        if self.depthwise == DepthwiseImpl::Fused && super::ops::fusable(x, &params.tensors()) {
+        if self.depthwise == DepthwiseImpl::Fused && crate::ops::fusable(x, &params.tensors()) {
             self.forward_fused(x, &params, ctx)
         } else {
             self.forward_composed(x, ctx)
@@ -337,7 +339,7 @@ impl Block {
         // Squeeze-and-excitation on [N, C] vectors: the 1×1 convolutions are plain matmuls.
         let ((w1, b1), (w2, b2)) = (&self.se_reduce, &self.se_expand);
         let (w1, w2) = (w1.flatten_from(1)?, w2.flatten_from(1)?);
-        h = if super::ops::fusable(&h, &[&w1, b1, &w2, b2]) {
+        h = if crate::ops::fusable(&h, &[&w1, b1, &w2, b2]) {
             squeeze_excite::squeeze_excite(&h, (&w1, b1), (&w2, b2))?
         } else {
             let s = spatial_mean(&h)?.matmul(&w1.t()?)?.broadcast_add(b1)?.silu()?;
@@ -471,9 +473,9 @@ impl EfficientNet {
         // The CPU has no bf16 convolution kernel: there the stem runs in f32.
         let stem = if x.device().is_cpu() && matches!(x.dtype(), candle_core::DType::BF16 | candle_core::DType::F16) {
             let f = candle_core::DType::F32;
-            super::ops::dense_conv::conv2d_untracked(&x.to_dtype(f)?, &self.stem.to_dtype(f)?, 2)?.to_dtype(x.dtype())?
+            crate::ops::kernels::dense_conv::conv2d_untracked(&x.to_dtype(f)?, &self.stem.to_dtype(f)?, 2)?.to_dtype(x.dtype())?
         } else {
-            super::ops::dense_conv::conv2d_untracked(&x, &self.stem, 2)?
+            crate::ops::kernels::dense_conv::conv2d_untracked(&x, &self.stem, 2)?
         };
         let mut x = self.stem_bn.forward_act(&stem, ctx, true)?;
         for b in &self.blocks {
@@ -659,8 +661,8 @@ mod tests {
                 assert_eq!(names(&fused), names(&chain), "case {case} {ctx:?}: the same gradients exist");
                 assert!(names(&fused).iter().filter(|n| n.ends_with("gradient")).count() >= 10);
                 for ((name, a), (_, b)) in fused.iter().zip(&chain) {
-                    let d = crate::model::ops::testing::max_diff(a, b);
-                    let scale = crate::model::ops::testing::max_abs(b).max(1e-3);
+                    let d = crate::ops::testing::max_diff(a, b);
+                    let scale = crate::ops::testing::max_abs(b).max(1e-3);
                     assert!(d / scale < 1e-11, "case {case} {ctx:?} {name}: differs by {d} (scale {scale})");
                 }
             }

@@ -2,16 +2,16 @@
 //! computes correctly (its fused LayerNorm and last-dim softmax silently drop gradients) or with
 //! our own fused ops (`super::ops`).
 
-use candle_core::{DType, Module, Result, Tensor, D};
+use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
-use super::ops::attention as fused_attention;
-pub use super::ops::bias::Activation;
-use super::ops::layer_norm::layer_norm;
-use super::ops::linear::{linear_bias, linear_bias_act, mlp_gelu as fused_mlp};
-use super::ops::residual;
-pub use super::ops::residual::Norm;
-use super::ops::softmax::scaled_masked_softmax;
+use crate::ops::blocks::attention as fused_attention;
+use crate::ops::blocks::mlp::{linear_bias_act, mlp_gelu as fused_mlp};
+use crate::ops::blocks::sublayer;
+pub use crate::ops::blocks::sublayer::Norm;
+pub use crate::ops::kernels::bias_act::Activation;
+use crate::ops::kernels::layer_norm::layer_norm;
+use crate::ops::kernels::linear::linear_bias;
 
 /// LayerNorm over the last dimension (our fused op with its own backward).
 #[derive(Debug, Clone)]
@@ -116,32 +116,13 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Opt
     if fused_attention::fused(q, k, v) {
         return fused_attention::attention(q, k, v, heads, key_bias);
     }
-    composed_attention(q, k, v, heads, key_bias)
-}
-
-/// [`attention`] from candle primitives and the fused softmax: what GPUs and bf16 towers run,
-/// and what the tests hold the fused attention to.
-pub fn composed_attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
-    let _profile = crate::util::profile::region("op/attention");
-    let (b, l, d) = q.dims3()?;
-    let hd = d / heads;
-    let split = |t: &Tensor| t.reshape((b, l, heads, hd))?.transpose(1, 2)?.contiguous();
-    let (q, k, v) = (split(q)?, split(k)?, split(v)?);
-    let scores = q.matmul(&k.t()?)?;
-    let scale = 1.0 / (hd as f64).sqrt();
-    // The softmax runs in f32 even for bf16 towers: exp and the row sums lose too many digits
-    // at 8 bits of mantissa.
-    let probs = match scores.dtype() {
-        DType::BF16 | DType::F16 => scaled_masked_softmax(&scores.to_dtype(DType::F32)?, scale, key_bias)?.to_dtype(scores.dtype())?,
-        _ => scaled_masked_softmax(&scores, scale, key_bias)?,
-    };
-    probs.matmul(&v)?.transpose(1, 2)?.reshape((b, l, d))
+    fused_attention::composed(q, k, v, heads, key_bias)
 }
 
 /// A transformer layer's attention sub-layer on `x` `[batch, len, width]`: `x + O(A(LN(x)))`
 /// (pre-norm) or `LN(x + O(A(x)))` (post-norm), where A is the attention of the q, k and v
 /// projections (`proj[..3]`) and O the output projection (`proj[3]`). One op on the CPU in
-/// f32 / f64 (`ops::residual`), [`composed_attention_branch`] elsewhere.
+/// f32 / f64 (`ops::blocks::sublayer`), [`composed_attention_branch`] elsewhere.
 pub fn attention_branch(
     x: &Tensor,
     norm: Norm,
@@ -151,7 +132,7 @@ pub fn attention_branch(
     key_bias: Option<&Tensor>,
 ) -> Result<Tensor> {
     if let Some(p) = fusable_params(x, ln, &proj) {
-        return residual::attention_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), [p[0], p[1], p[2], p[3]], heads, key_bias);
+        return sublayer::attention_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), [p[0], p[1], p[2], p[3]], heads, key_bias);
     }
     composed_attention_branch(x, norm, ln, proj, heads, key_bias)
 }
@@ -177,7 +158,7 @@ pub fn composed_attention_branch(
 /// elsewhere.
 pub fn mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear, fc2: &Linear) -> Result<Tensor> {
     if let Some(p) = fusable_params(x, ln, &[fc1, fc2]) {
-        return residual::mlp_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), p[0], p[1]);
+        return sublayer::mlp_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), p[0], p[1]);
     }
     composed_mlp_branch(x, norm, ln, fc1, fc2)
 }
@@ -191,12 +172,12 @@ pub fn composed_mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear,
 }
 
 /// The linear layers' (weight, bias) pairs when the residual-branch op can run them: every layer
-/// has a bias and every tensor suits `ops::residual::fusable`.
+/// has a bias and every tensor suits `ops::fusable`.
 fn fusable_params<'a>(x: &Tensor, ln: &'a LayerNorm, layers: &[&'a Linear]) -> Option<Vec<(&'a Tensor, &'a Tensor)>> {
     let params = layers.iter().map(|l| l.bias.as_ref().map(|b| (&l.weight, b))).collect::<Option<Vec<_>>>()?;
     let mut all = vec![&ln.weight, &ln.bias];
     all.extend(params.iter().flat_map(|(w, b)| [*w, *b]));
-    super::ops::fusable(x, &all).then_some(params)
+    crate::ops::fusable(x, &all).then_some(params)
 }
 
 /// L2-normalises rows.
@@ -244,5 +225,154 @@ mod tests {
         let (a, b) = ((1.0f32 / 2f32.sqrt()).exp(), 1.0f32);
         let w0 = a / (a + b);
         assert!((out[0][0][0] - (w0 * 1.0 + (1.0 - w0) * 3.0)).abs() < 1e-5);
+    }
+}
+
+/// The transformer sub-layer ops against the separate layers they replace.
+#[cfg(test)]
+mod sublayer_tests {
+    use super::{self as layers, composed_attention_branch, composed_mlp_branch, LayerNorm, Linear, Norm};
+    use crate::ops::testing::{check_fd, max_abs, max_diff};
+    use crate::util::rng::randn;
+    use candle_core::{DType, Tensor};
+    use candle_core::{Device, Var};
+    use candle_nn::{Init, VarBuilder, VarMap};
+
+    const WIDTH: usize = 8;
+
+    /// A LayerNorm and linear layers with random parameters (γ around 1, the rest around 0), and
+    /// all their variables by name.
+    struct Sublayer {
+        ln: LayerNorm,
+        linears: Vec<Linear>,
+        vars: Vec<(String, Var)>,
+    }
+
+    fn sublayer(dtype: DType, shapes: &[(usize, usize)]) -> Sublayer {
+        let map = VarMap::new();
+        let vb = VarBuilder::from_varmap(&map, dtype, &Device::Cpu);
+        let ln = LayerNorm::new(WIDTH, 1e-5, vb.pp("ln")).unwrap();
+        let linears =
+            shapes.iter().enumerate().map(|(i, &(inp, out))| layers::linear(inp, out, true, Init::Const(0.0), vb.pp(i)).unwrap()).collect();
+        let mut vars: Vec<(String, Var)> = map.data().lock().unwrap().iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        for (seed, (name, var)) in vars.iter().enumerate() {
+            let mean = if name == "ln.weight" { 1.0 } else { 0.0 };
+            var.set(&randn(400 + seed as u64, mean, 0.4, var.dims(), dtype, &Device::Cpu).unwrap()).unwrap();
+        }
+        Sublayer { ln, linears, vars }
+    }
+
+    /// Batch element 1 masks its last two keys.
+    fn mask(dtype: DType, b: usize, l: usize) -> Tensor {
+        let m: Vec<f64> = (0..b * l).map(|i| if i / l == 1 && i % l >= l - 2 { -1e9 } else { 0.0 }).collect();
+        Tensor::from_vec(m, (b, l), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+    }
+
+    type Forward<'a> = Box<dyn Fn(&Tensor) -> Tensor + 'a>;
+
+    /// Each sub-layer kind: the op and the composition of separate layers, on one set of
+    /// parameters.
+    fn cases<'a>(dtype: DType, s: &'a [Sublayer; 2], key_bias: &Tensor) -> Vec<(String, Forward<'a>, Forward<'a>)> {
+        let (att, mlp) = (&s[0], &s[1]);
+        let proj = || [&att.linears[0], &att.linears[1], &att.linears[2], &att.linears[3]];
+        let mut out: Vec<(String, Forward<'a>, Forward<'a>)> = Vec::new();
+        for norm in [Norm::Pre, Norm::Post] {
+            for bias in [None, Some(key_bias.clone())] {
+                let b2 = bias.clone();
+                out.push((
+                    format!("{dtype:?} attention {norm:?} mask {}", bias.is_some()),
+                    Box::new(move |x| layers::attention_branch(x, norm, &att.ln, proj(), 2, bias.as_ref()).unwrap()),
+                    Box::new(move |x| composed_attention_branch(x, norm, &att.ln, proj(), 2, b2.as_ref()).unwrap()),
+                ));
+            }
+            out.push((
+                format!("{dtype:?} MLP {norm:?}"),
+                Box::new(move |x| layers::mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1]).unwrap()),
+                Box::new(move |x| composed_mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1]).unwrap()),
+            ));
+        }
+        out
+    }
+
+    fn sublayers(dtype: DType) -> [Sublayer; 2] {
+        [sublayer(dtype, &[(WIDTH, WIDTH); 4]), sublayer(dtype, &[(WIDTH, 12), (12, WIDTH)])]
+    }
+
+    /// The op against the separate layers (each checked against candle on its own): output and
+    /// the gradients of x and of every parameter, twice over one graph.
+    #[test]
+    fn matches_the_separate_layers_forward_and_backward() {
+        for (dtype, tol) in [(DType::F64, 1e-11), (DType::F32, 2e-5)] {
+            let s = sublayers(dtype);
+            let x = Var::from_tensor(&randn(410, 0.2, 1.0, (2, 5, WIDTH), dtype, &Device::Cpu).unwrap()).unwrap();
+            let up = randn(411, 0.0, 1.0, (2, 5, WIDTH), dtype, &Device::Cpu).unwrap();
+            for (what, ours, reference) in cases(dtype, &s, &mask(dtype, 2, 5)) {
+                let (y, r) = (ours(&x), reference(&x));
+                assert!(max_diff(&y, &r) <= tol * max_abs(&r), "{what}: output");
+                let loss = (y * &up).unwrap().sum_all().unwrap();
+                let (g1, again) = (loss.backward().unwrap(), loss.backward().unwrap());
+                let g2 = (r * &up).unwrap().sum_all().unwrap().backward().unwrap();
+                let vars = s.iter().flat_map(|s| s.vars.iter().map(|(n, v)| (n.as_str(), v)));
+                for (name, v) in std::iter::once(("x", &x)).chain(vars) {
+                    let (Some(a), Some(r)) = (g1.get(v), g2.get(v)) else {
+                        assert!(g1.get(v).is_none() && g2.get(v).is_none(), "{what}: {name} has a gradient on one side only");
+                        continue;
+                    };
+                    assert_eq!(a.dims(), v.dims(), "{what}: {name}");
+                    // The key projection's bias gets no gradient but rounding (a shift of every
+                    // key adds q·b to a query's scores, which its softmax ignores): a floor on
+                    // the scale keeps its rounding from counting as an error.
+                    let scale = max_abs(r).max(1e-2);
+                    assert!(max_diff(a, r) <= tol * scale, "{what}: gradient of {name}: {} vs {}", max_diff(a, r), max_abs(r));
+                    assert_eq!(max_diff(a, again.get(v).unwrap()), 0.0, "{what}: {name} on the second pass");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let s = sublayers(DType::F64);
+        let x = Var::from_tensor(&randn(412, 0.2, 1.0, (2, 5, WIDTH), DType::F64, &Device::Cpu).unwrap()).unwrap();
+        let up = randn(413, 0.0, 1.0, (2, 5, WIDTH), DType::F64, &Device::Cpu).unwrap();
+        let scalar = |t: Tensor| (t * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+        for (what, ours, _) in cases(DType::F64, &s, &mask(DType::F64, 2, 5)) {
+            let g = (ours(&x) * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let err = check_fd(|t| scalar(ours(t)), &x, g.get(&x).unwrap(), &[0, 13, 41, 79]);
+            assert!(err < 1e-7, "{what}: x {err}");
+            for (name, v) in s.iter().flat_map(|s| &s.vars) {
+                let Some(gv) = g.get(v) else { continue };
+                if max_abs(gv) < 1e-9 {
+                    // The key projection's bias: zero gradient (see above), nothing to compare.
+                    continue;
+                }
+                let original = v.as_tensor().copy().unwrap();
+                let n = v.elem_count();
+                let err = check_fd(
+                    |t| {
+                        v.set(t).unwrap();
+                        let loss = scalar(ours(&x));
+                        v.set(&original).unwrap();
+                        loss
+                    },
+                    &original,
+                    gv,
+                    &[0, n / 2, n - 1],
+                );
+                assert!(err < 1e-7, "{what}: {name} {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn parameters_that_do_not_fit_are_errors() {
+        let s = sublayer(DType::F32, &[(WIDTH, WIDTH); 4]);
+        let x = Tensor::zeros((2, 5, WIDTH + 1), DType::F32, &Device::Cpu).unwrap();
+        let proj = [&s.linears[0], &s.linears[1], &s.linears[2], &s.linears[3]];
+        assert!(layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 2, None).is_err());
+        let x = Tensor::zeros((2, 5, WIDTH), DType::F32, &Device::Cpu).unwrap();
+        let err = layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 3, None).unwrap_err().to_string();
+        assert!(err.contains("heads"), "{err}");
     }
 }

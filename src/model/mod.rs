@@ -3,14 +3,12 @@
 
 pub mod batch_norm;
 pub mod bert;
-pub mod checkpoint;
-pub mod config;
 pub mod dual_encoder;
 pub mod efficientnet;
-pub mod hf;
 pub mod init;
 pub mod layers;
-pub mod ops;
+pub mod presets;
+pub mod recompute;
 pub mod vit;
 
 /// How a forward pass runs: training (batch statistics, stochastic depth drawn from `seed`) or

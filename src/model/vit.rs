@@ -8,10 +8,10 @@ use std::sync::Arc;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use super::checkpoint::Checkpointing;
-use super::config::{ImagePooling, VitConfig};
 use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
-use super::ops::linear::linear_bias;
+use super::presets::{ImagePooling, VitConfig};
+use super::recompute::Checkpointing;
+use crate::ops::kernels::linear::linear_bias;
 
 struct Block {
     norm1: LayerNorm,

@@ -1,10 +1,7 @@
 //! Training: the loss, optimisers and schedules, checkpoints, and the loop.
 
-pub mod checkpoint;
 pub mod collective;
 pub mod gather;
-pub mod hf_io;
-pub mod init_from;
 pub mod loss;
 pub mod metrics_log;
 #[cfg(feature = "nccl")]

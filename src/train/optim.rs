@@ -10,50 +10,12 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+pub use crate::config::{OptimizerConfig, OptimizerKind};
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
-use serde::{Deserialize, Serialize};
 
 // Run on CUDA GPUs, and by the tests in the host emulation.
 #[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
 mod kernels;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OptimizerKind {
-    Adamw,
-    Lamb,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct OptimizerConfig {
-    pub kind: OptimizerKind,
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    /// Clip gradients to this global L2 norm (0 disables).
-    pub grad_clip: f64,
-}
-
-impl Default for OptimizerConfig {
-    fn default() -> Self {
-        // ALIGN §4: LAMB, weight decay 1e-5.
-        OptimizerConfig { kind: OptimizerKind::Lamb, beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 1e-5, grad_clip: 0.0 }
-    }
-}
-
-impl OptimizerConfig {
-    pub fn validate(&self) -> std::result::Result<(), String> {
-        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
-            return Err(format!("betas ({}, {}) must be in [0, 1)", self.beta1, self.beta2));
-        }
-        if self.eps <= 0.0 || self.weight_decay < 0.0 || self.grad_clip < 0.0 {
-            return Err("eps must be positive; weight_decay and grad_clip non-negative".into());
-        }
-        Ok(())
-    }
-}
 
 /// Whether a parameter is decayed: matrices and embeddings are; biases, norm scales and shifts,
 /// and the temperature (every tensor with fewer than two dimensions) are not.
@@ -341,7 +303,7 @@ impl Optimizer {
                 }
                 Moments::Kernel { mv, partials } => {
                     let g = g.to_dtype(DType::F32)?.contiguous()?;
-                    let params = kernels::OptimParams::new(g.elem_count(), &c);
+                    let params = kernels::params(g.elem_count(), &c);
                     let w = p.var.as_tensor();
                     mv.inplace_op2(&g, &kernels::Update::moments(params))?;
                     if c.lamb {

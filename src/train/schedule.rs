@@ -1,17 +1,6 @@
 //! Learning-rate schedules. Step `s` is the 0-based index of the update about to be made.
 
-use serde::{Deserialize, Serialize};
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ScheduleKind {
-    /// Linear warmup from zero, then linear decay to zero at the last step (ALIGN §4).
-    Linear,
-    /// Linear warmup, then half-cosine decay to zero (CLIP, open_clip).
-    Cosine,
-    /// Linear warmup, then constant.
-    Constant,
-}
+pub use crate::config::ScheduleKind;
 
 pub fn lr_at(step: u64, base: f64, warmup: u64, total: u64, kind: ScheduleKind) -> f64 {
     if step < warmup {

@@ -51,7 +51,7 @@ fn global_values(parts: &super::loss::LossParts, group: &Arc<dyn Collective>, op
 /// The parameter gradients of one backward pass: the loss's own store plus those of the blocks
 /// that activation checkpointing recomputed during it.
 pub fn backward(model: &DualEncoder, opt: &Optimizer, loss: &Tensor) -> Result<Grads> {
-    let store = crate::model::checkpoint::detached(crate::util::profile::timed("backward", || loss.backward())?);
+    let store = crate::model::recompute::detached(crate::util::profile::timed("backward", || loss.backward())?);
     let mut grads = opt.gather(&store);
     for g in model.take_checkpoint_grads() {
         grads.accumulate(opt.gather(&g))?;

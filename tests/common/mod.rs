@@ -36,6 +36,7 @@ pub fn tiny_config(data: &SynthOutput, tokenizer: &Path, out: &Path, extra: &[&s
         "model.image_tower=\"vit\"".into(),
         "model.text_tower=\"bert\"".into(),
         "model.embed_dim=16".into(),
+        "model.image_projection=true".into(),
         "model.temperature_init=0.1".into(),
         "model.vit={patch_size = 8, width = 32, depth = 1, heads = 2}".into(),
         "model.bert={hidden = 32, layers = 1, heads = 2, intermediate = 64, max_position = 32}".into(),

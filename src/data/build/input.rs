@@ -4,7 +4,7 @@
 //! with the corpus.
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::mpsc::{Receiver, SyncSender};
 
 use anyhow::{bail, Context, Result};
 
@@ -76,11 +76,10 @@ impl Input {
 
     /// Streams every item in input order from a reader thread.
     pub fn stream(&self) -> Receiver<Item> {
-        let (tx, rx) = sync_channel::<Item>(256);
-        match self {
+        let produce: Box<dyn FnOnce(SyncSender<Item>) + Send> = match self {
             Input::Shards(shards) => {
                 let shards = shards.clone();
-                std::thread::spawn(move || {
+                Box::new(move |tx| {
                     for src in &shards {
                         let origin = src.to_string();
                         let mut open = true;
@@ -110,11 +109,11 @@ impl Input {
                             return;
                         }
                     }
-                });
+                })
             }
             Input::Table { path, image_root, rows } => {
                 let (path, root, rows) = (path.display().to_string(), image_root.clone(), rows.clone());
-                std::thread::spawn(move || {
+                Box::new(move |tx| {
                     let width = rows.len().max(1).to_string().len().max(9);
                     for (i, (caption, file)) in rows.into_iter().enumerate() {
                         let key = format!("{i:0width$}");
@@ -130,9 +129,10 @@ impl Input {
                             return;
                         }
                     }
-                });
+                })
             }
-        }
-        rx
+        };
+        // As std::thread::spawn does: a process that cannot start a thread has no way on.
+        super::super::reader_thread::spawn("build-input", 256, produce).expect("starting the input reader thread").0
     }
 }

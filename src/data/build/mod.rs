@@ -215,7 +215,7 @@ struct Checked {
     origin: String,
     words: usize,
     dims: Option<(u32, u32)>,
-    verdict: Result<Prepared, (&'static str, String)>,
+    verdict: Result<Prepared, Failed>,
 }
 
 struct Prepared {
@@ -231,128 +231,154 @@ fn format_name(fmt: image::ImageFormat) -> &'static str {
     fmt.extensions_str().first().copied().unwrap_or("img")
 }
 
+/// A filter's verdict against a sample: the filter's name and what it found.
+type Failed = (&'static str, String);
+
+/// The image's format and size, read from its header.
+struct Header {
+    fmt: image::ImageFormat,
+    name: &'static str,
+    w: u32,
+    h: u32,
+}
+
+impl Header {
+    fn sides(&self) -> (u32, u32) {
+        (self.w.min(self.h), self.w.max(self.h))
+    }
+}
+
 fn check(s: Candidate, f: &Filters, counts: &Counts, near: &NearIndex) -> Checked {
     let caption = filters::trim_boilerplate(&s.caption, &f.text.trim_boilerplate);
     let words = filters::word_count(&caption);
     let mut out = Checked { key: s.key, origin: s.origin, words, dims: None, verdict: Err(("unreadable", String::new())) };
-    let fail = |out: &mut Checked, filter: &'static str, detail: String| out.verdict = Err((filter, detail));
-
-    let fmt = match image::guess_format(&s.image) {
-        Ok(fmt) => fmt,
-        Err(_) => {
-            fail(&mut out, "undecodable", "unrecognised image format".into());
+    let header = match read_header(&s.image, f) {
+        Ok(h) => h,
+        Err(e) => {
+            out.verdict = Err(e);
             return out;
         }
     };
+    out.dims = Some((header.w, header.h));
+    let (image, json) = (s.image, s.json);
+    out.verdict = check_geometry(&header, f)
+        .and_then(|()| check_caption(&caption, words, f, counts))
+        .and_then(|()| check_frequency(&caption, xxh3_128(&image), f, counts))
+        .and_then(|image_hash| {
+            let (image, ext, near_eval) = pixels(image, &header, f, near)?;
+            Ok(Prepared { caption, image, ext, json, image_hash, near_eval })
+        });
+    out
+}
+
+/// The format (one of the allowed ones) and size from the image's header.
+fn read_header(image: &[u8], f: &Filters) -> Result<Header, Failed> {
+    let fmt = image::guess_format(image).map_err(|_| ("undecodable", "unrecognised image format".to_string()))?;
     let name = format_name(fmt);
     if !f.image.formats.is_empty() && !f.image.formats.iter().any(|x| image::ImageFormat::from_extension(x) == Some(fmt)) {
-        fail(&mut out, "image_format", format!("{name} is not among {:?}", f.image.formats));
-        return out;
+        return Err(("image_format", format!("{name} is not among {:?}", f.image.formats)));
     }
-    let dims = image::ImageReader::with_format(Cursor::new(&s.image), fmt).into_dimensions();
-    let Ok((w, h)) = dims else {
-        fail(&mut out, "undecodable", format!("unreadable {name} header"));
-        return out;
-    };
-    out.dims = Some((w, h));
-    let (short, long) = (w.min(h), w.max(h));
+    let (w, h) = image::ImageReader::with_format(Cursor::new(image), fmt)
+        .into_dimensions()
+        .map_err(|_| ("undecodable", format!("unreadable {name} header")))?;
+    Ok(Header { fmt, name, w, h })
+}
+
+/// The shorter side and the aspect ratio.
+fn check_geometry(header: &Header, f: &Filters) -> Result<(), Failed> {
+    let (w, h) = (header.w, header.h);
+    let (short, long) = header.sides();
     if short <= f.image.min_shorter_side {
-        fail(&mut out, "image_size", format!("{w}×{h}: shorter side not above {}", f.image.min_shorter_side));
-        return out;
+        return Err(("image_size", format!("{w}×{h}: shorter side not above {}", f.image.min_shorter_side)));
     }
     let aspect = long as f64 / short.max(1) as f64;
     let limit = f.image.max_aspect_ratio;
     if limit > 0.0 && (aspect > limit || (!f.image.aspect_ratio_inclusive && aspect >= limit)) {
-        fail(&mut out, "aspect_ratio", format!("{w}×{h}: aspect ratio {aspect:.2} over {limit}"));
-        return out;
+        return Err(("aspect_ratio", format!("{w}×{h}: aspect ratio {aspect:.2} over {limit}")));
     }
+    Ok(())
+}
+
+/// The caption's filters, in order: boilerplate, word count, repeated words, capitalisation,
+/// rare tokens.
+fn check_caption(caption: &str, words: usize, f: &Filters, counts: &Counts) -> Result<(), Failed> {
     let t = &f.text;
-    if filters::has_boilerplate(&caption, &t.drop_boilerplate) {
-        fail(&mut out, "boilerplate", format!("{caption:?} starts or ends with boilerplate"));
-        return out;
+    if filters::has_boilerplate(caption, &t.drop_boilerplate) {
+        return Err(("boilerplate", format!("{caption:?} starts or ends with boilerplate")));
     }
     if words < t.min_words.max(1) || (t.max_words > 0 && words > t.max_words) {
-        fail(&mut out, "word_count", format!("{words} words"));
-        return out;
+        return Err(("word_count", format!("{words} words")));
     }
-    if t.max_repeated_fraction > 0.0 && filters::repeated_fraction(&caption) > t.max_repeated_fraction {
-        fail(&mut out, "repeated_words", format!("{:.2} of the words repeat", filters::repeated_fraction(&caption)));
-        return out;
+    if t.max_repeated_fraction > 0.0 && filters::repeated_fraction(caption) > t.max_repeated_fraction {
+        return Err(("repeated_words", format!("{:.2} of the words repeat", filters::repeated_fraction(caption))));
     }
-    if (t.require_capitalized_first_word && !filters::first_word_capitalized(&caption))
-        || (t.max_capitalized_fraction > 0.0 && filters::capitalized_fraction(&caption) > t.max_capitalized_fraction)
+    if (t.require_capitalized_first_word && !filters::first_word_capitalized(caption))
+        || (t.max_capitalized_fraction > 0.0 && filters::capitalized_fraction(caption) > t.max_capitalized_fraction)
     {
-        fail(&mut out, "capitalization", format!("{caption:?}"));
-        return out;
+        return Err(("capitalization", format!("{caption:?}")));
     }
-    let normed = filters::norm_words(&caption);
+    let normed = filters::norm_words(caption);
     if t.rare.min_count > 0 {
         if let Some(w) = normed.iter().find(|w| counts.words.get(*w).copied().unwrap_or(0) < t.rare.min_count) {
-            fail(&mut out, "rare_tokens", format!("{w:?} occurs fewer than {} times", t.rare.min_count));
-            return out;
+            return Err(("rare_tokens", format!("{w:?} occurs fewer than {} times", t.rare.min_count)));
         }
     }
     if let Some(top) = &counts.top_ngrams {
         if let Some(g) = filters::ngrams(&normed).find(|g| !top.contains(g)) {
-            fail(&mut out, "rare_tokens", format!("{g:?} is not among the {} most frequent n-grams", t.rare.top_ngrams));
-            return out;
+            return Err(("rare_tokens", format!("{g:?} is not among the {} most frequent n-grams", t.rare.top_ngrams)));
         }
     }
-    let image_hash = xxh3_128(&s.image);
+    Ok(())
+}
+
+/// Captions shared by too many images, images with too many captions; the image's hash.
+fn check_frequency(caption: &str, image_hash: u128, f: &Filters, counts: &Counts) -> Result<u128, Failed> {
     let fq = &f.frequency;
     if fq.max_images_per_caption > 0 {
-        let n = counts.caption_images.get(&caption_key(&caption)).copied().unwrap_or(0);
+        let n = counts.caption_images.get(&caption_key(caption)).copied().unwrap_or(0);
         if n as u64 > fq.max_images_per_caption {
-            fail(&mut out, "caption_frequency", format!("caption shared by {n} images"));
-            return out;
+            return Err(("caption_frequency", format!("caption shared by {n} images")));
         }
     }
     if fq.max_captions_per_image > 0 {
         let n = counts.image_captions.get(&image_hash).copied().unwrap_or(0);
         if n as u64 > fq.max_captions_per_image {
-            fail(&mut out, "image_frequency", format!("image has {n} captions"));
-            return out;
+            return Err(("image_frequency", format!("image has {n} captions")));
         }
     }
+    Ok(image_hash)
+}
 
+/// What needs the pixels: decodability, the near-duplicate index, resizing and re-encoding.
+/// Returns the bytes to write, their extension and the nearest evaluation image, if any.
+fn pixels(image: Vec<u8>, header: &Header, f: &Filters, near: &NearIndex) -> Result<(Vec<u8>, &'static str, Option<u32>), Failed> {
     let o = &f.output;
+    let (w, h) = (header.w, header.h);
+    let long = header.sides().1;
     let resize = o.resize_longer > 0 && long > o.resize_longer;
-    let need_pixels = f.image.require_decodable || resize || o.reencode_jpeg || !near.is_empty();
-    let mut image = s.image;
-    let mut ext = if fmt == image::ImageFormat::Jpeg { "jpg" } else { name };
-    let mut near_eval = None;
-    if need_pixels {
-        // Full resolution only when writing pixels; the checks are fine at reduced DCT scale.
-        let min_side = if resize || o.reencode_jpeg { u32::MAX } else { 64 };
-        let pixels = match transform::decode(&image, min_side, f.image.max_pixels) {
-            Ok(p) => p,
-            Err(e) => {
-                fail(&mut out, "undecodable", e.detail);
-                return out;
-            }
-        };
-        if !near.is_empty() {
-            near_eval = near.nearest_within(phash::phash(&pixels), f.dedup.near_max_distance);
-        }
-        if resize || o.reencode_jpeg {
-            let pixels = if resize {
-                let scale = o.resize_longer as f64 / long as f64;
-                let (nw, nh) = (((w as f64 * scale).round() as u32).max(1), ((h as f64 * scale).round() as u32).max(1));
-                transform::resize(&pixels, nw, nh, Interpolation::Bicubic)
-            } else {
-                pixels
-            };
-            let mut buf = Vec::new();
-            if let Err(e) = image::codecs::jpeg::JpegEncoder::new_with_quality(&mut buf, o.jpeg_quality).encode_image(&pixels) {
-                fail(&mut out, "undecodable", format!("re-encoding: {e}"));
-                return out;
-            }
-            image = buf;
-            ext = "jpg";
-        }
+    let ext = if header.fmt == image::ImageFormat::Jpeg { "jpg" } else { header.name };
+    if !(f.image.require_decodable || resize || o.reencode_jpeg || !near.is_empty()) {
+        return Ok((image, ext, None));
     }
-    out.verdict = Ok(Prepared { caption, image, ext, json: s.json, image_hash, near_eval });
-    out
+    // Full resolution only when writing pixels; the checks are fine at reduced DCT scale.
+    let min_side = if resize || o.reencode_jpeg { u32::MAX } else { 64 };
+    let pixels = transform::decode(&image, min_side, f.image.max_pixels).map_err(|e| ("undecodable", e.detail))?;
+    let near_eval = if near.is_empty() { None } else { near.nearest_within(phash::phash(&pixels), f.dedup.near_max_distance) };
+    if !(resize || o.reencode_jpeg) {
+        return Ok((image, ext, near_eval));
+    }
+    let pixels = if resize {
+        let scale = o.resize_longer as f64 / long as f64;
+        let (nw, nh) = (((w as f64 * scale).round() as u32).max(1), ((h as f64 * scale).round() as u32).max(1));
+        transform::resize(&pixels, nw, nh, Interpolation::Bicubic)
+    } else {
+        pixels
+    };
+    let mut buf = Vec::new();
+    image::codecs::jpeg::JpegEncoder::new_with_quality(&mut buf, o.jpeg_quality)
+        .encode_image(&pixels)
+        .map_err(|e| ("undecodable", format!("re-encoding: {e}")))?;
+    Ok((buf, "jpg", near_eval))
 }
 
 /// Where kept samples go: straight into output shards, or (to shuffle globally) into random
@@ -454,39 +480,15 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
     } else {
         (Counts::default(), None)
     };
-
-    let staging = o.out.join(".build");
-    let shuffle = f.output.shuffle;
-    let buckets = if shuffle {
-        std::fs::create_dir_all(&staging)?;
-        let estimate = total
-            .unwrap_or(0)
-            .max(input.parts() as u64 * if matches!(input, Input::Table { .. }) { 1 } else { f.output.samples_per_shard as u64 });
-        (estimate.div_ceil(f.output.samples_per_shard as u64)).max(1) as usize
-    } else {
-        0
-    };
-    let mut bucket_writers: Vec<Option<ShardWriter>> = (0..buckets).map(|_| None).collect();
-    let mut sink = ShardSink { dir: o.out.clone(), per_shard: f.output.samples_per_shard, current: None, shards: Vec::new() };
-
-    let mut removed = [0u64; FILTER_ORDER.len()];
-    let mut before = Dists::new(1);
-    let mut after = Dists::new(2);
-    let mut seen_images: HashSet<u128> = HashSet::new();
-    let (mut input_samples, mut kept) = (0u64, 0u64);
+    let mut output = Output::new(o, &input, total)?;
+    let mut tally = Tally::default();
     let bar = match total {
         Some(n) => Progress::bar(n, "filtering", o.quiet),
         None => Progress::spinner("filtering", o.quiet),
     };
     let rx = input.stream();
     loop {
-        let mut chunk: Vec<Item> = Vec::with_capacity(256);
-        while chunk.len() < 256 {
-            match rx.recv() {
-                Ok(item) => chunk.push(item),
-                Err(_) => break,
-            }
-        }
+        let chunk: Vec<Item> = rx.iter().take(256).collect();
         if chunk.is_empty() {
             break;
         }
@@ -499,86 +501,156 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
             .collect();
         bar.inc(checked.len() as u64);
         for c in checked {
-            input_samples += 1;
-            let c = match c {
-                Ok(c) => c,
-                Err((origin, key, reason)) => {
-                    removed[filter_index("unreadable")] += 1;
-                    log::warn(format!("{origin}: sample {key}: {reason}"));
-                    continue;
-                }
-            };
-            before.add(c.words, c.dims);
-            let p = match c.verdict {
-                Ok(p) => p,
-                Err((filter, detail)) => {
-                    removed[filter_index(filter)] += 1;
-                    if filter == "undecodable" {
-                        log::warn(format!("{}: sample {}: {detail}", c.origin, c.key));
-                    }
-                    continue;
-                }
-            };
-            if f.dedup.exact_images && !seen_images.insert(p.image_hash) {
-                removed[filter_index("duplicate_image")] += 1;
-                continue;
-            }
-            if p.near_eval.is_some() {
-                removed[filter_index("near_duplicate_eval")] += 1;
-                continue;
-            }
-            kept += 1;
-            after.add(c.words, c.dims);
-            let json =
-                p.json.unwrap_or_else(|| serde_json::to_vec(&serde_json::json!({"key": c.key, "caption": p.caption})).unwrap_or_default());
-            let fields: [(&str, &[u8]); 3] = [(p.ext, &p.image), ("txt", p.caption.as_bytes()), ("json", &json)];
-            if shuffle {
-                let b = (mix64(hash_str(&c.key) ^ mix64(kept ^ f.output.seed)) % buckets as u64) as usize;
-                if bucket_writers[b].is_none() {
-                    bucket_writers[b] = Some(ShardWriter::create(&staging.join(format!("bucket-{b:05}.tar")))?);
-                }
-                bucket_writers[b].as_mut().expect("just created").write_sample(&c.key, &fields)?;
-            } else {
-                sink.write(&c.key, &fields)?;
+            if let Some((c, p)) = tally.admit(c, f) {
+                let json = p
+                    .json
+                    .unwrap_or_else(|| serde_json::to_vec(&serde_json::json!({"key": c.key, "caption": p.caption})).unwrap_or_default());
+                let fields: [(&str, &[u8]); 3] = [(p.ext, &p.image), ("txt", p.caption.as_bytes()), ("json", &json)];
+                output.write(&c.key, &fields, tally.kept, f.output.seed)?;
             }
         }
     }
     bar.finish();
-
-    if shuffle {
-        let bar = Progress::bar(buckets as u64, "shuffling", o.quiet);
-        for (b, w) in bucket_writers.into_iter().enumerate() {
-            bar.inc(1);
-            let Some(w) = w else { continue };
-            let path = w.finish()?;
-            let mut samples: Vec<_> = read_shard_events(&ShardSource::File(path.clone()))
-                .into_iter()
-                .filter_map(|e| if let ShardEvent::Sample(s) = e { Some(s) } else { None })
-                .collect();
-            Rng::derived(f.output.seed, &[b as u64]).shuffle(&mut samples);
-            for s in &samples {
-                let fields: Vec<(&str, &[u8])> = s.fields.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
-                sink.write(&s.key, &fields)?;
-            }
-            std::fs::remove_file(&path)?;
-        }
-        bar.finish();
-        let _ = std::fs::remove_dir(&staging);
-    }
-    sink.close()?;
-
+    let shards = output.finish(f.output.seed, o.quiet)?;
     let report = BuildReport {
         filters: f.description.clone(),
-        input_samples,
-        kept,
-        removed: FILTER_ORDER.iter().zip(removed).map(|(f, n)| Removed { filter: f.to_string(), samples: n }).collect(),
-        before: before.finish(),
-        after: after.finish(),
+        input_samples: tally.input_samples,
+        kept: tally.kept,
+        removed: FILTER_ORDER.iter().zip(tally.removed).map(|(f, n)| Removed { filter: f.to_string(), samples: n }).collect(),
+        before: tally.before.finish(),
+        after: tally.after.finish(),
         eval_hashes: near.len(),
-        shards: sink.shards,
+        shards,
         seconds: t0.elapsed().as_secs_f64(),
     };
     let path = o.out.join("build-report.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
     Ok(report)
+}
+
+/// Counts of the build so far: samples read and kept, removals by filter, the distributions
+/// before and after filtering, and the images already kept (exact duplicates).
+struct Tally {
+    removed: [u64; FILTER_ORDER.len()],
+    before: Dists,
+    after: Dists,
+    seen_images: HashSet<u128>,
+    input_samples: u64,
+    kept: u64,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        Tally {
+            removed: [0; FILTER_ORDER.len()],
+            before: Dists::new(1),
+            after: Dists::new(2),
+            seen_images: HashSet::new(),
+            input_samples: 0,
+            kept: 0,
+        }
+    }
+}
+
+impl Tally {
+    /// Counts a checked sample; the ones to keep come back with what to write. A removed sample
+    /// is charged to the first filter it fails; exact duplicates and near-duplicates of the
+    /// evaluation images come last.
+    fn admit(&mut self, c: Result<Checked, (String, String, String)>, f: &Filters) -> Option<(Checked, Prepared)> {
+        self.input_samples += 1;
+        let mut c = match c {
+            Ok(c) => c,
+            Err((origin, key, reason)) => {
+                self.removed[filter_index("unreadable")] += 1;
+                log::warn(format!("{origin}: sample {key}: {reason}"));
+                return None;
+            }
+        };
+        self.before.add(c.words, c.dims);
+        let verdict = std::mem::replace(&mut c.verdict, Err(("unreadable", String::new())));
+        let p = match verdict {
+            Ok(p) => p,
+            Err((filter, detail)) => {
+                self.removed[filter_index(filter)] += 1;
+                if filter == "undecodable" {
+                    log::warn(format!("{}: sample {}: {detail}", c.origin, c.key));
+                }
+                return None;
+            }
+        };
+        if f.dedup.exact_images && !self.seen_images.insert(p.image_hash) {
+            self.removed[filter_index("duplicate_image")] += 1;
+            return None;
+        }
+        if p.near_eval.is_some() {
+            self.removed[filter_index("near_duplicate_eval")] += 1;
+            return None;
+        }
+        self.kept += 1;
+        self.after.add(c.words, c.dims);
+        Some((c, p))
+    }
+}
+
+/// Where kept samples go: straight into the output shards, or (`output.shuffle`) first into
+/// random buckets, each shuffled in memory and written out at the end.
+struct Output {
+    sink: ShardSink,
+    staging: PathBuf,
+    buckets: Vec<Option<ShardWriter>>,
+}
+
+impl Output {
+    fn new(o: &BuildOptions, input: &Input, total: Option<u64>) -> Result<Output> {
+        let f = &o.filters;
+        let staging = o.out.join(".build");
+        let buckets = if f.output.shuffle {
+            std::fs::create_dir_all(&staging)?;
+            let per_part = if matches!(input, Input::Table { .. }) { 1 } else { f.output.samples_per_shard as u64 };
+            let estimate = total.unwrap_or(0).max(input.parts() as u64 * per_part);
+            (estimate.div_ceil(f.output.samples_per_shard as u64)).max(1) as usize
+        } else {
+            0
+        };
+        let sink = ShardSink { dir: o.out.clone(), per_shard: f.output.samples_per_shard, current: None, shards: Vec::new() };
+        Ok(Output { sink, staging, buckets: (0..buckets).map(|_| None).collect() })
+    }
+
+    /// Writes the `kept`-th kept sample.
+    fn write(&mut self, key: &str, fields: &[(&str, &[u8])], kept: u64, seed: u64) -> Result<()> {
+        if self.buckets.is_empty() {
+            return self.sink.write(key, fields);
+        }
+        let b = (mix64(hash_str(key) ^ mix64(kept ^ seed)) % self.buckets.len() as u64) as usize;
+        if self.buckets[b].is_none() {
+            self.buckets[b] = Some(ShardWriter::create(&self.staging.join(format!("bucket-{b:05}.tar")))?);
+        }
+        self.buckets[b].as_mut().expect("just created").write_sample(key, fields)
+    }
+
+    /// Shuffles each bucket into the output shards, closes the last one, and names them.
+    fn finish(mut self, seed: u64, quiet: bool) -> Result<Vec<PathBuf>> {
+        if !self.buckets.is_empty() {
+            let bar = Progress::bar(self.buckets.len() as u64, "shuffling", quiet);
+            for (b, w) in std::mem::take(&mut self.buckets).into_iter().enumerate() {
+                bar.inc(1);
+                let Some(w) = w else { continue };
+                let path = w.finish()?;
+                let mut samples: Vec<_> = read_shard_events(&ShardSource::File(path.clone()))
+                    .into_iter()
+                    .filter_map(|e| if let ShardEvent::Sample(s) = e { Some(s) } else { None })
+                    .collect();
+                Rng::derived(seed, &[b as u64]).shuffle(&mut samples);
+                for s in &samples {
+                    let fields: Vec<(&str, &[u8])> = s.fields.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+                    self.sink.write(&s.key, &fields)?;
+                }
+                std::fs::remove_file(&path)?;
+            }
+            bar.finish();
+            let _ = std::fs::remove_dir(&self.staging);
+        }
+        self.sink.close()?;
+        Ok(self.sink.shards)
+    }
 }

@@ -1,0 +1,300 @@
+//! `align bench model`: forward, backward and optimiser time, throughput, peak memory and model
+//! FLOPs utilisation of one training step; `scripts/bench_torch.py` is the PyTorch side.
+
+use std::time::Instant;
+
+use align::config::Config;
+use align::util::progress::Progress;
+use anyhow::Result;
+use clap::Args;
+use serde::Serialize;
+
+use crate::cli::table::Table;
+
+#[derive(Args)]
+pub struct ModelArgs {
+    /// Image tower preset (e.g. efficientnet-b0, vit-ti16).
+    #[arg(long, default_value = "efficientnet-b0")]
+    pub image_tower: String,
+    /// Text tower preset (e.g. bert-mini).
+    #[arg(long, default_value = "bert-mini")]
+    pub text_tower: String,
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 224)]
+    pub image_size: usize,
+    #[arg(long, default_value_t = 64)]
+    pub text_len: usize,
+    /// Timed steps (after `--warmup` untimed ones).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// EfficientNet depthwise convolution: our fused op or candle's grouped conv2d.
+    #[arg(long, value_enum, default_value = "fused")]
+    pub depthwise: align::model::efficientnet::DepthwiseImpl,
+    /// Further config overrides (`--set optimizer.kind="adamw"`).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub overrides: Vec<String>,
+    /// Time per phase and per op kind (also `ALIGN_PROFILE=1`).
+    #[arg(long)]
+    pub profile: bool,
+    /// `f32`, or `bf16` (towers in bfloat16 over f32 master weights, as `train.precision`).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// The device's peak FLOP/s in TFLOP/s for this precision, to report model FLOPs
+    /// utilisation (e.g. 989 for an H100 SXM in bf16).
+    #[arg(long)]
+    pub peak_tflops: Option<f64>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct ModelBench {
+    device: String,
+    precision: String,
+    image_tower: String,
+    text_tower: String,
+    batch: usize,
+    image_size: usize,
+    parameters: usize,
+    forward_ms: f64,
+    backward_ms: f64,
+    optimizer_ms: f64,
+    step_ms: f64,
+    #[serde(rename = "samples_per_s")]
+    samples_per_second: f64,
+    /// Peak resident memory of the process, in MiB (2²⁰ bytes).
+    #[serde(rename = "peak_rss_mb")]
+    peak_rss_mib: Option<f64>,
+    /// Most GPU memory in use at the sampled points (after each phase), all processes.
+    peak_gpu_mib: Option<f64>,
+    /// Forward FLOPs per (image, caption) pair, counted from the architecture.
+    forward_gflops_per_sample: f64,
+    /// 3 × forward FLOPs × samples/s.
+    model_tflops_per_s: f64,
+    mfu: Option<f64>,
+}
+
+/// GPU memory in use on the device (total − free), in MiB.
+fn gpu_used_mib(device: &candle_core::Device) -> Option<f64> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(d) = device {
+        let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
+        return Some((total - free) as f64 / (1024.0 * 1024.0));
+    }
+    let _ = device;
+    None
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`).
+fn peak_rss_mib() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+pub fn model(a: &ModelArgs) -> Result<()> {
+    if a.profile {
+        align::util::profile::enable(true);
+    }
+    let mut bench = Bench::new(a)?;
+    let (times, peak_gpu) = bench.run(a)?;
+    let r = bench.result(a, times, peak_gpu);
+    report(a, &r)
+}
+
+/// The model, its optimizer and one synthetic batch.
+struct Bench {
+    cfg: Config,
+    spec: align::model::dual_encoder::ModelSpec,
+    vm: candle_nn::VarMap,
+    model: align::model::dual_encoder::DualEncoder,
+    opt: align::train::optim::Optimizer,
+    parameters: usize,
+    device: candle_core::Device,
+    images: candle_core::Tensor,
+    ids: candle_core::Tensor,
+    mask: candle_core::Tensor,
+}
+
+/// Seconds spent in forward, backward and the optimiser over the timed steps.
+struct Times {
+    forward: f64,
+    backward: f64,
+    optimizer: f64,
+}
+
+impl Bench {
+    fn new(a: &ModelArgs) -> Result<Bench> {
+        use align::model::dual_encoder::ImageSpec;
+        use align::model::init::SeededVars;
+        use candle_core::Tensor;
+
+        let mut overrides = vec![
+            format!("model.image_tower={:?}", a.image_tower),
+            format!("model.text_tower={:?}", a.text_tower),
+            format!("data.image.image_size={}", a.image_size),
+            format!("data.image.resize={}", a.image_size),
+            format!("text.max_len={}", a.text_len),
+            // Any tower at any embedding size; `--set model.image_projection=false` for ALIGN's.
+            "model.image_projection=true".into(),
+        ];
+        overrides.extend(a.overrides.iter().cloned());
+        overrides.push(format!("train.precision={:?}", a.precision));
+        let cfg = Config::from_str_with_overrides("", "bench", &overrides)?;
+        let mut spec = cfg.model_spec(30522)?;
+        if let ImageSpec::EfficientNet(e) = &mut spec.image {
+            e.depthwise = a.depthwise;
+        }
+        let device = crate::cli::default_device();
+        let vm = candle_nn::VarMap::new();
+        let model = Self::build(&cfg, &spec, SeededVars::builder(&vm, 0, &device))?;
+        let vars = align::model::batch_norm::trainable_vars(&vm);
+        let parameters = vars.iter().map(|(_, v)| v.elem_count()).sum();
+        let opt = align::train::optim::Optimizer::new(vars, cfg.optimizer.clone())?;
+        let images = Tensor::randn(0f32, 1.0, (a.batch, 3, a.image_size, a.image_size), &device)?;
+        let ids: Vec<u32> = (0..a.batch * a.text_len).map(|i| 1000 + (i as u32 * 7919) % 20000).collect();
+        let ids = Tensor::from_vec(ids, (a.batch, a.text_len), &device)?;
+        let mask = Tensor::ones((a.batch, a.text_len), candle_core::DType::U32, &device)?;
+        Ok(Bench { cfg, spec, vm, model, opt, parameters, device, images, ids, mask })
+    }
+
+    fn build(
+        cfg: &Config,
+        spec: &align::model::dual_encoder::ModelSpec,
+        vb: candle_nn::VarBuilder,
+    ) -> Result<align::model::dual_encoder::DualEncoder> {
+        Ok(align::model::dual_encoder::DualEncoder::new(spec, vb)?.with_grad_checkpointing(cfg.train.grad_checkpointing))
+    }
+
+    /// Warm-up and timed steps; the most GPU memory seen after any phase.
+    fn run(&mut self, a: &ModelArgs) -> Result<(Times, Option<f64>)> {
+        let mut times = Times { forward: 0.0, backward: 0.0, optimizer: 0.0 };
+        let mut peak_gpu: Option<f64> = None;
+        let bar = Progress::bar((a.warmup + a.steps) as u64, "steps", a.json);
+        for step in 0..a.warmup + a.steps {
+            if step == a.warmup {
+                // Only the timed steps are profiled.
+                align::util::profile::take();
+            }
+            let [forward, backward, optimizer] = self.step(step, &mut peak_gpu)?;
+            if step >= a.warmup {
+                times.forward += forward;
+                times.backward += backward;
+                times.optimizer += optimizer;
+            }
+            bar.inc(1);
+        }
+        bar.finish();
+        Ok((times, peak_gpu))
+    }
+
+    /// One training step, its phases' seconds.
+    fn step(&mut self, step: usize, peak_gpu: &mut Option<f64>) -> Result<[f64; 3]> {
+        use align::model::init::SeededVars;
+        use align::train::loss::contrastive_loss;
+
+        let mut sample_gpu = || {
+            if let Some(m) = gpu_used_mib(&self.device) {
+                *peak_gpu = Some(peak_gpu.map_or(m, |p: f64| p.max(m)));
+            }
+        };
+        let compute = self.cfg.train.precision.compute_dtype();
+        self.device.synchronize()?;
+        let t0 = Instant::now();
+        // As in training: the mixed-precision view is rebuilt from the master weights every step.
+        let view;
+        let model = if compute == candle_core::DType::F32 {
+            &self.model
+        } else {
+            view = Self::build(&self.cfg, &self.spec, SeededVars::builder_dtype(&self.vm, 0, compute, &self.device))?;
+            &view
+        };
+        let img = model.image_embeddings(&self.images, &align::model::Ctx::train(step as u64))?;
+        let txt = model.text_embeddings(&self.ids, &self.mask)?;
+        let loss = align::util::profile::timed("loss", || contrastive_loss(&img, &txt, &img, &txt, 0, &model.logit_scale()?, 0.1))?.total;
+        loss.to_scalar::<f32>()?;
+        let t1 = Instant::now();
+        sample_gpu();
+        let grads = align::train::step::backward(model, &self.opt, &loss)?;
+        self.device.synchronize()?;
+        let t2 = Instant::now();
+        sample_gpu();
+        self.opt.step(&grads, 1e-4)?;
+        self.device.synchronize()?;
+        let t3 = Instant::now();
+        sample_gpu();
+        Ok([(t1 - t0).as_secs_f64(), (t2 - t1).as_secs_f64(), (t3 - t2).as_secs_f64()])
+    }
+
+    fn result(&self, a: &ModelArgs, t: Times, peak_gpu: Option<f64>) -> ModelBench {
+        let n = a.steps.max(1) as f64;
+        let step_ms = 1000.0 * (t.forward + t.backward + t.optimizer) / n;
+        let samples_per_second = a.batch as f64 * 1000.0 / step_ms;
+        let flops = self.model.forward_flops_per_pair(a.text_len);
+        let model_tflops_per_s = 3.0 * flops * samples_per_second / 1e12;
+        ModelBench {
+            device: align::util::device::describe(&self.device),
+            precision: a.precision.clone(),
+            image_tower: a.image_tower.clone(),
+            text_tower: a.text_tower.clone(),
+            batch: a.batch,
+            image_size: a.image_size,
+            parameters: self.parameters,
+            forward_ms: 1000.0 * t.forward / n,
+            backward_ms: 1000.0 * t.backward / n,
+            optimizer_ms: 1000.0 * t.optimizer / n,
+            step_ms,
+            samples_per_second,
+            peak_rss_mib: peak_rss_mib(),
+            peak_gpu_mib: peak_gpu,
+            forward_gflops_per_sample: flops / 1e9,
+            model_tflops_per_s,
+            mfu: a.peak_tflops.map(|p| model_tflops_per_s / p),
+        }
+    }
+}
+
+/// The result as JSON (with the profile's regions per step when profiling) or as a table.
+fn report(a: &ModelArgs, r: &ModelBench) -> Result<()> {
+    let profile = align::util::profile::take();
+    let n = a.steps.max(1) as f64;
+    if a.json {
+        if align::util::profile::enabled() {
+            let regions: serde_json::Map<String, serde_json::Value> = profile
+                .iter()
+                .map(|(k, (secs, calls))| (k.to_string(), serde_json::json!({"ms_per_step": 1000.0 * secs / n, "calls": calls})))
+                .collect();
+            let mut v = serde_json::to_value(r)?;
+            v["profile"] = serde_json::Value::Object(regions);
+            return crate::cli::print_json(&v);
+        }
+        return crate::cli::print_json(r);
+    }
+    if align::util::profile::enabled() {
+        println!("{}", align::util::profile::report(&profile, a.steps));
+    }
+    let mut t = Table::new(&format!(
+        "Model step: {} + {}, batch {}, {} px, {} on {}",
+        r.image_tower, r.text_tower, r.batch, r.image_size, r.precision, r.device
+    ));
+    t.row("parameters", format!("{:.2} M", r.parameters as f64 / 1e6));
+    t.row("forward", format!("{:.1} ms", r.forward_ms))
+        .row("backward", format!("{:.1} ms", r.backward_ms))
+        .row("optimizer", format!("{:.1} ms", r.optimizer_ms));
+    t.row("samples/s", format!("{:.2}", r.samples_per_second));
+    t.row("peak RSS", r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.0} MiB")));
+    if let Some(m) = r.peak_gpu_mib {
+        t.row("peak GPU memory", format!("{m:.0} MiB"));
+    }
+    t.row("forward GFLOPs / sample", format!("{:.2}", r.forward_gflops_per_sample));
+    t.row("model TFLOP/s", format!("{:.3}", r.model_tflops_per_s));
+    if let Some(m) = r.mfu {
+        t.row("MFU", format!("{:.1}%", 100.0 * m));
+    }
+    t.print();
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! Hugging Face `AlignModel` directories: loading one as an align model, and writing align's
+//! EfficientNet + BERT models as one that `transformers.AlignModel.from_pretrained` loads.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{anyhow, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
+use serde_json::Value;
+
+use super::files::{load_prefixed, read_json, read_tokenizer, read_weights};
+use super::hub::WEIGHTS;
+use super::layout::{align_spec_from_hf, align_spec_to_hf};
+use crate::config::Config;
+use crate::data::tokenizer::TextTokenizer;
+use crate::io::load::LoadedModel;
+use crate::model::dual_encoder::{DualEncoder, ModelSpec};
+use crate::model::init::SeededVars;
+
+/// The image settings of a Hugging Face checkpoint: its `preprocessor_config.json` when present,
+/// else ALIGN's (resize to 346/289 of the input size, center crop, x/127.5 − 1).
+fn image_config(dir: &Path, image_size: usize) -> crate::data::transform::ImageConfig {
+    let mut c = crate::data::transform::ImageConfig { image_size, resize: (image_size * 346).div_ceil(289), ..Default::default() };
+    if let Ok(p) = read_json(&dir.join("preprocessor_config.json")) {
+        let side = |v: Option<&Value>| v.and_then(|s| s.get("height").or(Some(s))).and_then(Value::as_u64).map(|x| x as usize);
+        if let Some(crop) = side(p.get("crop_size")) {
+            c.image_size = crop;
+        }
+        if let Some(size) = side(p.get("size")) {
+            c.resize = size.max(c.image_size);
+        }
+        if p.get("do_normalize").and_then(Value::as_bool) == Some(true) {
+            let three = |k: &str| {
+                p.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_f64).map(|x| x as f32).collect::<Vec<_>>())
+            };
+            if let (Some(m), Some(s)) = (three("image_mean"), three("image_std")) {
+                if m.len() == 3 && s.len() == 3 {
+                    c.mean = [m[0], m[1], m[2]];
+                    c.std = [s[0], s[1], s[2]];
+                }
+            }
+        }
+    }
+    c
+}
+
+/// Loads a Hugging Face `AlignModel` directory as an align model.
+pub fn load_hf_align(dir: &Path, device: &Device) -> Result<LoadedModel> {
+    let hf = read_json(&dir.join("config.json"))?;
+    let spec = align_spec_from_hf(&hf).map_err(|e| anyhow!("{}: {e}", dir.join("config.json").display()))?;
+    let mut config = Config::default();
+    config.data.image = image_config(dir, spec.image.image_size());
+    config.model.embed_dim = spec.embed_dim;
+    config.model.image_projection = false;
+    let tokenizer = read_tokenizer(dir, config.text.max_len)?;
+    let varmap = VarMap::new();
+    let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, 0, device))?;
+    let weights = read_weights(dir, device)?;
+    let origin = dir.display().to_string();
+    let loaded = load_prefixed(&varmap, &weights, "", "", &origin)?;
+    debug_assert_eq!(loaded, varmap.all_vars().len());
+    Ok(LoadedModel { model, varmap, tokenizer, config, dir: dir.to_path_buf() })
+}
+
+/// Writes an ALIGN-architecture model as a Hugging Face `AlignModel` directory: `config.json`,
+/// `model.safetensors` (with zero BatchNorm batch counters and an unused zero BERT pooler, which
+/// transformers expects) and the tokenizer.
+pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, out: &Path) -> Result<()> {
+    let config = align_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    for (name, var) in vm.data().lock().unwrap().iter() {
+        tensors.insert(name.clone(), var.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?);
+        if let Some(prefix) = name.strip_suffix("running_mean") {
+            tensors.insert(format!("{prefix}num_batches_tracked"), Tensor::zeros((), DType::I64, &Device::Cpu)?);
+        }
+    }
+    // AlignTextModel carries BERT's pooler, which ALIGN never uses; zeros keep transformers from
+    // reporting it as missing.
+    let h = spec.text.hidden;
+    tensors.insert("text_model.pooler.dense.weight".into(), Tensor::zeros((h, h), DType::F32, &Device::Cpu)?);
+    tensors.insert("text_model.pooler.dense.bias".into(), Tensor::zeros(h, DType::F32, &Device::Cpu)?);
+    candle_core::safetensors::save(&tensors, out.join(WEIGHTS)).with_context(|| format!("writing {}", out.join(WEIGHTS).display()))?;
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    tokenizer.save(&out.join("tokenizer.json"))?;
+    Ok(())
+}

@@ -1,0 +1,96 @@
+//! The files of a Hugging Face model directory: weights (single or sharded), `config.json`, the
+//! tokenizer, and tensors set into a model's variables under a prefix.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use serde_json::Value;
+
+use super::hub::{shard_files, WEIGHTS, WEIGHTS_INDEX};
+use super::layout::is_unused_hf_tensor;
+use crate::data::tokenizer::TextTokenizer;
+use crate::io::tensors::read_tensors;
+use crate::util::log;
+
+/// Every tensor of a directory's `model.safetensors`, or of the shards its index lists.
+pub fn read_weights(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let single = dir.join(WEIGHTS);
+    if single.is_file() {
+        return read_tensors(&single, device);
+    }
+    let index = dir.join(WEIGHTS_INDEX);
+    if !index.is_file() {
+        bail!("{} has neither {WEIGHTS} nor {WEIGHTS_INDEX}", dir.display());
+    }
+    let mut out = HashMap::new();
+    for shard in shard_files(&index)? {
+        out.extend(read_tensors(&dir.join(&shard), device)?);
+    }
+    Ok(out)
+}
+
+pub fn read_json(path: &Path) -> Result<Value> {
+    serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?)
+        .with_context(|| format!("parsing {}", path.display()))
+}
+
+/// Whether a directory holds a Hugging Face model of the given `model_type`.
+pub fn is_hf_model(dir: &Path, model_type: &str) -> bool {
+    read_json(&dir.join("config.json")).is_ok_and(|c| c.get("model_type").and_then(Value::as_str) == Some(model_type))
+}
+
+/// The tokenizer shipped with a checkpoint: `tokenizer.json`, else a BERT `vocab.txt`.
+pub fn read_tokenizer(dir: &Path, max_len: usize) -> Result<TextTokenizer> {
+    let json = dir.join("tokenizer.json");
+    if json.is_file() {
+        return TextTokenizer::from_file(&json, max_len);
+    }
+    let vocab = dir.join("vocab.txt");
+    if vocab.is_file() {
+        let lower = read_json(&dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|c| c.get("do_lower_case").and_then(Value::as_bool))
+            .unwrap_or(true);
+        return TextTokenizer::from_bert_vocab(&vocab, lower, max_len);
+    }
+    bail!("{} has no tokenizer.json or vocab.txt", dir.display())
+}
+
+/// Tensors of `checkpoint` under `from` (e.g. `""` for a `BertModel`, `"bert."` for a
+/// `BertForPreTraining`) set into the variables of `vm` under `into` (e.g. `"text_model."`), with
+/// names and shapes checked. Missing or mis-shaped tensors are errors listing them; tensors the
+/// model has no use for are listed in a warning.
+pub fn load_prefixed(vm: &VarMap, checkpoint: &HashMap<String, Tensor>, from: &str, into: &str, origin: &str) -> Result<usize> {
+    let data = vm.data().lock().unwrap();
+    let mut missing = Vec::new();
+    let mut wrong = Vec::new();
+    let mut loaded = 0;
+    let mut targets: Vec<(&String, &candle_core::Var)> = data.iter().filter(|(k, _)| k.starts_with(into)).collect();
+    targets.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, var) in &targets {
+        let source = format!("{from}{}", &name[into.len()..]);
+        match checkpoint.get(&source) {
+            None => missing.push(source),
+            Some(t) if t.dims() != var.dims() => wrong.push(format!("{source}: checkpoint {:?}, model {:?}", t.dims(), var.dims())),
+            Some(t) => {
+                var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+                loaded += 1;
+            }
+        }
+    }
+    let mut unused: Vec<&String> = checkpoint
+        .keys()
+        .filter(|k| k.starts_with(from) && !is_unused_hf_tensor(k) && !data.contains_key(&format!("{into}{}", &k[from.len()..])))
+        .collect();
+    unused.sort();
+    if !missing.is_empty() || !wrong.is_empty() {
+        bail!("{origin} does not fit the model: missing {missing:?}; wrong shape {wrong:?}; unexpected {unused:?}");
+    }
+    if !unused.is_empty() {
+        log::warn(format!("{origin}: {} tensors not used: {:?}", unused.len(), unused));
+    }
+    Ok(loaded)
+}

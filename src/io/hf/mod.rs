@@ -1,0 +1,8 @@
+//! Hugging Face layouts: configurations and parameter names (`layout`), `hf:` hub locations
+//! (`hub`), the files of a model directory (`files`), and `AlignModel` directories in and out
+//! (`align`).
+
+pub mod align;
+pub mod files;
+pub mod hub;
+pub mod layout;

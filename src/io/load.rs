@@ -1,0 +1,41 @@
+//! Loading a model to use it: an align checkpoint or run directory, a Hugging Face `AlignModel`
+//! directory, or `hf:ID[@REVISION]`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use candle_core::Device;
+use candle_nn::VarMap;
+
+use super::run_dir::{resolve, CONFIG_FILE, MODEL_FILE, SPEC_FILE, TOKENIZER_FILE};
+use super::tensors::{load_strict, read_tensors};
+
+/// A model restored from a checkpoint directory, with what is needed to use it.
+pub struct LoadedModel {
+    pub model: crate::model::dual_encoder::DualEncoder,
+    pub varmap: VarMap,
+    pub tokenizer: crate::data::tokenizer::TextTokenizer,
+    pub config: crate::config::Config,
+    pub dir: PathBuf,
+}
+
+/// Loads a model onto `device` from an align checkpoint, a run directory (its latest checkpoint),
+/// a Hugging Face `AlignModel` directory, or `hf:ID[@REVISION]`.
+pub fn load_model(path: &Path, device: &Device) -> Result<LoadedModel> {
+    let located = super::hf::hub::resolve_location(&path.to_string_lossy())?;
+    if !located.join(SPEC_FILE).is_file() && super::hf::files::is_hf_model(&located, "align") {
+        return super::hf::align::load_hf_align(&located, device);
+    }
+    let dir = resolve(&located)?;
+    let config = crate::config::Config::load(&dir.join(CONFIG_FILE), &[])?;
+    let spec_path = dir.join(SPEC_FILE);
+    let spec: crate::model::dual_encoder::ModelSpec =
+        serde_json::from_str(&std::fs::read_to_string(&spec_path).with_context(|| format!("reading {}", spec_path.display()))?)
+            .with_context(|| format!("parsing {}", spec_path.display()))?;
+    let tokenizer = crate::data::tokenizer::TextTokenizer::from_file(&dir.join(TOKENIZER_FILE), config.text.max_len)?;
+    let varmap = VarMap::new();
+    let model = crate::model::dual_encoder::DualEncoder::new(&spec, crate::model::init::SeededVars::builder(&varmap, 0, device))?;
+    let weights = read_tensors(&dir.join(MODEL_FILE), device)?;
+    load_strict(&varmap, &weights, &dir.join(MODEL_FILE))?;
+    Ok(LoadedModel { model, varmap, tokenizer, config, dir })
+}

@@ -1,0 +1,97 @@
+//! Tensors files: safetensors read and written durably, and a model's variables matched to a
+//! file's tensors by name and shape.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+
+/// Writes `bytes` to `path` and syncs the file.
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+/// Syncs a directory so that renames inside it are durable.
+pub fn sync_dir(dir: &Path) {
+    // Directory fsync makes the rename durable; not every filesystem allows it, so ignore errors.
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// Writes tensors as safetensors and syncs the file.
+pub fn save_tensors(map: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    candle_core::safetensors::save(map, path).with_context(|| format!("writing {}", path.display()))?;
+    File::open(path)?.sync_all()?;
+    Ok(())
+}
+
+pub fn read_tensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    candle_core::safetensors::load(path, device).with_context(|| format!("reading {}", path.display()))
+}
+
+/// The variables of a model by name, for saving.
+pub fn var_tensors(vm: &VarMap) -> HashMap<String, Tensor> {
+    vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()
+}
+
+/// Sets every variable of `vm` from `tensors`, requiring an exact match of names and shapes:
+/// missing, unexpected and mis-shaped tensors are listed in the error.
+pub fn load_strict(vm: &VarMap, tensors: &HashMap<String, Tensor>, origin: &Path) -> Result<()> {
+    let data = vm.data().lock().unwrap();
+    let mut missing: Vec<&str> = Vec::new();
+    let mut shapes: Vec<String> = Vec::new();
+    for (name, var) in data.iter() {
+        match tensors.get(name) {
+            None => missing.push(name),
+            Some(t) if t.dims() != var.dims() => shapes.push(format!("{name}: checkpoint {:?}, model {:?}", t.dims(), var.dims())),
+            Some(_) => {}
+        }
+    }
+    let mut unexpected: Vec<&str> = tensors.keys().filter(|k| !data.contains_key(*k)).map(String::as_str).collect();
+    if !missing.is_empty() || !shapes.is_empty() || !unexpected.is_empty() {
+        missing.sort();
+        unexpected.sort();
+        shapes.sort();
+        bail!(
+            "{} does not match the model: missing {:?}; unexpected {:?}; wrong shape {:?}",
+            origin.display(),
+            missing,
+            unexpected,
+            shapes
+        );
+    }
+    for (name, var) in data.iter() {
+        let t = &tensors[name];
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strict_loading_lists_every_mismatch() {
+        let vm = VarMap::new();
+        let dev = Device::Cpu;
+        vm.get((2, 2), "a", candle_nn::Init::Const(0.0), candle_core::DType::F32, &dev).unwrap();
+        vm.get(3, "b", candle_nn::Init::Const(0.0), candle_core::DType::F32, &dev).unwrap();
+        let mut t = HashMap::new();
+        t.insert("a".to_string(), Tensor::ones((2, 3), candle_core::DType::F32, &dev).unwrap());
+        t.insert("c".to_string(), Tensor::ones(1, candle_core::DType::F32, &dev).unwrap());
+        let err = load_strict(&vm, &t, Path::new("x.safetensors")).unwrap_err().to_string();
+        assert!(
+            err.contains("missing [\"b\"]") && err.contains("unexpected [\"c\"]") && err.contains("a: checkpoint [2, 3], model [2, 2]"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,382 @@
+//! A transformer layer's residual branch as one op: `x + F(LN(x))` (pre-norm, as ViT has it) or
+//! `LN(x + F(x))` (post-norm, as BERT has it), where F is the attention with its four
+//! projections or the MLP.
+//!
+//! candle's backward pass gives every graph edge a zero-filled gradient buffer and adds each
+//! contribution into it. Built from separate ops, a ViT block has about fourteen edges the size
+//! of its activations (the LayerNorm outputs, q, k, v, the context, the residual sums); as two of
+//! these ops it has two, and the LayerNorm output is recomputed in the backward pass instead of
+//! kept. Parameters arrive as one flat tensor (an op has at most three inputs), laid out as
+//! [`Branch::param_layout`] says; their gradient comes back in the same layout.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
+
+use super::attention::{context, context_grad, scores, scores_grad, Geometry};
+use crate::ops::kernels::bias_act::{Activation, BiasAct, GeluGrad};
+use crate::ops::kernels::layer_norm::{LayerNormGrad, LayerNormOp};
+use crate::ops::kernels::linear::{linear_grads, linear_onto, product, sum_into};
+use crate::ops::op::{Kernel, Op};
+use crate::ops::{contiguous, output_buffer, Float};
+
+/// Where the branch's LayerNorm sits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    /// `x + F(LN(x))`.
+    Pre,
+    /// `LN(x + F(x))`.
+    Post,
+}
+
+/// The branch's function F.
+#[derive(Clone, Copy, Debug)]
+enum Body {
+    /// q, k, v and output projections, each `[width, width]` with a bias.
+    Attention { batch: usize, len: usize, heads: usize },
+    /// `gelu(x·W1ᵀ + b1)·W2ᵀ + b2` with W1 `[hidden, width]`.
+    Mlp { hidden: usize },
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Branch {
+    norm: Norm,
+    body: Body,
+    width: usize,
+    eps: f64,
+}
+
+impl Branch {
+    /// Lengths of the parameters in the flat tensor, in order: attention `[Wq, bq, Wk, bk, Wv,
+    /// bv, Wo, bo, γ, β]`, MLP `[W1, b1, W2, b2, γ, β]`.
+    fn param_layout(&self) -> Vec<usize> {
+        let w = self.width;
+        match self.body {
+            Body::Attention { .. } => vec![w * w, w, w * w, w, w * w, w, w * w, w, w, w],
+            Body::Mlp { hidden } => vec![hidden * w, hidden, w * hidden, w, w, w],
+        }
+    }
+
+    fn param_len(&self) -> usize {
+        self.param_layout().iter().sum()
+    }
+
+    /// F's parameters (the flat ones without the LayerNorm's γ and β at the end) split as
+    /// [`Branch::param_layout`] says.
+    fn split<'a, S: Splittable<'a>>(&self, p: S) -> Vec<S> {
+        let layout = self.param_layout();
+        let mut rest = p;
+        let mut parts = Vec::new();
+        for &n in &layout[..layout.len() - 2] {
+            let (head, tail) = rest.split(n);
+            parts.push(head);
+            rest = tail;
+        }
+        parts
+    }
+
+    fn geometry(&self) -> Result<Geometry> {
+        match self.body {
+            Body::Attention { batch, len, heads } => Geometry::new(&[batch, len, self.width], heads),
+            Body::Mlp { .. } => candle_core::bail!("an MLP branch has no attention geometry"),
+        }
+    }
+
+    /// `x + F(fin)`; pushes what F's backward needs onto `saved`.
+    fn body_forward<T: Float>(&self, x: &[T], fin: &[T], p: &[T], key_bias: Option<&[f32]>, saved: &mut Vec<Vec<T>>) -> Result<Vec<T>> {
+        let (rows, w) = (x.len() / self.width, self.width);
+        let ps = self.split(p);
+        match self.body {
+            Body::Attention { .. } => {
+                let g = self.geometry()?;
+                let project = |i: usize| linear_onto(None, fin, ps[2 * i], ps[2 * i + 1], (rows, w, w));
+                let (q, k, v) = (project(0), project(1), project(2));
+                let probs = scores(g, attention_scale(g), key_bias, &q, &k);
+                let ctx = context(g, &probs, &v);
+                let out = linear_onto(Some(x), &ctx, ps[6], ps[7], (rows, w, w));
+                saved.extend([q, k, v, probs, ctx]);
+                Ok(out)
+            }
+            Body::Mlp { hidden } => {
+                let y = product(fin, ps[0], (rows, w, hidden));
+                let h = BiasAct(Activation::GeluErf).run(&y, ps[1], hidden);
+                let out = linear_onto(Some(x), &h, ps[2], ps[3], (rows, hidden, w));
+                saved.extend([y, h]);
+                Ok(out)
+            }
+        }
+    }
+
+    /// The gradient with respect to F's input from the gradient `dz` of F's output; F's
+    /// parameter gradients go into `dp` (the flat layout).
+    fn body_backward<T: Float>(&self, fin: &[T], dz: &[T], p: &[T], saved: &[&[T]], dp: &mut [T]) -> Result<Vec<T>> {
+        let (rows, w) = (fin.len() / self.width, self.width);
+        let ps = self.split(p);
+        let mut dps = self.split(dp);
+        // SAFETY: the first product into it overwrites it (`accumulate` false).
+        let mut dfin = unsafe { output_buffer::<T>(rows * w) };
+        match self.body {
+            Body::Attention { .. } => {
+                let g = self.geometry()?;
+                let &[q, k, v, probs, ctx] = saved else { candle_core::bail!("attention branch: saved state incomplete") };
+                // SAFETY: the product overwrites it.
+                let mut dctx = unsafe { output_buffer::<T>(rows * w) };
+                let [.., dwo, dbo] = &mut dps[..] else { unreachable!() };
+                linear_grads(ctx, ps[6], dz, (rows, w, w), Some((&mut dctx, false)), dwo, dbo);
+                let dp_dv = context_grad(g, probs, v, &dctx);
+                let (dprobs, dv) = dp_dv.split_at(probs.len());
+                let dq_dk = scores_grad(g, attention_scale(g), probs, dprobs, q, k);
+                let (dq, dk) = dq_dk.split_at(rows * w);
+                for (i, d) in [dq, dk, dv].into_iter().enumerate() {
+                    let (dw, rest) = dps[2 * i..].split_first_mut().expect("layout");
+                    linear_grads(fin, ps[2 * i], d, (rows, w, w), Some((&mut dfin, i > 0)), dw, &mut *rest[0]);
+                }
+            }
+            Body::Mlp { hidden } => {
+                let &[y, h] = saved else { candle_core::bail!("MLP branch: saved state incomplete") };
+                // SAFETY: the product overwrites it.
+                let mut dh = unsafe { output_buffer::<T>(rows * hidden) };
+                let [dw1, db1, dw2, db2] = &mut dps[..] else { unreachable!() };
+                linear_grads(h, ps[2], dz, (rows, hidden, w), Some((&mut dh, false)), dw2, db2);
+                let dy = GeluGrad::run(y, ps[1], &dh, hidden);
+                linear_grads(fin, ps[0], &dy, (rows, w, hidden), Some((&mut dfin, false)), dw1, db1);
+            }
+        }
+        Ok(dfin)
+    }
+}
+
+/// Something [`Branch::split`] cuts into consecutive pieces.
+trait Splittable<'a>: Sized {
+    fn split(self, at: usize) -> (Self, Self);
+}
+
+impl<'a, T> Splittable<'a> for &'a [T] {
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at(at)
+    }
+}
+
+impl<'a, T> Splittable<'a> for &'a mut [T] {
+    fn split(self, at: usize) -> (Self, Self) {
+        self.split_at_mut(at)
+    }
+}
+
+fn attention_scale(g: Geometry) -> f64 {
+    1.0 / (g.head_dim as f64).sqrt()
+}
+
+/// The forward op: arguments x and the flat parameters.
+struct BranchOp {
+    branch: Branch,
+    /// Attention only: `[batch, len]`, added to every query's scores (padding masks).
+    key_bias: Option<Vec<f32>>,
+    /// What the backward pass needs besides x and the parameters (F's intermediates; for
+    /// post-norm, the sum the LayerNorm normalised).
+    saved: Mutex<Option<Vec<Tensor>>>,
+}
+
+impl BranchOp {
+    fn run<T: Float>(&self, x: &[T], p: &[T]) -> Result<Vec<T>> {
+        let b = self.branch;
+        let w = b.width;
+        let (params, ln) = p.split_at(p.len() - 2 * w);
+        let (gamma, beta) = ln.split_at(w);
+        let ln_op = LayerNormOp { eps: b.eps };
+        let mut saved = Vec::new();
+        let out = match b.norm {
+            Norm::Pre => {
+                // Not kept: the backward pass recomputes it from x.
+                let normed = ln_op.run(x, gamma, beta);
+                b.body_forward(x, &normed, params, self.key_bias.as_deref(), &mut saved)?
+            }
+            Norm::Post => {
+                let sum = b.body_forward(x, x, params, self.key_bias.as_deref(), &mut saved)?;
+                let out = ln_op.run(&sum, gamma, beta);
+                saved.push(sum);
+                out
+            }
+        };
+        let cpu = candle_core::Device::Cpu;
+        let saved = saved
+            .into_iter()
+            .map(|v| {
+                let n = v.len();
+                Tensor::from_vec(v, n, &cpu)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(saved);
+        Ok(out)
+    }
+}
+
+impl Kernel<2> for BranchOp {
+    const NAME: &'static str = "residual-branch";
+    const PROFILE: &'static str = "op/attention-branch";
+    type Geometry = ();
+
+    fn profile(&self) -> &'static str {
+        match self.branch.body {
+            Body::Attention { .. } => "op/attention-branch",
+            Body::Mlp { .. } => "op/mlp-branch",
+        }
+    }
+
+    fn geometry(&self, [x, p]: [&Layout; 2]) -> Result<(Self::Geometry, Shape)> {
+        self.branch.check(x.dims(), p.dims())?;
+        Ok(((), x.shape().clone()))
+    }
+
+    fn cpu<T: Float>(&self, _: &Self::Geometry, [x, p]: [&[T]; 2]) -> Result<Vec<T>> {
+        self.run(x, p)
+    }
+
+    fn backward(&self, [x, p]: [&Tensor; 2], _out: &Tensor, grad: &Tensor) -> Result<[Option<Tensor>; 2]> {
+        let Some(saved) = self.saved.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+            candle_core::bail!("residual branch backward before its forward pass")
+        };
+        let n = x.elem_count();
+        let op = BranchGrad { branch: self.branch, saved };
+        let all = x.apply_op3_no_bwd(p, &grad.contiguous()?, &Op(op))?;
+        Ok([Some(all.narrow(0, 0, n)?.reshape(x.shape())?), Some(all.narrow(0, n, p.elem_count())?)])
+    }
+}
+
+impl Branch {
+    fn check(&self, x: &[usize], p: &[usize]) -> Result<()> {
+        if x.last() != Some(&self.width) {
+            candle_core::bail!("residual branch of width {}: input {x:?}", self.width);
+        }
+        if let Body::Attention { batch, len, .. } = self.body {
+            if x != [batch, len, self.width] {
+                candle_core::bail!("attention branch: input {x:?}, expected [{batch}, {len}, {}]", self.width);
+            }
+        }
+        if p != [self.param_len()] {
+            candle_core::bail!("residual branch: parameters {p:?}, expected [{}]", self.param_len());
+        }
+        Ok(())
+    }
+}
+
+/// The backward op: arguments x, the flat parameters and the output's gradient; result
+/// `[dx | dparams]`.
+struct BranchGrad {
+    branch: Branch,
+    saved: Vec<Tensor>,
+}
+
+impl BranchGrad {
+    fn run<T: Float>(&self, x: &[T], p: &[T], dy: &[T]) -> Result<Vec<T>> {
+        let guards: Vec<_> = self.saved.iter().map(|t| t.storage_and_layout()).collect();
+        let saved = guards
+            .iter()
+            .map(|(s, l)| match &**s {
+                Storage::Cpu(c) => contiguous(c.as_slice::<T>()?, l, "residual branch state"),
+                _ => candle_core::bail!("residual branch state must be on the CPU"),
+            })
+            .collect::<Result<Vec<&[T]>>>()?;
+        let b = self.branch;
+        let (n, w) = (x.len(), b.width);
+        let (params, ln) = p.split_at(p.len() - 2 * w);
+        let (gamma, beta) = ln.split_at(w);
+        // SAFETY: dx is written below in full, and so is every parameter gradient (the body
+        // writes its own; the LayerNorm's are copied in).
+        let mut out = unsafe { output_buffer::<T>(n + p.len()) };
+        let (dx, dp) = out.split_at_mut(n);
+        let (dparams, dln) = dp.split_at_mut(params.len());
+        let ln_grad = LayerNormGrad { eps: b.eps };
+        match b.norm {
+            Norm::Pre => {
+                let normed = LayerNormOp { eps: b.eps }.run(x, gamma, beta);
+                let dnormed = b.body_backward(&normed, dy, params, &saved, dparams)?;
+                let g = ln_grad.run(x, gamma, &dnormed);
+                dln.copy_from_slice(&g[n..]);
+                sum_into(dx, &g[..n], dy);
+            }
+            Norm::Post => {
+                let Some((sum, body_saved)) = saved.split_last() else { candle_core::bail!("residual branch: saved state incomplete") };
+                let g = ln_grad.run(sum, gamma, dy);
+                dln.copy_from_slice(&g[n..]);
+                let dsum = &g[..n];
+                let dfin = b.body_backward(x, dsum, params, body_saved, dparams)?;
+                sum_into(dx, &dfin, dsum);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl Kernel<3> for BranchGrad {
+    const NAME: &'static str = "residual-branch-grad";
+    const PROFILE: &'static str = "op/attention-branch-grad";
+    type Geometry = ();
+
+    fn profile(&self) -> &'static str {
+        match self.branch.body {
+            Body::Attention { .. } => "op/attention-branch-grad",
+            Body::Mlp { .. } => "op/mlp-branch-grad",
+        }
+    }
+
+    fn geometry(&self, [x, p, dy]: [&Layout; 3]) -> Result<(Self::Geometry, Shape)> {
+        self.branch.check(x.dims(), p.dims())?;
+        if dy.dims() != x.dims() {
+            candle_core::bail!("residual branch backward: gradient {:?} for output {:?}", dy.dims(), x.dims());
+        }
+        Ok(((), Shape::from(x.shape().elem_count() + p.shape().elem_count())))
+    }
+
+    fn cpu<T: Float>(&self, _: &Self::Geometry, [x, p, dy]: [&[T]; 3]) -> Result<Vec<T>> {
+        self.run(x, p, dy)
+    }
+}
+
+/// A linear layer's `(weight [out, in], bias [out])`.
+pub type LinearParams<'a> = (&'a Tensor, &'a Tensor);
+
+/// A LayerNorm's `(γ, β, ε)`.
+pub type NormParams<'a> = (&'a Tensor, &'a Tensor, f64);
+
+fn flat(params: &[&Tensor]) -> Result<Tensor> {
+    let parts = params.iter().map(|p| p.flatten_all()).collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)
+}
+
+/// The attention branch on `x` `[batch, len, width]`: projections `[q, k, v, out]`, `heads`
+/// heads, `key_bias` `[batch, len]` added to every query's scores. Needs operands `ops::fusable` accepts.
+pub fn attention_branch(
+    x: &Tensor,
+    norm: Norm,
+    (gamma, beta, eps): NormParams,
+    proj: [LinearParams; 4],
+    heads: usize,
+    key_bias: Option<&Tensor>,
+) -> Result<Tensor> {
+    let (batch, len, width) = x.dims3()?;
+    let branch = Branch { norm, body: Body::Attention { batch, len, heads }, width, eps };
+    branch.geometry()?;
+    let key_bias = match key_bias {
+        Some(b) => {
+            if b.dims() != [batch, len] {
+                candle_core::bail!("attention branch: key bias {:?}, expected [{batch}, {len}]", b.dims());
+            }
+            Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        }
+        None => None,
+    };
+    let [(wq, bq), (wk, bk), (wv, bv), (wo, bo)] = proj;
+    let p = flat(&[wq, bq, wk, bk, wv, bv, wo, bo, gamma, beta])?;
+    x.contiguous()?.apply_op2(&p, Op(BranchOp { branch, key_bias, saved: Mutex::new(None) }))
+}
+
+/// The MLP branch on `x` `[.., width]`: `fc1` `[hidden, width]`, GELU, `fc2` `[width, hidden]`.
+/// Needs operands `ops::fusable` accepts.
+pub fn mlp_branch(x: &Tensor, norm: Norm, (gamma, beta, eps): NormParams, fc1: LinearParams, fc2: LinearParams) -> Result<Tensor> {
+    let width = x.dim(candle_core::D::Minus1)?;
+    let hidden = fc1.0.dim(0)?;
+    let branch = Branch { norm, body: Body::Mlp { hidden }, width, eps };
+    let p = flat(&[fc1.0, fc1.1, fc2.0, fc2.1, gamma, beta])?;
+    x.contiguous()?.apply_op2(&p, Op(BranchOp { branch, key_bias: None, saved: Mutex::new(None) }))
+}

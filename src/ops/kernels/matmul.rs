@@ -1,0 +1,134 @@
+//! Strided matrix products through gemm (candle's own CPU matmul kernel), for ops that read
+//! operands transposed or as column slices in place, accumulate into an existing buffer, or run
+//! many small products as parallel tasks.
+
+use crate::ops::Float;
+
+/// A matrix operand inside a slice: element (i, j) at `offset + i·row_stride + j·col_stride`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a, T> {
+    pub data: &'a [T],
+    pub offset: usize,
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+impl<'a, T> Mat<'a, T> {
+    /// A row-major matrix starting at `offset`, rows `row_stride` apart.
+    pub fn rows(data: &'a [T], offset: usize, row_stride: usize) -> Self {
+        Mat { data, offset, row_stride, col_stride: 1 }
+    }
+
+    /// The transpose of [`Mat::rows`]`(data, offset, row_stride)`, read in place.
+    pub fn transposed(data: &'a [T], offset: usize, row_stride: usize) -> Self {
+        Mat { data, offset, row_stride: 1, col_stride: row_stride }
+    }
+
+    fn fits(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || self.offset + (rows - 1) * self.row_stride + (cols - 1) * self.col_stride < self.data.len()
+    }
+}
+
+/// A destination for products that several tasks write at once, each into its own rows or
+/// columns (attention heads write their column slices of one `[batch, len, width]` buffer).
+pub(crate) struct SharedDst<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: tasks write disjoint elements (the callers' contract, see `gemm_shared`).
+unsafe impl<T: Send> Send for SharedDst<T> {}
+unsafe impl<T: Send> Sync for SharedDst<T> {}
+
+impl<T> SharedDst<T> {
+    pub fn new(buf: &mut [T]) -> Self {
+        SharedDst { ptr: buf.as_mut_ptr(), len: buf.len() }
+    }
+}
+
+/// Product shape: `m×k` times `k×n`.
+#[derive(Clone, Copy)]
+pub(crate) struct Dims {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// `dst[offset + i·dst_rs + j] = (lhs·rhs)[i, j]`, or `+=` with `accumulate`, on `threads`.
+///
+/// # Safety
+/// `dst` must be valid for every element the strides reach (checked against its length here)
+/// and no other thread may touch those elements during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw<T: Float>(
+    dst: (*mut T, usize),
+    offset: usize,
+    dst_rs: usize,
+    d: Dims,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    accumulate: bool,
+    threads: usize,
+) {
+    assert!(lhs.fits(d.m, d.k) && rhs.fits(d.k, d.n), "matrix operand outside its buffer");
+    if d.m == 0 || d.n == 0 {
+        return;
+    }
+    assert!(offset + (d.m - 1) * dst_rs + d.n <= dst.1, "matrix product outside its destination");
+    if d.k == 0 {
+        // An empty sum: the product is zero. Written here because callers' destinations may be
+        // unfilled buffers (`output_buffer`) and gemm need not touch them when k = 0.
+        if !accumulate {
+            for i in 0..d.m {
+                std::slice::from_raw_parts_mut(dst.0.add(offset + i * dst_rs), d.n).fill(T::default());
+            }
+        }
+        return;
+    }
+    let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
+    // gemm computes dst := α·dst + β·lhs·rhs, reading dst only when asked to.
+    gemm::gemm(
+        d.m,
+        d.n,
+        d.k,
+        dst.0.add(offset),
+        1,
+        dst_rs as isize,
+        accumulate,
+        lhs.data.as_ptr().add(lhs.offset),
+        lhs.col_stride as isize,
+        lhs.row_stride as isize,
+        rhs.data.as_ptr().add(rhs.offset),
+        rhs.col_stride as isize,
+        rhs.row_stride as isize,
+        T::from(1.0),
+        T::from(1.0),
+        false,
+        false,
+        false,
+        parallelism,
+    )
+}
+
+/// `dst (row-major, rows dst_rs apart) = lhs·rhs`, or `+=` with `accumulate`, split across the
+/// thread pool by gemm.
+pub(crate) fn gemm_into<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, lhs: Mat<T>, rhs: Mat<T>, accumulate: bool) {
+    // SAFETY: `dst` is borrowed exclusively; gemm_raw checks the bounds.
+    unsafe { gemm_raw((dst.as_mut_ptr(), dst.len()), 0, dst_rs, d, lhs, rhs, accumulate, rayon::current_num_threads()) }
+}
+
+/// `dst = lhs·rhs` (or `+=` with `accumulate`) on the calling thread, for products that are
+/// themselves parallel tasks.
+pub(crate) fn gemm_serial<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, lhs: Mat<T>, rhs: Mat<T>, accumulate: bool) {
+    // SAFETY: as in `gemm_into`.
+    unsafe { gemm_raw((dst.as_mut_ptr(), dst.len()), 0, dst_rs, d, lhs, rhs, accumulate, 1) }
+}
+
+/// One task's product into a shared destination, on the calling thread (the tasks themselves
+/// are the parallelism).
+///
+/// # Safety
+/// No two concurrent calls may write the same element of `dst`.
+pub(crate) unsafe fn gemm_shared<T: Float>(dst: &SharedDst<T>, offset: usize, dst_rs: usize, d: Dims, lhs: Mat<T>, rhs: Mat<T>) {
+    gemm_raw((dst.ptr, dst.len), offset, dst_rs, d, lhs, rhs, false, 1)
+}

@@ -1,0 +1,17 @@
+//! One op per file, each one pass over its data with its own backward pass.
+
+pub mod batch_norm;
+pub mod bias_act;
+pub mod channel_scale;
+pub mod column_sums;
+pub mod dense_conv;
+pub mod depthwise;
+pub mod layer_norm;
+pub mod linear;
+pub(crate) mod matmul;
+pub mod moments;
+pub(crate) mod nchw;
+pub mod pointwise;
+pub mod softmax;
+pub mod spatial_mean;
+pub mod stochastic_depth;

@@ -1,0 +1,26 @@
+//! The periodic evaluation during training (`train.eval_every`, and at the schedule's end) on the
+//! `[eval]` data, run by rank 0 on the model as it stands.
+
+use anyhow::Result;
+
+use super::logging::RunLog;
+use super::setup::Run;
+use crate::config::Config;
+use crate::eval::suite::{self, EvalResults};
+use crate::util::log;
+
+/// Whether `step` evaluates: evaluation data is configured, and it is an `eval_every` step or the
+/// schedule's last.
+pub(super) fn due(cfg: &Config, step: u64) -> bool {
+    suite::configured(cfg) && ((cfg.train.eval_every > 0 && step.is_multiple_of(cfg.train.eval_every)) || step == cfg.train.steps)
+}
+
+/// Evaluates and logs the results.
+pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mut RunLog) -> Result<EvalResults> {
+    let results = suite::run(&run.model, &run.tokenizer, cfg, &run.device, true)?;
+    if !quiet {
+        log::info(format!("step {step}: {}", results.line()));
+    }
+    log.record(serde_json::json!({"step": step, "eval": results}))?;
+    Ok(results)
+}

@@ -1,0 +1,143 @@
+//! The training run, from a config to a summary, as named pieces in the order a rank meets them:
+//! - `setup`: the run directory, what a resumed run restores, the vocabulary, the model and its
+//!   optimizer (initialised, restored, broadcast), the loader;
+//! - `step_loop`: batches in, optimiser steps out, until the schedule's end, `--stop-after` or
+//!   Ctrl-C;
+//! - `logging`: the metrics log, TensorBoard and the progress bar;
+//! - `checkpointing`: every rank's loader position into rank 0's checkpoint;
+//! - `evaluation`: the periodic zero-shot / retrieval evaluation;
+//! - `summary`: what the run did, for the table and `--json`.
+//!
+//! This file starts the ranks: one, several as threads of this process (`--nproc`), or one of a
+//! multi-process job (torchrun / SLURM variables, over NCCL).
+
+mod checkpointing;
+mod evaluation;
+mod logging;
+mod setup;
+mod step_loop;
+mod summary;
+
+use std::sync::Arc;
+
+use anyhow::{bail, Result};
+use candle_core::Device;
+
+pub use summary::{BestMetric, TrainSummary};
+
+use super::collective::{Collective, DistEnv, SingleProcess, ThreadGroup};
+use crate::config::Config;
+use crate::util::log;
+
+pub struct TrainOptions {
+    pub resume: bool,
+    pub quiet: bool,
+    pub device: Device,
+    /// Stop after this many steps of this invocation (tests, benchmarks); the schedule still
+    /// follows `train.steps`.
+    pub stop_after: Option<u64>,
+    /// Data-parallel ranks as threads of this process (`--nproc`); 1 = a single rank.
+    pub nproc: usize,
+}
+
+impl TrainOptions {
+    /// The options of rank `rank`: only rank 0 speaks.
+    fn for_rank(&self, rank: usize, device: Device, nproc: usize) -> TrainOptions {
+        TrainOptions { resume: self.resume, quiet: self.quiet || rank > 0, device, stop_after: self.stop_after, nproc }
+    }
+}
+
+/// Trains per `cfg`: one rank, `opts.nproc` ranks on threads, or (from torchrun / SLURM variables)
+/// one rank of a multi-process job. Returns rank 0's summary.
+pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
+    let threads = crate::util::threads::set_compute_threads(cfg.train.compute_threads);
+    if !opts.quiet {
+        log::info(format!("{threads} compute threads; {} loader workers at nice +{}", cfg.data.workers, cfg.data.worker_nice));
+    }
+    let env = DistEnv::from_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    if env.world_size > 1 {
+        return train_process_rank(cfg, opts, &env);
+    }
+    if opts.nproc <= 1 {
+        return train_rank(cfg, opts, Arc::new(SingleProcess));
+    }
+    train_thread_ranks(cfg, opts)
+}
+
+#[cfg(feature = "nccl")]
+fn train_process_rank(cfg: &Config, opts: &TrainOptions, env: &DistEnv) -> Result<TrainSummary> {
+    use anyhow::Context;
+    let timeout = std::time::Duration::from_secs_f64(cfg.train.collective_timeout_s);
+    let group = super::nccl::NcclGroup::join(env, timeout).with_context(|| format!("rank {} of {}", env.rank, env.world_size))?;
+    let opts = opts.for_rank(env.rank, group.device().clone(), 1);
+    train_rank(cfg, &opts, Arc::new(group))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn train_process_rank(_cfg: &Config, _opts: &TrainOptions, env: &DistEnv) -> Result<TrainSummary> {
+    bail!(
+        "this process is rank {} of {} (from RANK/WORLD_SIZE or SLURM): multi-process training runs over NCCL, which this build does not include (build with --features nccl)",
+        env.rank,
+        env.world_size
+    )
+}
+
+/// `opts.nproc` ranks as threads of this process; a failing rank aborts the others.
+fn train_thread_ranks(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
+    let timeout = std::time::Duration::from_secs_f64(cfg.train.collective_timeout_s);
+    let groups = ThreadGroup::new(opts.nproc, timeout);
+    let results: Vec<Result<TrainSummary>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                let opts = opts.for_rank(g.rank(), opts.device.clone(), opts.nproc);
+                scope.spawn(move || {
+                    let group: Arc<dyn Collective> = Arc::new(g);
+                    let out = train_rank(cfg, &opts, group.clone());
+                    if let Err(e) = &out {
+                        group.abort(&format!("{e:#}"));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a training rank panicked")))).collect()
+    });
+    rank_zero_or_first_failure(results)
+}
+
+/// Rank 0's summary, or the failing rank's own error rather than the others' "rank N failed"
+/// echoes.
+fn rank_zero_or_first_failure(results: Vec<Result<TrainSummary>>) -> Result<TrainSummary> {
+    let mut first_err = None;
+    let mut summary = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(s) if rank == 0 => summary = Some(s),
+            Ok(_) => {}
+            Err(e) => {
+                let echo = e.to_string().contains("failed:") && e.to_string().starts_with("rank ");
+                if first_err.is_none() || !echo {
+                    first_err = Some(e.context(format!("rank {rank}")));
+                }
+            }
+        }
+    }
+    match (first_err, summary) {
+        (Some(e), _) => Err(e),
+        (None, Some(s)) => Ok(s),
+        (None, None) => bail!("rank 0 produced no summary"),
+    }
+}
+
+/// One rank's run.
+fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> Result<TrainSummary> {
+    let mut run = setup::prepare(cfg, opts, &*group)?;
+    let mut log = logging::RunLog::open(cfg, &run, opts.quiet, group.rank() == 0)?;
+    let end = step_loop::run(cfg, opts, &group, &mut run, &mut log)?;
+    summary::finish(cfg, &*group, &run, log, end)
+}
+
+fn coll(e: super::collective::CollectiveError) -> anyhow::Error {
+    anyhow::Error::new(e)
+}

@@ -1,0 +1,201 @@
+//! What a rank prepares before its first step: the run directory and what a resumed run
+//! restores, the vocabulary, the model and its optimizer (initialised from pretrained weights,
+//! restored from the checkpoint, then broadcast from rank 0), and the loader at its position.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use candle_nn::{VarBuilder, VarMap};
+
+use super::{coll, TrainOptions};
+use crate::config::Config;
+use crate::data::distribute::{Placement, ShardPlan};
+use crate::data::loader::{LoaderSettings, TrainLoader};
+use crate::data::spec;
+use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
+use crate::io::init_from;
+use crate::io::run_dir::{self, TrainState, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE};
+use crate::io::tensors::{load_strict, read_tensors};
+use crate::model::batch_norm::trainable_vars;
+use crate::model::dual_encoder::{DualEncoder, ModelSpec};
+use crate::model::init::SeededVars;
+use crate::train::collective::Collective;
+use crate::train::optim::Optimizer;
+use crate::util::log;
+
+/// A rank's run as it goes: set up here, advanced by the step loop.
+pub(super) struct Run {
+    pub run_dir: PathBuf,
+    /// The checkpoint this invocation resumed from, if any.
+    pub resumed_from: Option<PathBuf>,
+    /// The state at the start of this invocation (zero for a fresh run).
+    pub start: TrainState,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub spec: ModelSpec,
+    pub varmap: VarMap,
+    pub model: DualEncoder,
+    pub opt: Optimizer,
+    pub loader: TrainLoader,
+    pub device: Device,
+}
+
+pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective) -> Result<Run> {
+    let run_dir = cfg.run_dir();
+    if group.rank() == 0 {
+        std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    }
+    group.barrier().map_err(coll)?;
+    let (resumed_from, start) = resume_point(opts, &run_dir, group.world_size())?;
+    let tokenizer = Arc::new(shared_tokenizer(cfg, opts.quiet, &run_dir, resumed_from.as_deref(), group)?);
+    let spec = init_from::spec(cfg, tokenizer.vocab_size())?;
+    let varmap = VarMap::new();
+    let device = opts.device.clone();
+    let model = build_model(cfg, &spec, SeededVars::builder(&varmap, cfg.run.seed, &device))?;
+    if resumed_from.is_none() && group.rank() == 0 {
+        for line in init_from::load_weights(cfg, &varmap, &device)? {
+            if !opts.quiet {
+                log::info(format!("initialised {line}"));
+            }
+        }
+    }
+    // BatchNorm running statistics are model state, not parameters.
+    let mut opt = Optimizer::new(trainable_vars(&varmap), cfg.optimizer.clone())?;
+    if let Some(dir) = &resumed_from {
+        restore(dir, &varmap, &mut opt, &start, &device, opts.quiet)?;
+    }
+    broadcast_weights(&varmap, group)?;
+    let loader = start_loader(cfg, group, tokenizer.clone(), &start)?;
+    Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, loader, device })
+}
+
+/// The towers for `spec` on the variables of `vb` (f32 master weights, or a bf16 view of them).
+pub(super) fn build_model(cfg: &Config, spec: &ModelSpec, vb: VarBuilder) -> Result<DualEncoder> {
+    Ok(DualEncoder::new(spec, vb)?.with_grad_checkpointing(cfg.train.grad_checkpointing))
+}
+
+/// A bf16 view of the f32 variables: its casts carry the gradients back to the master weights.
+pub(super) fn bf16_view(cfg: &Config, run: &Run) -> Result<DualEncoder> {
+    build_model(cfg, &run.spec, SeededVars::builder_dtype(&run.varmap, cfg.run.seed, DType::BF16, &run.device))
+}
+
+/// The checkpoint to resume from (with `--resume`) and its state.
+fn resume_point(opts: &TrainOptions, run_dir: &Path, world: usize) -> Result<(Option<PathBuf>, TrainState)> {
+    let resumed_from = if opts.resume { run_dir::latest(run_dir)? } else { None };
+    if opts.resume && resumed_from.is_none() && !opts.quiet {
+        log::info(format!("no checkpoint in {} yet: starting from scratch", run_dir.display()));
+    }
+    let start = match &resumed_from {
+        Some(dir) => run_dir::read_state(dir)?,
+        None => TrainState { step: 0, samples_seen: 0, loaders: Vec::new(), seconds: 0.0, last_loss: None },
+    };
+    if resumed_from.is_some() && start.loaders.len() != world {
+        bail!("the checkpoint was written by {} ranks but this run has {world}: resume with the same number of ranks", start.loaders.len());
+    }
+    Ok((resumed_from, start))
+}
+
+/// The run's vocabulary, the same on every rank: rank 0 settles it (training one if needed,
+/// which is not reproducible run to run) and writes it to the run directory, where the others
+/// read it.
+fn shared_tokenizer(
+    cfg: &Config,
+    quiet: bool,
+    run_dir: &Path,
+    resumed_from: Option<&Path>,
+    group: &dyn Collective,
+) -> Result<TextTokenizer> {
+    let lead = group.rank() == 0;
+    if lead || resumed_from.is_some() || !cfg.text.tokenizer.as_os_str().is_empty() {
+        let t = resolve_tokenizer(cfg, resumed_from, quiet)?;
+        if lead && resumed_from.is_none() {
+            t.save(&run_dir.join(TOKENIZER_FILE))?;
+        }
+        group.barrier().map_err(coll)?;
+        return Ok(t);
+    }
+    group.barrier().map_err(coll)?;
+    TextTokenizer::from_file(&run_dir.join(TOKENIZER_FILE), cfg.text.max_len)
+}
+
+/// The checkpoint's vocabulary, an init checkpoint's, `text.tokenizer`, or one trained on the
+/// training captions.
+fn resolve_tokenizer(cfg: &Config, resumed_from: Option<&Path>, quiet: bool) -> Result<TextTokenizer> {
+    if let Some(dir) = resumed_from {
+        return TextTokenizer::from_file(&dir.join(TOKENIZER_FILE), cfg.text.max_len);
+    }
+    if let Some(t) = init_from::tokenizer(cfg)? {
+        return Ok(t);
+    }
+    let path = &cfg.text.tokenizer;
+    if !path.as_os_str().is_empty() {
+        if !path.is_file() {
+            bail!("text.tokenizer {} does not exist (leave it empty to train a vocabulary on the training captions)", path.display());
+        }
+        return TextTokenizer::from_file(path, cfg.text.max_len);
+    }
+    if !quiet {
+        log::info(format!(
+            "training a {}-token WordPiece vocabulary on up to {} training captions",
+            cfg.text.vocab_size, cfg.text.vocab_samples
+        ));
+    }
+    let shards = spec::expand(&cfg.data.train)?;
+    let captions = captions_from_shards(&shards, cfg.text.vocab_samples);
+    if captions.is_empty() {
+        bail!("no caption found in {} to train a vocabulary on", cfg.data.train);
+    }
+    let tok = train_wordpiece(captions.iter(), cfg.text.vocab_size, cfg.text.lowercase, 2)?;
+    TextTokenizer::new(tok, cfg.text.max_len)
+}
+
+/// The weights and optimizer moments of the checkpoint at `dir`.
+fn restore(dir: &Path, varmap: &VarMap, opt: &mut Optimizer, start: &TrainState, device: &Device, quiet: bool) -> Result<()> {
+    load_strict(varmap, &read_tensors(&dir.join(MODEL_FILE), device)?, &dir.join(MODEL_FILE))?;
+    opt.load_state(&read_tensors(&dir.join(OPTIMIZER_FILE), device)?, start.step)?;
+    if !quiet {
+        log::info(format!("resumed from {} (step {})", dir.display(), start.step));
+    }
+    Ok(())
+}
+
+/// Identical starting weights on every rank, whatever each built.
+fn broadcast_weights(varmap: &VarMap, group: &dyn Collective) -> Result<()> {
+    if group.world_size() == 1 {
+        return Ok(());
+    }
+    let data = varmap.data().lock().unwrap();
+    let mut names: Vec<&String> = data.keys().collect();
+    names.sort();
+    for name in names {
+        let var = &data[name];
+        var.set(&group.broadcast(var.as_tensor(), 0).map_err(coll)?)?;
+    }
+    Ok(())
+}
+
+/// This rank's loader: its share of the shards, at the position the checkpoint saved.
+fn start_loader(cfg: &Config, group: &dyn Collective, tokenizer: Arc<TextTokenizer>, start: &TrainState) -> Result<TrainLoader> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let micro = cfg.train.batch_size / (world * cfg.train.accum_steps);
+    if micro == 0 || !cfg.train.batch_size.is_multiple_of(world * cfg.train.accum_steps) {
+        bail!("train.batch_size {} does not split over {world} ranks × {} accumulation steps", cfg.train.batch_size, cfg.train.accum_steps);
+    }
+    let plan = ShardPlan {
+        shards: spec::expand(&cfg.data.train)?,
+        seed: cfg.run.seed,
+        shuffle: cfg.data.shuffle_shards,
+        resampled: cfg.data.resampled,
+    };
+    let settings = LoaderSettings {
+        image: cfg.data.image.clone(),
+        batch_size: micro,
+        shuffle_buffer: cfg.data.shuffle_buffer,
+        seed: cfg.run.seed,
+        prefetch: cfg.data.prefetch,
+        nice: cfg.data.worker_nice,
+    };
+    let placement = Placement { rank, world_size: world, worker: 0, workers: cfg.data.workers };
+    TrainLoader::start(plan, placement, settings, tokenizer, start.loaders.get(rank).cloned())
+}

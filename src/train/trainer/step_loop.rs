@@ -1,0 +1,172 @@
+//! The steps: batches in, optimiser steps out, with logging, checkpoints and evaluation on their
+//! cadences, until the schedule's end, `--stop-after` or Ctrl-C (all ranks stop at the same
+//! step, after saving).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+
+use super::checkpointing::{self, Position};
+use super::logging::{RunLog, StepFigures};
+use super::setup::{self, Run};
+use super::{coll, evaluation, TrainOptions};
+use crate::config::{Config, Precision};
+use crate::data::loader::Batch;
+use crate::eval::suite::EvalResults;
+use crate::train::collective::Collective;
+use crate::train::gather::GatherOptions;
+use crate::train::schedule::lr_at;
+use crate::train::step::{self, MicroBatch};
+use crate::util::log;
+use crate::util::rng::derive_seed;
+
+/// Where the loop left the run.
+pub(super) struct LoopEnd {
+    pub position: Position,
+    pub lr: f64,
+    pub interrupted: bool,
+    /// The newest checkpoint, this invocation's or the one it resumed from.
+    pub last_checkpoint: Option<PathBuf>,
+    pub eval: EvalResults,
+    /// Seconds spent waiting for batches.
+    pub data_wait: f64,
+}
+
+pub(super) fn run(cfg: &Config, opts: &TrainOptions, group: &Arc<dyn Collective>, run: &mut Run, log: &mut RunLog) -> Result<LoopEnd> {
+    let total = cfg.train.steps;
+    let end = opts.stop_after.map_or(total, |n| (run.start.step + n).min(total));
+    let started = Instant::now();
+    let mut at = Position { step: run.start.step, samples_seen: run.start.samples_seen, last_loss: run.start.last_loss, seconds: 0.0 };
+    let mut out = LoopEnd {
+        lr: lr_at(at.step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule),
+        position: at,
+        interrupted: false,
+        last_checkpoint: run.resumed_from.clone(),
+        eval: EvalResults::default(),
+        data_wait: 0.0,
+    };
+    while at.step < end {
+        out.lr = lr_at(at.step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
+        let samples = one_step(cfg, group, run, log, &mut at, &mut out)?;
+        at.seconds = started.elapsed().as_secs_f64();
+        let last = at.step == end;
+        if at.step.is_multiple_of(cfg.train.log_every.max(1)) || last {
+            log_step(run, log, &at, &samples, out.lr, run.start.seconds + at.seconds)?;
+        }
+        if (cfg.train.checkpoint_every > 0 && at.step.is_multiple_of(cfg.train.checkpoint_every)) || last {
+            out.last_checkpoint = Some(checkpointing::save(cfg, &**group, run, &at)?);
+        }
+        if group.rank() == 0 && evaluation::due(cfg, at.step) {
+            out.eval = evaluation::evaluate(cfg, run, at.step, opts.quiet, log)?;
+        }
+        if !last && stop_requested(&**group)? {
+            out.interrupted = true;
+            if !opts.quiet {
+                log::info(format!("interrupted at step {}; saving a checkpoint", at.step));
+            }
+            out.last_checkpoint = Some(checkpointing::save(cfg, &**group, run, &at)?);
+            break;
+        }
+    }
+    at.seconds = started.elapsed().as_secs_f64();
+    out.position = at;
+    Ok(out)
+}
+
+/// What one step leaves for its log line.
+struct StepDone {
+    out: step::StepOutput,
+    grad_norm: f64,
+}
+
+/// Loads the step's micro-batches, computes the gradients of the global batch and updates the
+/// weights. A non-finite loss or gradient stops the run without saving.
+fn one_step(
+    cfg: &Config,
+    group: &Arc<dyn Collective>,
+    run: &mut Run,
+    log: &mut RunLog,
+    at: &mut Position,
+    end: &mut LoopEnd,
+) -> Result<StepDone> {
+    let mut micro_batches = Vec::with_capacity(cfg.train.accum_steps);
+    let mut waited = 0.0;
+    for _ in 0..cfg.train.accum_steps {
+        let t0 = Instant::now();
+        let batch = run.loader.next_batch()?;
+        waited += t0.elapsed().as_secs_f64();
+        micro_batches.push(batch_tensors(batch, &run.device)?);
+    }
+    end.data_wait += waited;
+    let local: u64 = micro_batches.iter().map(|m| m.images.dim(0).unwrap_or(0) as u64).sum();
+    let seed = derive_seed(cfg.run.seed, &[0x5354_4550, at.step]);
+    // Mixed precision: a bf16 view of the f32 variables, rebuilt after every update.
+    let view;
+    let compute_model = match cfg.train.precision {
+        Precision::F32 => &run.model,
+        Precision::Bf16 => {
+            view = setup::bf16_view(cfg, run)?;
+            &view
+        }
+    };
+    let out = step::compute(
+        compute_model,
+        &run.opt,
+        &micro_batches,
+        group,
+        GatherOptions { gather_with_grad: cfg.train.gather_with_grad, local_loss: cfg.train.local_loss },
+        cfg.loss.label_smoothing,
+        seed,
+    )?;
+    drop(micro_batches);
+    if !out.loss.is_finite() {
+        let keep = end.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
+        bail!("non-finite loss ({}) at step {}; stopping without saving. Last good checkpoint: {keep}", out.loss, at.step + 1);
+    }
+    let stats = run.opt.step(&out.grads, end.lr)?;
+    if !stats.grad_norm.is_finite() {
+        bail!("non-finite gradient norm at step {}; stopping without saving", at.step + 1);
+    }
+    let world = group.world_size() as u64;
+    at.step += 1;
+    at.samples_seen += local * world;
+    at.last_loss = Some(out.loss);
+    log.count(local * world, waited);
+    log.bar.set_position(at.step);
+    Ok(StepDone { out, grad_norm: stats.grad_norm })
+}
+
+fn log_step(run: &Run, log: &mut RunLog, at: &Position, done: &StepDone, lr: f64, elapsed_s: f64) -> Result<()> {
+    let figures = StepFigures {
+        step: at.step,
+        lr,
+        grad_norm: done.grad_norm,
+        temperature: run.model.temperature_value()?,
+        samples_seen: at.samples_seen,
+        skipped: run.loader.skips().total(),
+        elapsed_s,
+    };
+    log.log_step(&done.out, &figures)
+}
+
+fn batch_tensors(b: Batch, device: &candle_core::Device) -> Result<MicroBatch> {
+    let s = b.image_size;
+    let images = Tensor::from_vec(b.images, (b.size, 3, s, s), device)?;
+    let ids = Tensor::from_vec(b.ids, (b.size, b.max_len), device)?;
+    let mask = Tensor::from_vec(b.mask, (b.size, b.max_len), device)?;
+    Ok(MicroBatch { images, ids, mask })
+}
+
+/// Whether to stop for Ctrl-C. Ranks agree, so every rank leaves the loop at the same step
+/// even when the signal reached them between two of their checks.
+fn stop_requested(group: &dyn Collective) -> Result<bool> {
+    let mine = crate::util::interrupt::requested();
+    if group.world_size() == 1 {
+        return Ok(mine);
+    }
+    let all = group.all_gather_bytes(&[mine as u8]).map_err(coll)?;
+    Ok(all.iter().any(|b| b.first() == Some(&1)))
+}
