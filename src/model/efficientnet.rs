@@ -334,7 +334,11 @@ impl Block {
             DepthwiseImpl::Fused => {
                 self.dw_norm.conv_forward_act(Conv::Depthwise { stride: self.stride, pad: self.pad }, &h, &self.dw_weight, ctx, true)?
             }
-            DepthwiseImpl::Candle => self.dw_norm.forward_act(&candle_depthwise(&h, &self.dw_weight, self.stride, self.pad)?, ctx, true)?,
+            DepthwiseImpl::Candle => self.dw_norm.forward_act(
+                &crate::ops::kernels::depthwise::composed(&h, &self.dw_weight, self.stride, self.pad)?,
+                ctx,
+                true,
+            )?,
         };
         // Squeeze-and-excitation on [N, C] vectors: the 1×1 convolutions are plain matmuls.
         let ((w1, b1), (w2, b2)) = (&self.se_reduce, &self.se_expand);
@@ -355,17 +359,6 @@ impl Block {
         }
         h + x
     }
-}
-
-/// candle's grouped convolution, padded explicitly and cut to a size the stride tiles exactly
-/// (its backward fails otherwise).
-pub fn candle_depthwise(x: &Tensor, w: &Tensor, stride: usize, pad: Padding) -> Result<Tensor> {
-    let (_, c, h, wd) = x.dims4()?;
-    let k = w.dim(2)?;
-    let x = x.pad_with_zeros(2, pad.top, pad.bottom)?.pad_with_zeros(3, pad.left, pad.right)?;
-    let (hp, wp) = (h + pad.top + pad.bottom, wd + pad.left + pad.right);
-    let x = x.narrow(2, 0, (hp - k) / stride * stride + k)?.narrow(3, 0, (wp - k) / stride * stride + k)?;
-    x.conv2d(w, 0, stride, 1, c)
 }
 
 /// Stochastic depth's per-sample factors: each residual branch dropped with probability `p`, the

@@ -41,10 +41,50 @@ pub fn fusable(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool
 /// Whether the per-op kernels run on `x` and `params`: the row-wise ops (LayerNorm, the
 /// attention softmax, bias + GELU, column sums) and the per-channel ops (batch moments, BatchNorm
 /// with SiLU, channel scaling, spatial means, the scaled residual). They exist on the CPU and,
-/// with the `cuda` feature, on CUDA GPUs (`kernels/rows.cu`, `kernels/channels.cu`), in f32 or
-/// f64 of one dtype.
+/// with the `cuda` feature and `ALIGN_KERNELS=align` ([`gpu_kernels`]), on CUDA GPUs
+/// (`kernels/rows.cu`, `kernels/channels.cu`), in f32 or f64 of one dtype.
 pub fn has_kernels(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
-    (x.device().is_cpu() || (cfg!(feature = "cuda") && x.device().is_cuda())) && float_operands(x, params)
+    (x.device().is_cpu() || (x.device().is_cuda() && gpu_kernels() == GpuKernels::Align)) && float_operands(x, params)
+}
+
+/// Whose ops run on CUDA GPUs: align's kernels (`kernels/*.cu`, the depthwise convolution and
+/// the optimizer update), or candle's own ops composed (`ALIGN_KERNELS=candle`, the default until
+/// align's kernels have passed `scripts/gpu-proof.sh` on a GPU). Either way the CPU runs align's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GpuKernels {
+    Candle,
+    Align,
+}
+
+static GPU_KERNELS: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
+
+fn gpu_kernels_flag() -> &'static std::sync::atomic::AtomicBool {
+    GPU_KERNELS.get_or_init(|| {
+        let align = match std::env::var("ALIGN_KERNELS").as_deref() {
+            Ok("align") => true,
+            Ok("candle") | Ok("") | Err(_) => false,
+            Ok(other) => {
+                crate::util::log::warn(format!("ALIGN_KERNELS={other:?} is neither \"align\" nor \"candle\"; using candle's ops on GPUs"));
+                false
+            }
+        };
+        std::sync::atomic::AtomicBool::new(align)
+    })
+}
+
+/// The ops CUDA GPUs run (`ALIGN_KERNELS`; never align's in a build without `cuda`).
+pub fn gpu_kernels() -> GpuKernels {
+    if cfg!(feature = "cuda") && gpu_kernels_flag().load(std::sync::atomic::Ordering::Relaxed) {
+        GpuKernels::Align
+    } else {
+        GpuKernels::Candle
+    }
+}
+
+/// Chooses the ops CUDA GPUs run for the rest of the process, over `ALIGN_KERNELS`
+/// (`align bench ops` checks align's kernels whatever the environment says).
+pub fn set_gpu_kernels(k: GpuKernels) {
+    gpu_kernels_flag().store(k == GpuKernels::Align, std::sync::atomic::Ordering::Relaxed);
 }
 
 fn float_operands(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
@@ -86,6 +126,24 @@ unsafe fn output_buffer<T: Float>(n: usize) -> Vec<T> {
 /// enough that its partial sums cost little next to the pass itself.
 fn row_block(rows: usize) -> usize {
     rows.div_ceil(4 * rayon::current_num_threads()).max(16)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_runs_aligns_kernels_whatever_gpus_are_told() {
+        let x = candle_core::Tensor::zeros(4, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+        for choice in [GpuKernels::Candle, GpuKernels::Align] {
+            set_gpu_kernels(choice);
+            assert!(has_kernels(&x, &[]));
+            // A build without CUDA has no GPU kernels to choose.
+            assert_eq!(gpu_kernels() == GpuKernels::Align, cfg!(feature = "cuda") && choice == GpuKernels::Align);
+        }
+        set_gpu_kernels(GpuKernels::Candle);
+        assert!(!has_kernels(&x.to_dtype(candle_core::DType::BF16).unwrap(), &[]));
+    }
 }
 
 #[cfg(test)]

@@ -236,7 +236,11 @@ impl Optimizer {
                 let t = p.var.as_tensor();
                 Ok(if t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() {
                     Moments::Host(Mutex::new((vec![0.0; t.elem_count()], vec![0.0; t.elem_count()])))
-                } else if t.device().is_cuda() && t.dtype() == DType::F32 && t.is_contiguous() {
+                } else if t.device().is_cuda()
+                    && t.dtype() == DType::F32
+                    && t.is_contiguous()
+                    && crate::ops::gpu_kernels() == crate::ops::GpuKernels::Align
+                {
                     kernel_moments(t)?
                 } else {
                     let z = t.zeros_like()?.to_dtype(DType::F32)?;

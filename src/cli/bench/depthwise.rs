@@ -34,8 +34,9 @@ struct DepthwiseRow {
 
 /// Forward + backward of every depthwise layer of a network, our op against candle's grouped conv.
 pub fn depthwise(a: &DepthwiseArgs) -> Result<()> {
-    use align::model::efficientnet::{candle_depthwise, EfficientNet, EfficientNetConfig};
+    use align::model::efficientnet::{EfficientNet, EfficientNetConfig};
     use align::model::init::SeededVars;
+    use align::ops::kernels::depthwise::composed as candle_depthwise;
     use align::ops::kernels::depthwise::depthwise_conv2d;
     use candle_core::{Tensor, Var};
 

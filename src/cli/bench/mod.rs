@@ -28,6 +28,8 @@ pub struct OpsArgs {
 /// `align bench ops`: each kernel on the selected device against the CPU in f64; fails when one
 /// is off by more than the tolerance.
 pub fn ops(a: &OpsArgs) -> Result<()> {
+    // This command checks align's kernels, whatever ALIGN_KERNELS says for training.
+    align::ops::set_gpu_kernels(align::ops::GpuKernels::Align);
     use ops::{check_count, check_ops, TOLERANCE};
     let device = crate::cli::default_device();
     let bar = Progress::bar(check_count() as u64, "ops", a.json);
