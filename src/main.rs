@@ -1,9 +1,7 @@
 //! The `align` command line: parse, then call one function per subcommand.
 
-use std::path::PathBuf;
-
 use anyhow::Result;
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 
 mod cli;
 
@@ -64,7 +62,7 @@ enum Command {
     /// Generate synthetic data, train a small model on the CPU, evaluate it.
     Demo(cli::demo::DemoArgs),
     /// Train from a TOML config.
-    Train(TrainArgs),
+    Train(cli::train::TrainArgs),
     /// Data tools: synthetic shards, statistics.
     #[command(subcommand)]
     Data(DataCommand),
@@ -87,35 +85,6 @@ enum Command {
     Plot(cli::plot::PlotArgs),
     /// Start the local ranks of a multi-process job (torchrun's variables), stopping all if one fails.
     Launch(cli::launch::LaunchArgs),
-}
-
-#[derive(Args)]
-pub struct TrainArgs {
-    /// Experiment config (TOML).
-    #[arg(long)]
-    config: PathBuf,
-    /// Override a config field: `--set train.lr=1e-4` (repeatable).
-    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-    overrides: Vec<String>,
-    /// Continue from the run's latest checkpoint.
-    #[arg(long)]
-    resume: bool,
-    /// Print the summary as JSON.
-    #[arg(long)]
-    json: bool,
-    /// No progress bars.
-    #[arg(long)]
-    quiet: bool,
-    /// Stop after this many steps (the schedule still follows train.steps).
-    #[arg(long)]
-    stop_after: Option<u64>,
-    /// Data-parallel ranks as threads of this process (CPU); the global batch is split over them
-    /// and negatives are gathered from all.
-    #[arg(long, default_value_t = 1)]
-    nproc: usize,
-    /// Print time per phase and per op kind at the end (also `ALIGN_PROFILE=1`).
-    #[arg(long)]
-    profile: bool,
 }
 
 #[derive(Subcommand)]
@@ -159,8 +128,18 @@ enum BenchCommand {
     Ops(cli::bench::OpsArgs),
 }
 
-fn main() -> Result<()> {
+fn main() {
+    // A user's mistake (a missing file, a bad config value) is one line naming what is wrong, not
+    // a stack trace, whatever RUST_BACKTRACE says; a panic (a bug) still prints its own.
+    if let Err(e) = run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
     keep_freed_memory();
+    align::util::log::init();
     candle_pool_on_small_machines();
     let cli = Cli::parse();
     align::util::profile::init_from_env();
@@ -172,12 +151,7 @@ fn main() -> Result<()> {
     }
     match cli.command {
         Command::Demo(a) => cli::demo::run(&a),
-        Command::Train(a) => {
-            if a.profile {
-                align::util::profile::enable(true);
-            }
-            cli::train::run(&a.config, &a.overrides, a.resume, a.json, a.quiet, a.stop_after, a.nproc)
-        }
+        Command::Train(a) => cli::train::run(&a),
         Command::Data(DataCommand::Synth(a)) => cli::data::synth(&a),
         Command::Data(DataCommand::Stats(a)) => cli::data::stats(&a),
         Command::Data(DataCommand::FromKarpathy(a)) => cli::data::from_karpathy(&a),

@@ -210,8 +210,11 @@ fn embed_then_search_finds_the_captioned_image() {
 fn launch_starts_ranks_with_torchrun_variables_and_reports_a_failing_rank() {
     let dir = tempfile::tempdir().unwrap();
     let data = common::tiny_data(&dir.path().join("data"));
-    let (ok, _, err) = align(&["launch", "--nproc-per-node", "2", "--", "data", "stats", "--data", &data.test, "--json"]);
+    let (ok, out, err) = align(&["launch", "--nproc-per-node", "2", "--", "data", "stats", "--data", &data.test, "--json"]);
     assert!(ok, "{err}");
+    // Each rank's lines come out whole, prefixed with its rank.
+    assert!(out.lines().all(|l| l.starts_with("[rank 0] ") || l.starts_with("[rank 1] ")), "{out}");
+    assert!(out.contains("[rank 0] {") && out.contains("[rank 1] {"), "{out}");
     // Training in a multi-process job needs NCCL; without it each rank says so and launch fails.
     let cfg = common::tiny_config(&data, &common::tiny_tokenizer(&data, dir.path()), &dir.path().join("runs"), &[]);
     let cfg_path = dir.path().join("tiny.toml");

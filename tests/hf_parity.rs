@@ -138,7 +138,7 @@ fn training_starts_from_a_hugging_face_align_model_or_pretrained_towers() {
     use align::train::trainer::{train, TrainOptions};
     let dir = tempfile::tempdir().unwrap();
     let data = common::tiny_data(&dir.path().join("data"));
-    let opts = TrainOptions { resume: false, quiet: true, device: Device::Cpu, stop_after: None, nproc: 1 };
+    let opts = TrainOptions { resume: false, quiet: true, device: Device::Cpu, stop_after: None, nproc: 1, allow_change: Vec::new() };
     let tensor_equal = |a: &Tensor, b: &Tensor| max_diff(a, b) == 0.0;
     // A whole AlignModel, its tokenizer (vocab.txt) included; a zero learning rate keeps the weights.
     let whole = align::config::Config::from_str_with_overrides(

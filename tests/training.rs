@@ -10,7 +10,7 @@ use align::train::trainer::{train, TrainOptions};
 use candle_core::{Device, Tensor};
 
 fn opts(resume: bool, stop_after: Option<u64>) -> TrainOptions {
-    TrainOptions { resume, quiet: true, device: Device::Cpu, stop_after, nproc: 1 }
+    TrainOptions { resume, quiet: true, device: Device::Cpu, stop_after, nproc: 1, allow_change: Vec::new() }
 }
 
 fn weights(dir: &std::path::Path) -> HashMap<String, Tensor> {

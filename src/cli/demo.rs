@@ -68,7 +68,10 @@ pub fn run(a: &DemoArgs) -> Result<()> {
             cfg.model.bert.layers.unwrap_or(0)
         ));
     }
-    let summary = train(&cfg, &TrainOptions { resume: false, quiet, device: super::default_device(), stop_after: None, nproc: 1 })?;
+    let summary = train(
+        &cfg,
+        &TrainOptions { resume: false, quiet, device: super::default_device(), stop_after: None, nproc: 1, allow_change: Vec::new() },
+    )?;
     let plot = run_dir.join("plot.png");
     align::plot::figure::render(&[align::plot::runs::load(&run_dir)?], 1500)?
         .save(&plot)

@@ -92,8 +92,12 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
         bar.finish();
         tensors.insert("text_embeddings".to_string(), to_tensor(&t)?);
     }
-    candle_core::safetensors::save(&tensors, &a.out).with_context(|| format!("writing {}", a.out.display()))?;
-    std::fs::write(sidecar_path(&a.out), serde_json::to_string(&side)?)?;
+    if let Some(parent) = a.out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
+    align::io::tensors::write_tensors(&tensors, &a.out)?;
+    let sidecar = sidecar_path(&a.out);
+    std::fs::write(&sidecar, serde_json::to_string(&side)?).with_context(|| format!("writing {}", sidecar.display()))?;
     println!("{} images, {} texts → {} (+ {})", side.image_keys.len(), side.texts.len(), a.out.display(), sidecar_path(&a.out).display());
     Ok(())
 }

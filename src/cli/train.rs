@@ -1,4 +1,4 @@
-use std::path::Path;
+use std::path::PathBuf;
 
 use align::config::Config;
 use align::train::trainer::{train, TrainOptions, TrainSummary};
@@ -18,8 +18,8 @@ pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
     t.row("final learning rate", format!("{:.3e}", s.final_lr));
     t.row("skipped samples", s.skipped.summary());
     t.row("checkpoint", s.checkpoint.display().to_string());
-    if s.interrupted {
-        t.row("stopped", "by Ctrl-C (resume with --resume)".to_string());
+    if let Some(by) = &s.stopped_by {
+        t.row("stopped", format!("by {by} (resume with --resume)"));
     }
     for b in &s.best_eval {
         // Recalls and accuracies are fractions; rsum is already a sum of percentages.
@@ -37,19 +37,64 @@ pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
     t
 }
 
-pub fn run(
-    config: &Path,
-    overrides: &[String],
-    resume: bool,
+/// How `--resume` continues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Resume {
+    /// From the latest checkpoint if the run has one, else from the start (what a requeued job
+    /// wants).
+    Auto,
+}
+
+#[derive(clap::Args)]
+pub struct TrainArgs {
+    /// Experiment config (TOML).
+    #[arg(long)]
+    config: PathBuf,
+    /// Override a config field: `--set train.lr=1e-4` (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Continue from the run's latest checkpoint (`--resume` or `--resume auto`: start from
+    /// scratch when there is none yet).
+    #[arg(long, num_args = 0..=1, default_missing_value = "auto", value_name = "auto")]
+    resume: Option<Resume>,
+    /// With --resume: let the run change this field of its checkpoint's config (`run.seed`,
+    /// `train.batch_size`, `data.train`, `model`), which breaks exact continuation (repeatable).
+    #[arg(long, value_name = "FIELD")]
+    allow_change: Vec<String>,
+    /// Print the summary as JSON.
+    #[arg(long)]
     json: bool,
+    /// No progress bars.
+    #[arg(long)]
     quiet: bool,
+    /// Stop after this many steps (the schedule still follows train.steps).
+    #[arg(long)]
     stop_after: Option<u64>,
+    /// Data-parallel ranks as threads of this process (CPU); the global batch is split over them
+    /// and negatives are gathered from all.
+    #[arg(long, default_value_t = 1)]
     nproc: usize,
-) -> Result<()> {
-    let cfg = Config::load(config, overrides)?;
+    /// Print time per phase and per op kind at the end (also `ALIGN_PROFILE=1`).
+    #[arg(long)]
+    profile: bool,
+}
+
+pub fn run(a: &TrainArgs) -> Result<()> {
+    if a.profile {
+        align::util::profile::enable(true);
+    }
+    let cfg = Config::load(&a.config, &a.overrides)?;
     align::util::interrupt::install();
-    let summary = train(&cfg, &TrainOptions { resume, quiet, device: super::default_device(), stop_after, nproc })?;
-    if json {
+    let opts = TrainOptions {
+        resume: a.resume.is_some(),
+        quiet: a.quiet,
+        device: super::default_device(),
+        stop_after: a.stop_after,
+        nproc: a.nproc,
+        allow_change: a.allow_change.clone(),
+    };
+    let summary = train(&cfg, &opts)?;
+    if a.json {
         super::print_json(&summary)?;
     } else {
         summary_table(&summary, true).print();
@@ -59,9 +104,10 @@ pub fn run(
         let steps = totals.get("optimizer").map_or(1, |x| x.1 as usize);
         eprintln!("\nprofile (rank threads summed):\n{}", align::util::profile::report(&totals, steps));
     }
-    if summary.interrupted {
-        // The conventional status of a run ended by SIGINT, so scripts see it did not finish.
-        std::process::exit(130);
+    if let Some(status) = summary.exit_status {
+        // 128 + the signal, as a shell reports a process the signal ended: scripts see that the
+        // run did not finish (and requeue it with --resume).
+        std::process::exit(status);
     }
     Ok(())
 }

@@ -107,7 +107,13 @@ pub struct LoaderSettings {
 
 enum Msg {
     Batch(Box<Batch>, Box<WorkerState>),
-    EpochEnd { epoch: u64, samples_in_epoch: u64 },
+    /// A worker finished its epoch; its skips so far (a worker whose every sample was bad has no
+    /// batch to report them with).
+    EpochEnd {
+        epoch: u64,
+        samples_in_epoch: u64,
+        skips: SkipCounts,
+    },
 }
 
 pub struct TrainLoader {
@@ -115,6 +121,8 @@ pub struct TrainLoader {
     handles: Vec<JoinHandle<()>>,
     pos: LoaderPosition,
     samples_this_epoch: u64,
+    /// Each worker's skips at its last epoch end, for the error of an epoch without a sample.
+    epoch_end_skips: Vec<SkipCounts>,
 }
 
 const AUGMENT: u64 = 0x4155_474d_454e_5431;
@@ -175,7 +183,8 @@ impl TrainLoader {
             receivers.push(rx);
             handles.push(handle);
         }
-        Ok(TrainLoader { receivers, handles, pos, samples_this_epoch: 0 })
+        let epoch_end_skips = vec![SkipCounts::default(); placement.workers];
+        Ok(TrainLoader { receivers, handles, pos, samples_this_epoch: 0, epoch_end_skips })
     }
 
     /// The next batch, in an order fixed by the seed and worker count.
@@ -187,7 +196,13 @@ impl TrainLoader {
                     bail!(
                         "epoch {} produced no usable sample: every shard is unreadable or empty (skipped: {})",
                         self.pos.epoch,
-                        self.pos.skips().summary()
+                        self.epoch_end_skips
+                            .iter()
+                            .fold(SkipCounts::default(), |mut all, s| {
+                                all.merge(s);
+                                all
+                            })
+                            .summary()
                     );
                 }
                 self.pos.epoch += 1;
@@ -209,7 +224,8 @@ impl TrainLoader {
                 }
                 // An epoch end the restored position already accounts for.
                 Msg::EpochEnd { epoch, .. } if epoch < self.pos.epoch => {}
-                Msg::EpochEnd { samples_in_epoch, .. } => {
+                Msg::EpochEnd { samples_in_epoch, skips, .. } => {
+                    self.epoch_end_skips[w] = skips;
                     self.samples_this_epoch += samples_in_epoch;
                     self.pos.exhausted[w] = true;
                     self.pos.next_worker = (w + 1) % n;
@@ -272,7 +288,8 @@ impl Worker {
                 self.pop_and_process(tx)?;
             }
             let epoch = self.state.epoch;
-            tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.samples_in_epoch }).map_err(|_| Closed)?;
+            let skips = self.state.skips.clone();
+            tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.samples_in_epoch, skips }).map_err(|_| Closed)?;
             self.state.epoch += 1;
             self.state.cursor = 0;
             self.state.next_index = 0;
@@ -549,7 +566,17 @@ mod tests {
         let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
-        assert!(err.contains("no usable sample"), "{err}");
+        assert!(err.contains("no usable sample") && err.contains("skipped: none"), "{err}");
+        // Every sample bad: the error counts them, though no batch ever carried the counts.
+        let path = dir.path().join("bad.tar");
+        let mut w = ShardWriter::create(&path).unwrap();
+        w.write_sample("corrupt", &[("png", b"not a png".to_vec()), ("txt", b"ok".to_vec())]).unwrap();
+        w.write_sample("nocap", &[("png", png(2))]).unwrap();
+        w.finish().unwrap();
+        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false };
+        let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
+        let err = l.next_batch().unwrap_err().to_string();
+        assert!(err.contains("corrupt_image=1, missing_caption=1"), "{err}");
     }
 
     #[test]

@@ -17,3 +17,4 @@ pub mod synth;
 pub mod tar_read;
 pub mod tokenizer;
 pub mod transform;
+pub mod wordpiece;

@@ -127,14 +127,17 @@ enum Ending {
 
 /// The archive's members, grouped into samples by key and handed to `sink`.
 fn read_members(archive: &mut tar::Archive<Input>, grouper: &mut Grouper, sink: &mut impl FnMut(ShardEvent) -> bool) -> Ending {
-    let broken = |detail: String, reading: Option<String>| Ending::Broken { detail, reading };
+    // Details quote the archive's own bytes (member names): control characters are escaped, so
+    // a file that is no tar at all cannot write raw binary to the terminal.
+    let broken = |detail: String, reading: Option<String>| Ending::Broken { detail: printable(&detail), reading };
     let entries = match archive.entries() {
         Ok(e) => e,
         Err(e) => return broken(e.to_string(), None),
     };
-    for entry in entries {
+    for (headers, entry) in entries.enumerate() {
         let mut entry = match entry {
             Ok(e) => e,
+            Err(e) if headers == 0 => return broken(format!("not a tar archive (its first header is not a tar header: {e})"), None),
             Err(e) => return broken(e.to_string(), None),
         };
         if !entry.header().entry_type().is_file() {
@@ -164,6 +167,11 @@ fn read_members(archive: &mut tar::Archive<Input>, grouper: &mut Grouper, sink: 
         }
     }
     Ending::Done
+}
+
+/// `s` with control characters (and other unprintable ones) escaped.
+fn printable(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() && c != ' ' { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
 /// Ends a pipe's command early (a stopped or broken read).
@@ -266,6 +274,19 @@ impl Grouper {
 mod tests {
     use super::*;
     use crate::data::shard_writer::ShardWriter;
+
+    #[test]
+    fn garbage_is_not_a_tar_archive_and_its_bytes_stay_out_of_the_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("garbage.tar");
+        // Control characters, an escape sequence and invalid UTF-8 where a header would be.
+        let bytes: Vec<u8> = (0..2048u32).map(|i| if i % 7 == 0 { 0x1b } else { (i * 131 % 256) as u8 }).collect();
+        std::fs::write(&path, bytes).unwrap();
+        let events = read_shard_events(&ShardSource::File(path));
+        let [ShardEvent::Failed { detail, .. }] = &events[..] else { panic!("{} events", events.len()) };
+        assert!(detail.starts_with("not a tar archive"), "{detail}");
+        assert!(!detail.chars().any(|c| c.is_control()), "{detail:?}");
+    }
 
     #[test]
     fn keys_split_at_the_first_dot_of_the_file_name() {

@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Context, Result};
-use tokenizers::models::wordpiece::{WordPiece, WordPieceTrainer};
+use tokenizers::models::wordpiece::WordPiece;
 use tokenizers::normalizers::bert::BertNormalizer;
 use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
 use tokenizers::processors::template::TemplateProcessing;
@@ -134,32 +134,66 @@ fn attach_bert_template(tok: &mut Tokenizer) -> Result<()> {
     Ok(())
 }
 
-/// Trains a BERT-style WordPiece vocabulary of (at most) `vocab_size` entries on `captions`.
+/// Trains a BERT-style WordPiece vocabulary of (at most) `vocab_size` entries on `captions`
+/// (`data::wordpiece`): the same captions give the same vocabulary, byte for byte, on every run
+/// and any thread count.
 ///
 /// The special tokens come first (`[PAD]`=0, `[UNK]`, `[CLS]`, `[SEP]`, `[MASK]`, `<PERSON>`).
-/// The `tokenizers` trainer may break frequency ties differently between runs, so a run saves the
-/// vocabulary it trained with and never retrains it on resume.
 pub fn train_wordpiece<I, S>(captions: I, vocab_size: usize, lowercase: bool, min_frequency: u64) -> Result<Tokenizer>
 where
     I: Iterator<Item = S> + Send,
     S: AsRef<str> + Send,
 {
-    let specials: Vec<AddedToken> = [PAD, UNK, CLS, SEP, MASK, PERSON].iter().map(|t| AddedToken::from(*t, true)).collect();
-    let model = WordPiece::builder().unk_token(UNK.into()).build().map_err(|e| anyhow!("{e}"))?;
+    let specials = [PAD, UNK, CLS, SEP, MASK, PERSON];
+    let normalizer = BertNormalizer::new(true, true, Some(lowercase), lowercase);
+    let words = count_words(captions, &normalizer)?;
+    let vocab = super::wordpiece::learn(&words, vocab_size, min_frequency, &specials);
+    let ids: ahash::AHashMap<String, u32> = vocab.into_iter().enumerate().map(|(i, t)| (t, i as u32)).collect();
+    let model = WordPiece::builder()
+        .vocab(ids)
+        .unk_token(UNK.into())
+        .continuing_subword_prefix(super::wordpiece::PREFIX.into())
+        .build()
+        .map_err(|e| anyhow!("{e}"))?;
     let mut tok = Tokenizer::new(model);
-    tok.with_normalizer(Some(BertNormalizer::new(true, true, Some(lowercase), lowercase))).map_err(|e| anyhow!("{e}"))?;
+    tok.with_normalizer(Some(normalizer)).map_err(|e| anyhow!("{e}"))?;
     tok.with_pre_tokenizer(Some(BertPreTokenizer));
-    let trainer = WordPieceTrainer::builder()
-        .vocab_size(vocab_size)
-        .min_frequency(min_frequency)
-        .special_tokens(specials.clone())
-        .show_progress(false)
-        .build();
-    let mut wrapper: tokenizers::models::TrainerWrapper = trainer.into();
-    tok.train(&mut wrapper, captions).map_err(|e| anyhow!("training WordPiece: {e}"))?;
-    tok.add_special_tokens(specials).map_err(|e| anyhow!("{e}"))?;
+    tok.add_special_tokens(specials.iter().map(|t| AddedToken::from(*t, true)).collect::<Vec<_>>()).map_err(|e| anyhow!("{e}"))?;
     attach_bert_template(&mut tok)?;
     Ok(tok)
+}
+
+/// How often each word occurs in `captions`, after BERT's normaliser and pre-tokeniser (the
+/// `<PERSON>` token is one token of its own, never part of a word).
+fn count_words<I, S>(captions: I, normalizer: &BertNormalizer) -> Result<std::collections::BTreeMap<String, u64>>
+where
+    I: Iterator<Item = S> + Send,
+    S: AsRef<str> + Send,
+{
+    use rayon::prelude::*;
+    use tokenizers::{NormalizedString, Normalizer, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    let captions: Vec<String> = captions.map(|c| c.as_ref().replace(PERSON, " ")).collect();
+    let counts = captions
+        .par_iter()
+        .try_fold(std::collections::HashMap::<String, u64>::new, |mut counts, c| -> Result<_> {
+            let mut n = NormalizedString::from(c.as_str());
+            normalizer.normalize(&mut n).map_err(|e| anyhow!("normalising {c:?}: {e}"))?;
+            let mut pre = PreTokenizedString::from(n);
+            BertPreTokenizer.pre_tokenize(&mut pre).map_err(|e| anyhow!("splitting {c:?}: {e}"))?;
+            for (word, _, _) in pre.get_splits(OffsetReferential::Original, OffsetType::Byte) {
+                *counts.entry(word.to_string()).or_default() += 1;
+            }
+            Ok(counts)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut all = std::collections::BTreeMap::new();
+    for part in counts {
+        for (w, n) in part {
+            *all.entry(w).or_default() += n;
+        }
+    }
+    Ok(all)
 }
 
 /// Reads up to `limit` captions (0 = all) from shards, in order, for vocabulary training.
@@ -185,6 +219,32 @@ pub fn captions_from_shards(shards: &[crate::data::spec::ShardSource], limit: us
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same captions, trained on again and on 1 and 3 threads, give one `tokenizer.json`,
+    /// byte for byte; a caption more changes it.
+    #[test]
+    fn vocabularies_are_byte_identical_across_runs_and_thread_counts() {
+        let captions: Vec<String> = (0..400)
+            .map(|i| {
+                format!("a {} photo of the {} <PERSON> near {} {}", ["red", "blue", "big"][i % 3], i % 17, i % 5, ["dogs", "cats"][i % 2])
+            })
+            .collect();
+        let json = |threads: usize, caps: &[String]| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let tok = pool.install(|| train_wordpiece(caps.iter(), 120, true, 2).unwrap());
+            tok.to_string(false).unwrap()
+        };
+        let first = json(1, &captions);
+        assert_eq!(first, json(3, &captions));
+        assert_eq!(first, json(3, &captions));
+        let mut more = captions.clone();
+        more.push("an unusual zebra".into());
+        assert_ne!(first, json(1, &more));
+        // <PERSON> stays one token, the specials lead the vocabulary.
+        let tok = TextTokenizer::new(std::str::FromStr::from_str(&first).unwrap(), 16).unwrap();
+        assert_eq!(tok.tokens("<PERSON> dogs").unwrap()[1], PERSON);
+        assert_eq!(tok.inner().token_to_id(PAD), Some(0));
+    }
 
     fn small_tokenizer(max_len: usize) -> TextTokenizer {
         let captions = [

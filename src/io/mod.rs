@@ -7,4 +7,5 @@ pub mod hf;
 pub mod init_from;
 pub mod load;
 pub mod run_dir;
+pub mod run_lock;
 pub mod tensors;

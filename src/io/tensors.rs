@@ -26,11 +26,31 @@ pub fn sync_dir(dir: &Path) {
     }
 }
 
+/// Writes tensors as safetensors, readable as any file the process creates (the safetensors crate
+/// writes through a private temporary file, which would leave it readable by its owner only).
+pub fn write_tensors(map: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
+    candle_core::safetensors::save(map, path).with_context(|| format!("writing {}", path.display()))?;
+    set_default_mode(path)
+}
+
 /// Writes tensors as safetensors and syncs the file.
 pub fn save_tensors(map: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    candle_core::safetensors::save(map, path).with_context(|| format!("writing {}", path.display()))?;
-    File::open(path)?.sync_all()?;
-    Ok(())
+    write_tensors(map, path)?;
+    File::open(path).and_then(|f| f.sync_all()).with_context(|| format!("syncing {}", path.display()))
+}
+
+/// Gives `path` the mode a newly created file gets: 0666 less the process's umask (0644 with the
+/// usual 022), as `torch.save` and `std::fs::write` leave theirs.
+fn set_default_mode(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    // Linux reports the umask in /proc; reading it there leaves the process's umask alone
+    // (umask(2) can only be read by setting it, which races with other threads).
+    let umask = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("Umask:").and_then(|v| u32::from_str_radix(v.trim(), 8).ok())))
+        .unwrap_or(0o022);
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666 & !umask))
+        .with_context(|| format!("setting the permissions of {}", path.display()))
 }
 
 pub fn read_tensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
@@ -78,6 +98,20 @@ pub fn load_strict(vm: &VarMap, tensors: &HashMap<String, Tensor>, origin: &Path
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn written_tensors_are_readable_like_any_new_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let mut t = HashMap::new();
+        t.insert("x".to_string(), Tensor::ones(2, candle_core::DType::F32, &Device::Cpu).unwrap());
+        save_tensors(&t, &path).unwrap();
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, b"x").unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), mode(&plain));
+    }
 
     #[test]
     fn strict_loading_lists_every_mismatch() {

@@ -35,7 +35,9 @@ pub fn auto() -> Device {
 
 pub fn describe(d: &Device) -> String {
     match d {
-        Device::Cpu => format!("CPU ({} threads)", rayon::current_num_threads()),
+        // The cores, not rayon's pool: asking the pool its size would build it, before
+        // `train.compute_threads` can size it.
+        Device::Cpu => format!("CPU ({} cores)", std::thread::available_parallelism().map_or(1, |n| n.get())),
         Device::Cuda(_) => "CUDA GPU".to_string(),
         other => format!("{other:?}"),
     }

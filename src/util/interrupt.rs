@@ -1,29 +1,66 @@
-//! Ctrl-C for long runs: the first press asks the training loop to stop at the next step
-//! boundary (it saves a checkpoint and prints its summary); a second press quits at once, which
-//! is safe because checkpoints are only ever replaced atomically.
+//! Stopping a long run cleanly: Ctrl-C (SIGINT), SIGTERM (SLURM's time limit and preemption,
+//! Kubernetes, `kill`) and SIGUSR1 (SLURM's `--signal=USR1@SECONDS`, sent ahead of the limit)
+//! ask the training loop to stop at the next step boundary: it saves a checkpoint, prints its
+//! summary and exits with status 128 + the signal's number (130, 143, 138), so a job script knows
+//! the run stopped early and a requeued job continues it with `--resume`. A second signal of any
+//! of these quits at once, which is safe because checkpoints are only ever replaced atomically.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 
-static REQUESTED: AtomicBool = AtomicBool::new(false);
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+
+/// The first stop signal received (0: none).
+static RECEIVED: AtomicI32 = AtomicI32::new(0);
 
 /// Installs the handler (once per process; later calls do nothing).
 pub fn install() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let installed = ctrlc::set_handler(|| {
-            if REQUESTED.swap(true, Ordering::SeqCst) {
-                eprintln!("\ninterrupted again: quitting now");
-                std::process::exit(130);
+        let mut signals = match signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGUSR1]) {
+            Ok(s) => s,
+            Err(e) => {
+                crate::util::log::warn(format!("signals will not save a checkpoint: {e}"));
+                return;
             }
-            eprintln!("\ninterrupt: stopping after this step and saving a checkpoint (Ctrl-C again to quit at once)");
+        };
+        let spawned = std::thread::Builder::new().name("signals".into()).spawn(move || {
+            for signal in signals.forever() {
+                if RECEIVED.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+                    eprintln!("\n{} again: quitting now", name(signal));
+                    std::process::exit(128 + signal);
+                }
+                eprintln!("\n{}: stopping after this step and saving a checkpoint (send it again to quit at once)", name(signal));
+            }
         });
-        if let Err(e) = installed {
-            crate::util::log::warn(format!("Ctrl-C will not save a checkpoint: {e}"));
+        if let Err(e) = spawned {
+            crate::util::log::warn(format!("signals will not save a checkpoint: {e}"));
         }
     });
 }
 
 /// Whether a stop was asked for.
 pub fn requested() -> bool {
-    REQUESTED.load(Ordering::SeqCst)
+    received().is_some()
+}
+
+/// The signal that asked for the stop.
+pub fn received() -> Option<i32> {
+    match RECEIVED.load(Ordering::SeqCst) {
+        0 => None,
+        s => Some(s),
+    }
+}
+
+/// The exit status of a run that a signal stopped: 128 + its number, as a shell reports it.
+pub fn exit_status(signal: i32) -> i32 {
+    128 + signal
+}
+
+pub fn name(signal: i32) -> &'static str {
+    match signal {
+        SIGINT => "interrupt (SIGINT)",
+        SIGTERM => "SIGTERM",
+        SIGUSR1 => "SIGUSR1",
+        _ => "signal",
+    }
 }

@@ -1,12 +1,22 @@
-//! Console output that cooperates with the active progress bar.
+//! Console output through `tracing`: levels from `RUST_LOG` (default `info`), lines that cooperate
+//! with the active progress bar, and two layouts. In a terminal a line is the message alone
+//! (warnings prefixed `warning:`); when stderr is not a terminal (a batch job's log file), every
+//! line starts with its UTC time and level, and long work prints a line now and then instead of
+//! drawing a bar (`util::progress`).
 //!
 //! Warnings printed with plain `eprintln!` while an indicatif bar is drawing get torn apart by the
-//! redraw; routing them through the bar keeps both readable.
+//! redraw; routing every line through the bar keeps both readable.
 
+use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use indicatif::ProgressBar;
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::EnvFilter;
 
 static ACTIVE_BAR: Mutex<Option<ProgressBar>> = Mutex::new(None);
 static WARNINGS: AtomicU64 = AtomicU64::new(0);
@@ -19,16 +29,42 @@ pub fn set_active_bar(bar: Option<ProgressBar>) {
     *ACTIVE_BAR.lock().unwrap() = bar;
 }
 
+/// Whether stderr is a terminal (bars drawn) rather than a log file (timestamped lines).
+pub fn interactive() -> bool {
+    std::io::stderr().is_terminal()
+}
+
+/// Installs the subscriber (once; a second call, or one in a process that has its own, does
+/// nothing). Without it (library use, tests) the lines still reach stderr, unformatted.
+pub fn init() {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let subscriber =
+        tracing_subscriber::fmt().with_env_filter(filter).event_format(Lines { stamped: !interactive() }).with_writer(BarWriter).finish();
+    let _ = tracing::subscriber::set_global_default(subscriber);
+}
+
 pub fn info(msg: impl AsRef<str>) {
-    print_line(msg.as_ref());
+    emit(Level::INFO, msg.as_ref());
 }
 
 pub fn warn(msg: impl AsRef<str>) {
     let n = WARNINGS.fetch_add(1, Ordering::Relaxed) + 1;
     if n < MAX_WARNING_LINES {
-        print_line(&format!("warning: {}", msg.as_ref()));
+        emit(Level::WARN, msg.as_ref());
     } else if n == MAX_WARNING_LINES {
-        print_line("warning: too many warnings; further ones are counted but not printed");
+        emit(Level::WARN, "too many warnings; further ones are counted but not printed");
+    }
+}
+
+fn emit(level: Level, msg: &str) {
+    if !tracing::dispatcher::has_been_set() {
+        // No subscriber: straight to stderr, as a terminal shows it.
+        print_line(&if level == Level::WARN { format!("warning: {msg}") } else { msg.to_string() });
+        return;
+    }
+    match level {
+        Level::WARN => tracing::warn!(target: "align", "{msg}"),
+        _ => tracing::info!(target: "align", "{msg}"),
     }
 }
 
@@ -37,5 +73,62 @@ fn print_line(line: &str) {
     match guard.as_ref() {
         Some(bar) if !bar.is_hidden() => bar.println(line),
         _ => eprintln!("{line}"),
+    }
+}
+
+/// A line per event: `warning: message` in a terminal, `TIME LEVEL message` in a log file.
+struct Lines {
+    stamped: bool,
+}
+
+impl<S, N> FormatEvent<S, N> for Lines
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(&self, ctx: &FmtContext<'_, S, N>, mut writer: Writer<'_>, event: &Event<'_>) -> std::fmt::Result {
+        let level = *event.metadata().level();
+        if self.stamped {
+            write!(writer, "{} {:<5} ", crate::util::clock::utc_now(), level)?;
+        } else if level == Level::WARN {
+            write!(writer, "warning: ")?;
+        } else if level == Level::ERROR {
+            write!(writer, "error: ")?;
+        }
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
+}
+
+/// Writes each formatted line through the active progress bar (above it), else to stderr.
+struct BarWriter;
+
+struct LineBuffer(Vec<u8>);
+
+impl std::io::Write for LineBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LineBuffer {
+    fn drop(&mut self) {
+        let text = String::from_utf8_lossy(&self.0);
+        for line in text.lines() {
+            print_line(line);
+        }
+    }
+}
+
+impl<'a> MakeWriter<'a> for BarWriter {
+    type Writer = LineBuffer;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        LineBuffer(Vec::new())
     }
 }

@@ -81,7 +81,7 @@ pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer,
     let h = spec.text.hidden;
     tensors.insert("text_model.pooler.dense.weight".into(), Tensor::zeros((h, h), DType::F32, &Device::Cpu)?);
     tensors.insert("text_model.pooler.dense.bias".into(), Tensor::zeros(h, DType::F32, &Device::Cpu)?);
-    candle_core::safetensors::save(&tensors, out.join(WEIGHTS)).with_context(|| format!("writing {}", out.join(WEIGHTS).display()))?;
+    crate::io::tensors::write_tensors(&tensors, &out.join(WEIGHTS))?;
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     tokenizer.save(&out.join("tokenizer.json"))?;
     Ok(())

@@ -1,6 +1,7 @@
 //! What a run tells as it goes: `metrics.jsonl` (the source of truth), TensorBoard event files
-//! derived from the same records, and the progress bar with its running figures. Rank 0 writes;
-//! the other ranks' logs are silent.
+//! derived from the same records, and the progress bar with its running figures, or in a batch
+//! job's log (stderr not a terminal) one timestamped line per `train.log_every` steps. Rank 0
+//! writes; the other ranks' logs are silent.
 
 use std::time::Instant;
 
@@ -17,8 +18,12 @@ pub(super) struct RunLog {
     metrics: Option<MetricsLog>,
     tb: Option<EventWriter>,
     pub bar: Progress,
-    /// Since the last logged step: when it began, samples trained, seconds waiting for data.
-    window: (Instant, u64, f64),
+    /// Since the last logged step: when it began, steps and samples trained, seconds waiting for
+    /// data.
+    window: (Instant, u64, u64, f64),
+    /// Log lines for a batch job, and the schedule's length for their ETA.
+    lines: bool,
+    total: u64,
 }
 
 /// One logged step's figures besides the step's own output.
@@ -46,9 +51,10 @@ impl RunLog {
                 tb.text(step, "config", &format!("```toml\n{config_toml}\n```"));
             }
         }
-        let bar = Progress::bar(cfg.train.steps, "training", quiet);
+        let bar = Progress::bar(cfg.train.steps, "training", quiet).without_lines();
         bar.set_position(step);
-        Ok(RunLog { metrics, tb, bar, window: (Instant::now(), 0, 0.0) })
+        let lines = !quiet && !crate::util::log::interactive();
+        Ok(RunLog { metrics, tb, bar, window: (Instant::now(), 0, 0, 0.0), lines, total: cfg.train.steps })
     }
 
     /// A record for the metrics log and, its numbers, for TensorBoard.
@@ -65,18 +71,32 @@ impl RunLog {
 
     /// Counts a step's samples and its wait for data into the current window.
     pub fn count(&mut self, samples: u64, waited: f64) {
-        self.window.1 += samples;
-        self.window.2 += waited;
+        self.window.1 += 1;
+        self.window.2 += samples;
+        self.window.3 += waited;
     }
 
     /// Logs the window that ends with this step (its throughput and data-wait share) and starts
     /// the next.
     pub fn log_step(&mut self, out: &StepOutput, f: &StepFigures) -> Result<()> {
         let secs = self.window.0.elapsed().as_secs_f64().max(1e-9);
-        let rate = self.window.1 as f64 / secs;
-        let wait_share = self.window.2 / secs;
-        self.window = (Instant::now(), 0, 0.0);
+        let rate = self.window.2 as f64 / secs;
+        let wait_share = self.window.3 / secs;
+        let secs_per_step = secs / self.window.1.max(1) as f64;
+        self.window = (Instant::now(), 0, 0, 0.0);
         self.bar.set_message(format!("loss {:.3} σ {:.4} lr {:.2e} {rate:.0} img/s", out.loss, f.temperature, f.lr));
+        if self.lines {
+            crate::util::log::info(format!(
+                "step {}/{} loss {:.4} σ {:.4} lr {:.3e} {rate:.1} samples/s data wait {:.1}% ETA {}",
+                f.step,
+                self.total,
+                out.loss,
+                f.temperature,
+                f.lr,
+                100.0 * wait_share,
+                crate::util::clock::span(self.total.saturating_sub(f.step) as f64 * secs_per_step)
+            ));
+        }
         self.record(serde_json::json!({
             "step": f.step, "loss": out.loss, "loss_i2t": out.i2t, "loss_t2i": out.t2i, "temperature": f.temperature,
             "lr": f.lr, "grad_norm": f.grad_norm, "samples_per_s": rate, "samples_seen": f.samples_seen,

@@ -38,12 +38,21 @@ pub struct TrainOptions {
     pub stop_after: Option<u64>,
     /// Data-parallel ranks as threads of this process (`--nproc`); 1 = a single rank.
     pub nproc: usize,
+    /// Fields a resumed run may change from its checkpoint's config (`--allow-change`).
+    pub allow_change: Vec<String>,
 }
 
 impl TrainOptions {
     /// The options of rank `rank`: only rank 0 speaks.
     fn for_rank(&self, rank: usize, device: Device, nproc: usize) -> TrainOptions {
-        TrainOptions { resume: self.resume, quiet: self.quiet || rank > 0, device, stop_after: self.stop_after, nproc }
+        TrainOptions {
+            resume: self.resume,
+            quiet: self.quiet || rank > 0,
+            device,
+            stop_after: self.stop_after,
+            nproc,
+            allow_change: self.allow_change.clone(),
+        }
     }
 }
 

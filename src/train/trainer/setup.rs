@@ -17,6 +17,7 @@ use crate::data::spec;
 use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
 use crate::io::init_from;
 use crate::io::run_dir::{self, TrainState, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE};
+use crate::io::run_lock::RunLock;
 use crate::io::tensors::{load_strict, read_tensors};
 use crate::model::batch_norm::trainable_vars;
 use crate::model::dual_encoder::{DualEncoder, ModelSpec};
@@ -39,15 +40,24 @@ pub(super) struct Run {
     pub opt: Optimizer,
     pub loader: TrainLoader,
     pub device: Device,
+    /// Rank 0's hold on the run directory, for the whole run.
+    _lock: Option<RunLock>,
 }
 
 pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective) -> Result<Run> {
     let run_dir = cfg.run_dir();
-    if group.rank() == 0 {
-        std::fs::create_dir_all(&run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
-    }
+    // Every rank learns whether rank 0 got the directory before any of them reads from it.
+    let lock = if group.rank() == 0 { Some(lock_run_dir(&run_dir)) } else { None };
     group.barrier().map_err(coll)?;
+    let lock = lock.transpose()?;
     let (resumed_from, start) = resume_point(opts, &run_dir, group.world_size())?;
+    if let Some(dir) = &resumed_from {
+        for change in changes_on_resume(cfg, dir, &opts.allow_change)? {
+            if !opts.quiet {
+                log::info(format!("resuming with {change} (--allow-change)"));
+            }
+        }
+    }
     let tokenizer = Arc::new(shared_tokenizer(cfg, opts.quiet, &run_dir, resumed_from.as_deref(), group)?);
     let spec = init_from::spec(cfg, tokenizer.vocab_size())?;
     let varmap = VarMap::new();
@@ -67,7 +77,15 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
     }
     broadcast_weights(&varmap, group)?;
     let loader = start_loader(cfg, group, tokenizer.clone(), &start)?;
-    Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, loader, device })
+    Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, loader, device, _lock: lock })
+}
+
+/// Creates the run directory, takes its lock and clears what an interrupted save or prune left.
+fn lock_run_dir(run_dir: &Path) -> Result<RunLock> {
+    std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
+    let lock = RunLock::acquire(run_dir)?;
+    run_dir::clean(run_dir)?;
+    Ok(lock)
 }
 
 /// The towers for `spec` on the variables of `vb` (f32 master weights, or a bf16 view of them).
@@ -94,6 +112,47 @@ fn resume_point(opts: &TrainOptions, run_dir: &Path, world: usize) -> Result<(Op
         bail!("the checkpoint was written by {} ranks but this run has {world}: resume with the same number of ranks", start.loaders.len());
     }
     Ok((resumed_from, start))
+}
+
+/// The fields whose change breaks a resumed run's promise (the same batches and weights as one
+/// uninterrupted run): what `--allow-change FIELD` must name to change them.
+const RESUME_FIELDS: [&str; 4] = ["run.seed", "train.batch_size", "data.train", "model"];
+
+/// What `cfg` changes of the config the checkpoint at `dir` was trained with: an error naming
+/// every change not allowed, else the allowed ones.
+pub(super) fn changes_on_resume(cfg: &Config, dir: &Path, allowed: &[String]) -> Result<Vec<String>> {
+    let saved = Config::load(&dir.join(run_dir::CONFIG_FILE), &[])?;
+    let (now, before) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&saved)?);
+    let lookup = |t: &toml::Table, field: &str| -> Option<toml::Value> {
+        let mut parts = field.split('.');
+        let mut v = t.get(parts.next()?)?.clone();
+        for p in parts {
+            v = v.get(p)?.clone();
+        }
+        Some(v)
+    };
+    let mut changed = Vec::new();
+    let mut refused = Vec::new();
+    for field in RESUME_FIELDS {
+        let (old, new) = (lookup(&before, field), lookup(&now, field));
+        if old != new {
+            let show = |v: Option<toml::Value>| v.map_or("(none)".to_string(), |v| v.to_string());
+            let change = format!("{field} changed from {} to {}", show(old), show(new));
+            if allowed.iter().any(|a| a == field) {
+                changed.push(change);
+            } else {
+                refused.push(change);
+            }
+        }
+    }
+    if !refused.is_empty() {
+        bail!(
+            "--resume from {} would change what the run trains on, so it would not continue the same run: {}. Resume with the checkpoint's values, or pass --allow-change FIELD for each change you mean",
+            dir.display(),
+            refused.join("; ")
+        );
+    }
+    Ok(changed)
 }
 
 /// The run's vocabulary, the same on every rank: rank 0 settles it (training one if needed,

@@ -1,6 +1,6 @@
 //! The steps: batches in, optimiser steps out, with logging, checkpoints and evaluation on their
-//! cadences, until the schedule's end, `--stop-after` or Ctrl-C (all ranks stop at the same
-//! step, after saving).
+//! cadences, until the schedule's end, `--stop-after` or a stop signal (Ctrl-C, SIGTERM, SIGUSR1:
+//! all ranks stop at the same step, after saving).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -27,7 +27,8 @@ use crate::util::rng::derive_seed;
 pub(super) struct LoopEnd {
     pub position: Position,
     pub lr: f64,
-    pub interrupted: bool,
+    /// The signal that stopped the run early (after saving), if one did.
+    pub stopped_by: Option<i32>,
     /// The newest checkpoint, this invocation's or the one it resumed from.
     pub last_checkpoint: Option<PathBuf>,
     pub eval: EvalResults,
@@ -43,7 +44,7 @@ pub(super) fn run(cfg: &Config, opts: &TrainOptions, group: &Arc<dyn Collective>
     let mut out = LoopEnd {
         lr: lr_at(at.step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule),
         position: at,
-        interrupted: false,
+        stopped_by: None,
         last_checkpoint: run.resumed_from.clone(),
         eval: EvalResults::default(),
         data_wait: 0.0,
@@ -62,10 +63,10 @@ pub(super) fn run(cfg: &Config, opts: &TrainOptions, group: &Arc<dyn Collective>
         if group.rank() == 0 && evaluation::due(cfg, at.step) {
             out.eval = evaluation::evaluate(cfg, run, at.step, opts.quiet, log)?;
         }
-        if !last && stop_requested(&**group)? {
-            out.interrupted = true;
+        if let Some(signal) = if last { None } else { stop_signal(&**group)? } {
+            out.stopped_by = Some(signal);
             if !opts.quiet {
-                log::info(format!("interrupted at step {}; saving a checkpoint", at.step));
+                log::info(format!("{} at step {}; saving a checkpoint", crate::util::interrupt::name(signal), at.step));
             }
             out.last_checkpoint = Some(checkpointing::save(cfg, &**group, run, &at)?);
             break;
@@ -160,13 +161,13 @@ fn batch_tensors(b: Batch, device: &candle_core::Device) -> Result<MicroBatch> {
     Ok(MicroBatch { images, ids, mask })
 }
 
-/// Whether to stop for Ctrl-C. Ranks agree, so every rank leaves the loop at the same step
-/// even when the signal reached them between two of their checks.
-fn stop_requested(group: &dyn Collective) -> Result<bool> {
-    let mine = crate::util::interrupt::requested();
+/// The stop signal, if one arrived. Ranks agree, so every rank leaves the loop at the same step
+/// even when the signal reached them between two of their checks (or only some of them).
+fn stop_signal(group: &dyn Collective) -> Result<Option<i32>> {
+    let mine = crate::util::interrupt::received();
     if group.world_size() == 1 {
         return Ok(mine);
     }
-    let all = group.all_gather_bytes(&[mine as u8]).map_err(coll)?;
-    Ok(all.iter().any(|b| b.first() == Some(&1)))
+    let all = group.all_gather_bytes(&[mine.unwrap_or(0) as u8]).map_err(coll)?;
+    Ok(all.iter().filter_map(|b| b.first().copied()).filter(|&s| s != 0).max().map(i32::from))
 }

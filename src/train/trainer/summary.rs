@@ -31,8 +31,13 @@ pub struct TrainSummary {
     pub final_lr: f64,
     pub skipped: SkipCounts,
     pub checkpoint: PathBuf,
-    /// Stopped early by Ctrl-C (after saving `checkpoint`).
+    /// Stopped early by a signal (after saving `checkpoint`).
     pub interrupted: bool,
+    /// That signal's name (`SIGTERM`, ...) and the process's exit status for it (128 + number).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped_by: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_status: Option<i32>,
     #[serde(skip_serializing_if = "EvalResults::is_empty")]
     pub eval: EvalResults,
     /// The best value of each evaluation metric over the whole run, from its metrics log.
@@ -68,7 +73,9 @@ pub(super) fn finish(cfg: &Config, group: &dyn Collective, run: &Run, log: RunLo
         final_lr: end.lr,
         skipped: skips_of_every_rank(group, run)?,
         checkpoint,
-        interrupted: end.interrupted,
+        interrupted: end.stopped_by.is_some(),
+        stopped_by: end.stopped_by.map(|s| crate::util::interrupt::name(s).to_string()),
+        exit_status: end.stopped_by.map(crate::util::interrupt::exit_status),
         eval: end.eval,
         best_eval,
     })
