@@ -199,3 +199,38 @@ fn embeddings_go_into_a_new_directory_readable_like_any_file() {
     let ckpt = run_dir::latest(&cfg.run_dir()).unwrap().unwrap();
     assert_eq!(mode(&ckpt.join(run_dir::MODEL_FILE)), mode(&plain));
 }
+
+#[test]
+fn a_checkpoint_with_nan_in_a_projection_fails_every_evaluation_naming_the_checkpoint_and_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, path) = config(dir.path(), "nan", &["train.steps=2"]);
+    let out = align(&["train", "--config", path.to_str().unwrap(), "--quiet"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ckpt = run_dir::latest(&cfg.run_dir()).unwrap().unwrap();
+    let file = ckpt.join(run_dir::MODEL_FILE);
+    let mut t = tensors::read_tensors(&file, &Device::Cpu).unwrap();
+    let names: Vec<String> = t.keys().filter(|k| k.contains("projection")).cloned().collect();
+    assert!(!names.is_empty());
+    for name in names {
+        let nan = (t[&name].ones_like().unwrap() * f64::NAN).unwrap();
+        t.insert(name, nan);
+    }
+    candle_core::safetensors::save(&t, &file).unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let run = cfg.run_dir();
+    let c = run.to_str().unwrap();
+    let index = dir.path().join("index.safetensors");
+    let commands: Vec<Vec<&str>> = vec![
+        vec!["eval", "retrieval", "--checkpoint", c, "--data", &data.test, "--json"],
+        vec!["eval", "zeroshot", "--checkpoint", c, "--data", &data.test, "--classes", data.classes.to_str().unwrap(), "--json"],
+        vec!["eval", "knn", "--checkpoint", c, "--train", &data.test, "--val", &data.test, "--json"],
+        vec!["embed", "--checkpoint", c, "--data", &data.test, "--out", index.to_str().unwrap()],
+    ];
+    for args in commands {
+        let out = align(&args);
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?} scored a NaN model: {}", text(&out.stdout));
+        assert!(err.contains("not finite") && err.contains(&ckpt.display().to_string()), "{args:?}: {err}");
+        assert!(err.contains("image ") || err.contains("text "), "{args:?} names no sample: {err}");
+    }
+}

@@ -67,7 +67,8 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
                 a.batch,
                 &device,
                 false,
-            )?;
+            )
+            .with_context(|| format!("embedding with {}", m.dir.display()))?;
             for (i, caps) in images.captions.iter().enumerate() {
                 for c in caps {
                     side.texts.push(c.clone());
@@ -88,7 +89,8 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     }
     if !side.texts.is_empty() {
         let bar = Progress::bar(side.texts.len() as u64, "embedding texts", false);
-        let t = embed_texts(&m.model, &m.tokenizer, &side.texts, a.batch, &device, |n| bar.inc(n as u64))?;
+        let t = embed_texts(&m.model, &m.tokenizer, &side.texts, a.batch, &device, |n| bar.inc(n as u64))
+            .with_context(|| format!("embedding with {}", m.dir.display()))?;
         bar.finish();
         tensors.insert("text_embeddings".to_string(), to_tensor(&t)?);
     }
@@ -184,7 +186,9 @@ pub fn search(a: &SearchArgs) -> Result<()> {
             let img = decode(&bytes, cfg.resize as u32, cfg.max_pixels).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.detail))?;
             let mut pixels = vec![0.0; cfg.numel()];
             eval_transform(&img, cfg, &mut pixels);
-            let image = embed_images(&m.model, &pixels, cfg.image_size, &device)?.flatten_all()?.to_vec1::<f32>()?;
+            let image = embed_images(&m.model, &pixels, cfg.image_size, &device, &[path.to_string_lossy().as_ref()])?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
             let plus = a.plus.as_deref().map(text_vec).transpose()?;
             let minus = a.minus.as_deref().map(text_vec).transpose()?;
             combine(&image, plus.as_deref(), minus.as_deref(), a.text_weight)

@@ -5,7 +5,7 @@ use align::data::folders::{self, imagenet, Variant};
 use align::data::spec;
 use align::eval::{retrieval as ret, zeroshot as zs};
 use align::io::load::load_model;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::table::{add_retrieval, add_zeroshot, Table};
@@ -43,7 +43,8 @@ pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
     };
     let device = super::default_device();
     let m = load_model(&a.checkpoint, &device)?;
-    let run = ret::run(&m.model, &m.tokenizer, source, &m.config.data.image, a.batch, &device, a.json)?;
+    let run = ret::run(&m.model, &m.tokenizer, source, &m.config.data.image, a.batch, &device, a.json)
+        .with_context(|| format!("evaluating {}", m.dir.display()))?;
     if a.json {
         return super::print_json(&run.report);
     }
@@ -109,7 +110,8 @@ pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
     };
     let device = super::default_device();
     let m = load_model(&a.checkpoint, &device)?;
-    let run = zs::run(&m.model, &m.tokenizer, source, &classes, &templates, &m.config.data.image, a.batch, &device, a.json)?;
+    let run = zs::run(&m.model, &m.tokenizer, source, &classes, &templates, &m.config.data.image, a.batch, &device, a.json)
+        .with_context(|| format!("evaluating {}", m.dir.display()))?;
     if a.json {
         return super::print_json(&run.report);
     }
@@ -164,8 +166,11 @@ pub fn knn(a: &KnnArgs) -> Result<()> {
     let m = load_model(&a.checkpoint, &device)?;
     let needs = Needs { image: true, captions: false, label: true };
     let cfg = &m.config.data.image;
-    let index = embed_source(&m.model, labelled_source(&a.train, &a.train_imagenet, "train")?, cfg, needs, a.batch, &device, a.json)?;
-    let queries = embed_source(&m.model, labelled_source(&a.val, &a.val_imagenet, "val")?, cfg, needs, a.batch, &device, a.json)?;
+    let evaluating = || format!("evaluating {}", m.dir.display());
+    let index = embed_source(&m.model, labelled_source(&a.train, &a.train_imagenet, "train")?, cfg, needs, a.batch, &device, a.json)
+        .with_context(evaluating)?;
+    let queries = embed_source(&m.model, labelled_source(&a.val, &a.val_imagenet, "val")?, cfg, needs, a.batch, &device, a.json)
+        .with_context(evaluating)?;
     let classes = index.labels.iter().chain(&queries.labels).flatten().max().map_or(0, |m| *m as usize + 1);
     let il = zs::checked_labels(&index.keys, &index.labels, classes)?;
     let ql = zs::checked_labels(&queries.keys, &queries.labels, classes)?;

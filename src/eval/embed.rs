@@ -1,4 +1,8 @@
 //! Turning images and texts into embedding matrices with a model, batch by batch.
+//!
+//! An embedding that is not finite is an error naming the first sample that gave one: a NaN
+//! compares false with everything, so ranks and accuracies computed from it would come out as
+//! perfect scores instead of failing.
 
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
@@ -11,12 +15,28 @@ use crate::data::transform::ImageConfig;
 use crate::model::dual_encoder::DualEncoder;
 use crate::util::progress::Progress;
 
-/// Embeds `n` preprocessed images (`n × 3 × S × S` floats).
-pub fn embed_images(model: &DualEncoder, pixels: &[f32], image_size: usize, device: &Device) -> Result<Tensor> {
+/// Embeds `n` preprocessed images (`n × 3 × S × S` floats); `names` names them in an error.
+pub fn embed_images(model: &DualEncoder, pixels: &[f32], image_size: usize, device: &Device, names: &[&str]) -> Result<Tensor> {
     let per = 3 * image_size * image_size;
     let n = pixels.len() / per;
     let x = Tensor::from_slice(pixels, (n, 3, image_size, image_size), &Device::Cpu)?.to_device(device)?;
-    Ok(model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?)
+    let e = model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?;
+    let values = e.flatten_all()?.to_vec1::<f32>()?;
+    check_finite(&values, model.spec.embed_dim, |row| format!("image {}", names.get(row).copied().unwrap_or("?")))?;
+    Ok(e)
+}
+
+/// Fails on the first row of `values` (rows of `dim`) holding NaN or ±inf, naming it.
+pub fn check_finite(values: &[f32], dim: usize, name: impl Fn(usize) -> String) -> Result<()> {
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        let row = i / dim.max(1);
+        bail!(
+            "the embedding of {} is not finite ({}): the model's weights (or this input) give NaN or infinity, so no score is computed from it",
+            name(row),
+            values[i]
+        );
+    }
+    Ok(())
 }
 
 /// Embeds texts in batches of `batch`, calling `progress` with the count done.
@@ -34,8 +54,9 @@ pub fn embed_texts(
         let shape = (chunk.len(), tb.max_len);
         let ids = Tensor::from_vec(tb.ids, shape, device)?;
         let mask = Tensor::from_vec(tb.mask, shape, device)?;
-        let e = model.text_embeddings(&ids, &mask)?.to_device(&Device::Cpu)?;
-        data.extend(e.flatten_all()?.to_vec1::<f32>()?);
+        let e = model.text_embeddings(&ids, &mask)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        check_finite(&e, model.spec.embed_dim, |row| format!("text {:?}", chunk[row]))?;
+        data.extend(e);
         progress(chunk.len());
     }
     Ok(Embeddings { data, dim: model.spec.embed_dim })
@@ -70,7 +91,8 @@ pub fn embed_source(
     };
     for items in reader.by_ref() {
         let pixels: Vec<f32> = items.iter().flat_map(|it| it.image.iter().copied()).collect();
-        let e = embed_images(model, &pixels, image_cfg.image_size, device)?;
+        let names: Vec<&str> = items.iter().map(|it| it.key.as_str()).collect();
+        let e = embed_images(model, &pixels, image_cfg.image_size, device, &names)?;
         out.embeddings.data.extend(e.flatten_all()?.to_vec1::<f32>()?);
         for it in items {
             out.keys.push(it.key);

@@ -15,9 +15,19 @@ pub(super) fn due(cfg: &Config, step: u64) -> bool {
     suite::configured(cfg) && ((cfg.train.eval_every > 0 && step.is_multiple_of(cfg.train.eval_every)) || step == cfg.train.steps)
 }
 
-/// Evaluates and logs the results.
+/// Evaluates and logs the results. An evaluation that fails (non-finite embeddings of a model
+/// that diverged, unreadable evaluation data) is logged, as a warning and in the metrics log, and
+/// training goes on: the loss decides whether the run is lost.
 pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mut RunLog) -> Result<EvalResults> {
-    let results = suite::run(&run.model, &run.tokenizer, cfg, &run.device, true)?;
+    let results = match suite::run(&run.model, &run.tokenizer, cfg, &run.device, true) {
+        Ok(r) => r,
+        Err(e) => {
+            let e = format!("{e:#}");
+            crate::util::log::warn(format!("step {step}: evaluation failed: {e}"));
+            log.record(serde_json::json!({"step": step, "eval_error": e}))?;
+            return Ok(EvalResults::default());
+        }
+    };
     if !quiet {
         log::info(format!("step {step}: {}", results.line()));
     }
