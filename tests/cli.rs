@@ -116,10 +116,46 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     assert_eq!(a, b);
     let r: serde_json::Value = serde_json::from_str(&a).unwrap();
     assert_eq!((r["images"].as_u64(), r["texts"].as_u64()), (Some(36), Some(180)));
-    for dir in ["i2t", "t2i"] {
-        let r1 = r[dir]["r1"].as_f64().unwrap();
-        assert!((0.0..=1.0).contains(&r1));
+    assert_eq!((r["step"].as_u64(), r["complete"].as_bool(), r["unit"].as_str()), (Some(4), Some(true), Some("fraction")));
+    assert!(r["checkpoint"].as_str().unwrap().ends_with("step-4"), "{r}");
+    // The recalls again, from `align embed`'s matrices, by brute force: a caption's rank is the
+    // number of images scoring higher plus the tied ones before its own (a stable sort).
+    let index = dir.path().join("index.safetensors");
+    let (ok, _, err) = align(&["embed", "--checkpoint", run, "--data", &data.test, "--out", index.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let t = candle_core::safetensors::load(&index, &candle_core::Device::Cpu).unwrap();
+    let side: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("index.json")).unwrap()).unwrap();
+    let images = t["image_embeddings"].to_vec2::<f32>().unwrap();
+    let texts = t["text_embeddings"].to_vec2::<f32>().unwrap();
+    let link: Vec<usize> = side["text_image"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as usize).collect();
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    let rank = |scores: &[f32], target: usize| {
+        scores.iter().enumerate().filter(|&(j, &v)| v > scores[target] || (v == scores[target] && j < target)).count()
+    };
+    for k in [1usize, 5, 10] {
+        let t2i = texts.iter().zip(&link).filter(|(t, &i)| rank(&images.iter().map(|im| dot(im, t)).collect::<Vec<_>>(), i) < k).count();
+        let i2t = images
+            .iter()
+            .enumerate()
+            .filter(|(i, im)| {
+                let scores: Vec<f32> = texts.iter().map(|t| dot(im, t)).collect();
+                link.iter().enumerate().filter(|(_, &l)| l == *i).any(|(c, _)| rank(&scores, c) < k)
+            })
+            .count();
+        let m = &r["metrics"];
+        assert_eq!(m[format!("image_retrieval_recall@{k}")].as_f64(), Some(t2i as f64 / texts.len() as f64), "k={k}: {m}");
+        assert_eq!(m[format!("text_retrieval_recall@{k}")].as_f64(), Some(i2t as f64 / images.len() as f64), "k={k}: {m}");
     }
+    // CLIP_benchmark's result layout, for its aggregation.
+    let out = dir.path().join("cb/result.json");
+    let (ok, _, err) =
+        align(&["eval", "retrieval", "--checkpoint", run, "--data", &data.test, "--recall-k", "2", "--output", out.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let cb: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(cb["task"], "zeroshot_retrieval");
+    assert_eq!(cb["language"], "en");
+    assert_eq!(cb["dataset"].as_str(), Some(data.test.as_str()));
+    assert!(cb["metrics"]["image_retrieval_recall@2"].is_number() && cb["model"].is_string() && cb["pretrained"] == "step-4", "{cb}");
     let zs = || {
         align(&[
             "eval",
@@ -140,6 +176,37 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     assert_eq!(a, zs().1);
     let z: serde_json::Value = serde_json::from_str(&a).unwrap();
     assert_eq!((z["images"].as_u64(), z["classes"].as_u64()), (Some(36), Some(36)));
+    let m = &z["metrics"];
+    for key in ["acc1", "acc5", "mean_per_class_recall"] {
+        assert!((0.0..=1.0).contains(&m[key].as_f64().unwrap()), "{key}: {m}");
+    }
+}
+
+#[test]
+fn a_partial_test_set_is_flagged_and_strict_refuses_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=2"]);
+    let cfg_path = dir.path().join("tiny.toml");
+    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
+    // The test shard cut in half: its second half is lost, and the cut sample counted.
+    let test = std::path::PathBuf::from(&data.test);
+    let bytes = std::fs::read(&test).unwrap();
+    let cut = dir.path().join("cut.tar");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2 + 100]).unwrap();
+    let run = cfg.run_dir();
+    let args = ["eval", "retrieval", "--checkpoint", run.to_str().unwrap(), "--data", cut.to_str().unwrap()];
+    let (ok, out, err) = align(&[&args[..], &["--json"]].concat());
+    assert!(ok, "{err}");
+    let r: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["complete"], false, "{r}");
+    assert!(r["skipped_total"].as_u64().unwrap() >= 1 && r["images"].as_u64().unwrap() < 36, "{r}");
+    let (ok, out, _) = align(&args);
+    assert!(ok && out.contains("PARTIAL"), "{out}");
+    let (ok, _, err) = align(&[&args[..], &["--strict"]].concat());
+    assert!(!ok && err.contains("--strict"), "{err}");
 }
 
 #[test]

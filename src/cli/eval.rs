@@ -8,7 +8,9 @@ use align::io::load::load_model;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
+use super::eval_record::{parse_ks, EvalRecord};
 use super::table::{add_retrieval, add_zeroshot, Table};
+use align::eval::metrics::recall_at;
 
 #[derive(Args)]
 pub struct RetrievalArgs {
@@ -31,6 +33,15 @@ pub struct RetrievalArgs {
     pub batch: usize,
     #[arg(long)]
     pub json: bool,
+    /// Recall at these k (CLIP_benchmark's `--recall_k`).
+    #[arg(long, default_value = "1,5,10")]
+    pub recall_k: String,
+    /// Any skipped sample is an error instead of a partial result.
+    #[arg(long)]
+    pub strict: bool,
+    /// Also write the result in CLIP_benchmark's layout to this JSON file.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
 }
 
 pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
@@ -43,14 +54,35 @@ pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
     };
     let device = super::default_device();
     let m = load_model(&a.checkpoint, &device)?;
+    let ks = parse_ks(&a.recall_k)?;
     let run = ret::run(&m.model, &m.tokenizer, source, &m.config.data.image, a.batch, &device, a.json)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
+    let mut rec = EvalRecord::new(&m.dir, &what, "zeroshot_retrieval", run.report.images, &run.skipped);
+    rec.texts = Some(run.report.texts);
+    rec.check_strict(a.strict)?;
+    for &k in &ks {
+        // CLIP_benchmark's names: "image retrieval" is a caption finding its image.
+        rec.metric(format!("image_retrieval_recall@{k}"), recall_at(&run.ranks.t2i, k));
+        rec.metric(format!("text_retrieval_recall@{k}"), recall_at(&run.ranks.i2t, k));
+    }
+    if let Some(path) = &a.output {
+        rec.write_clip_benchmark(path)?;
+    }
     if a.json {
-        return super::print_json(&run.report);
+        return super::print_json(&rec);
     }
     let mut t = Table::new(&format!("Retrieval: {what}"));
     add_retrieval(&mut t, &run.report);
+    for &k in ks.iter().filter(|k| ![1, 5, 10].contains(*k)) {
+        t.row(
+            format!("R@{k} image→text / text→image"),
+            format!("{} / {}", super::table::pct(recall_at(&run.ranks.i2t, k)), super::table::pct(recall_at(&run.ranks.t2i, k))),
+        );
+    }
     t.row("skipped", run.skipped.summary());
+    if let Some(note) = rec.partial_note() {
+        t.row("warning", note);
+    }
     t.print();
     Ok(())
 }
@@ -82,6 +114,12 @@ pub struct ZeroShotArgs {
     pub batch: usize,
     #[arg(long)]
     pub json: bool,
+    /// Any skipped sample is an error instead of a partial result.
+    #[arg(long)]
+    pub strict: bool,
+    /// Also write the result in CLIP_benchmark's layout to this JSON file.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
 }
 
 pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
@@ -112,12 +150,26 @@ pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
     let m = load_model(&a.checkpoint, &device)?;
     let run = zs::run(&m.model, &m.tokenizer, source, &classes, &templates, &m.config.data.image, a.batch, &device, a.json)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
+    let mut rec = EvalRecord::new(&m.dir, &what, "zeroshot_classification", run.report.images, &run.skipped);
+    rec.classes = Some(run.report.classes);
+    rec.check_strict(a.strict)?;
+    rec.metric("acc1", run.report.top1);
+    // CLIP_benchmark reports no acc5 below five classes (every image would count).
+    rec.metrics.insert("acc5".into(), if run.report.classes >= 5 { run.report.top5.into() } else { serde_json::Value::Null });
+    rec.metric("mean_per_class_recall", run.report.mean_per_class_recall);
+    if let Some(path) = &a.output {
+        rec.write_clip_benchmark(path)?;
+    }
     if a.json {
-        return super::print_json(&run.report);
+        return super::print_json(&rec);
     }
     let mut t = Table::new(&format!("Zero-shot: {what}, {} templates", templates.len()));
     add_zeroshot(&mut t, &run.report);
+    t.row("mean per-class recall", super::table::pct(run.report.mean_per_class_recall));
     t.row("skipped", run.skipped.summary());
+    if let Some(note) = rec.partial_note() {
+        t.row("warning", note);
+    }
     t.print();
     Ok(())
 }

@@ -5,6 +5,7 @@ pub mod data;
 pub mod demo;
 pub mod embed;
 pub mod eval;
+pub mod eval_record;
 pub mod launch;
 pub mod plot;
 pub mod table;

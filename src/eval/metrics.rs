@@ -70,9 +70,7 @@ pub struct Recall {
 
 impl Recall {
     fn from_ranks(ranks: &[usize]) -> Self {
-        let n = ranks.len().max(1) as f64;
-        let at = |k: usize| ranks.iter().filter(|&&r| r < k).count() as f64 / n;
-        Recall { r1: at(1), r5: at(5), r10: at(10) }
+        Recall { r1: recall_at(ranks, 1), r5: recall_at(ranks, 5), r10: recall_at(ranks, 10) }
     }
 
     pub fn mean(&self) -> f64 {
@@ -90,9 +88,41 @@ pub struct RetrievalReport {
     pub texts: usize,
 }
 
+/// Each query's rank (0 = best) of its nearest correct candidate: per image, its best-ranked
+/// caption among all captions (image→text, CLIP_benchmark's "text retrieval"); per caption, its
+/// image among all images (text→image, "image retrieval").
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ranks {
+    pub i2t: Vec<usize>,
+    pub t2i: Vec<usize>,
+}
+
+/// The fraction of queries whose rank is below `k`: recall@k.
+pub fn recall_at(ranks: &[usize], k: usize) -> f64 {
+    ranks.iter().filter(|&&r| r < k).count() as f64 / ranks.len().max(1) as f64
+}
+
 /// Image→text and text→image recall. `text_image[t]` is the image caption `t` belongs to. An
 /// image→text query hits at K when any of its captions ranks in the top K.
 pub fn retrieval(images: &Embeddings, texts: &Embeddings, text_image: &[usize], block: usize) -> Result<RetrievalReport> {
+    Ok(RetrievalReport::from_ranks(&retrieval_ranks(images, texts, text_image, block)?))
+}
+
+impl RetrievalReport {
+    pub fn from_ranks(ranks: &Ranks) -> Self {
+        let (i2t, t2i) = (Recall::from_ranks(&ranks.i2t), Recall::from_ranks(&ranks.t2i));
+        RetrievalReport {
+            i2t,
+            t2i,
+            rsum: 100.0 * (i2t.r1 + i2t.r5 + i2t.r10 + t2i.r1 + t2i.r5 + t2i.r10),
+            images: ranks.i2t.len(),
+            texts: ranks.t2i.len(),
+        }
+    }
+}
+
+/// The [`Ranks`] of every image and caption query.
+pub fn retrieval_ranks(images: &Embeddings, texts: &Embeddings, text_image: &[usize], block: usize) -> Result<Ranks> {
     if text_image.len() != texts.rows() {
         candle_core::bail!("{} captions but {} caption→image links", texts.rows(), text_image.len());
     }
@@ -118,20 +148,17 @@ pub fn retrieval(images: &Embeddings, texts: &Embeddings, text_image: &[usize], 
             t2i.push(rank_of(row, text_image[start + r]));
         }
     })?;
-    let (i2t, t2i) = (Recall::from_ranks(&i2t), Recall::from_ranks(&t2i));
-    Ok(RetrievalReport {
-        i2t,
-        t2i,
-        rsum: 100.0 * (i2t.r1 + i2t.r5 + i2t.r10 + t2i.r1 + t2i.r5 + t2i.r10),
-        images: images.rows(),
-        texts: texts.rows(),
-    })
+    Ok(Ranks { i2t, t2i })
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClassificationReport {
     pub top1: f64,
     pub top5: f64,
+    /// Top-1 recall of each class that has images, averaged over those classes (CLIP_benchmark's
+    /// `mean_per_class_recall`, scikit-learn's balanced accuracy).
+    #[serde(default)]
+    pub mean_per_class_recall: f64,
     pub images: usize,
     pub classes: usize,
 }
@@ -139,15 +166,28 @@ pub struct ClassificationReport {
 /// Top-1 / top-5 accuracy of images against class embeddings.
 pub fn classify(images: &Embeddings, labels: &[usize], classes: &Embeddings, block: usize) -> Result<ClassificationReport> {
     let (mut top1, mut top5) = (0usize, 0usize);
+    // Per class: images, and images ranked first.
+    let mut per_class = vec![(0usize, 0usize); classes.rows()];
     for_each_similarity_block(images, classes, block, |start, sims| {
         for (r, row) in sims.chunks(classes.rows()).enumerate() {
-            let rank = rank_of(row, labels[start + r]);
+            let label = labels[start + r];
+            let rank = rank_of(row, label);
             top1 += (rank < 1) as usize;
             top5 += (rank < 5) as usize;
+            per_class[label].0 += 1;
+            per_class[label].1 += (rank < 1) as usize;
         }
     })?;
     let n = images.rows().max(1) as f64;
-    Ok(ClassificationReport { top1: top1 as f64 / n, top5: top5 as f64 / n, images: images.rows(), classes: classes.rows() })
+    let present: Vec<f64> = per_class.iter().filter(|(n, _)| *n > 0).map(|&(n, hits)| hits as f64 / n as f64).collect();
+    let mean_per_class_recall = present.iter().sum::<f64>() / present.len().max(1) as f64;
+    Ok(ClassificationReport {
+        top1: top1 as f64 / n,
+        top5: top5 as f64 / n,
+        mean_per_class_recall,
+        images: images.rows(),
+        classes: classes.rows(),
+    })
 }
 
 /// CLIP's prompt ensemble: per class, the mean of the L2-normalised embeddings of every template,
@@ -261,5 +301,10 @@ mod tests {
         let rep = classify(&images, &[0, 1, 2], &classes, 2).unwrap();
         assert!((rep.top1 - 2.0 / 3.0).abs() < 1e-12);
         assert_eq!(rep.top5, 1.0);
+        // Class 0 has two images (both right), class 1 one (wrong), class 2 none: (1 + 0) / 2,
+        // where plain accuracy is 2 / 3.
+        let rep = classify(&images, &[0, 2, 0], &classes, 2).unwrap();
+        assert!((rep.top1 - 2.0 / 3.0).abs() < 1e-12);
+        assert!((rep.mean_per_class_recall - 0.5).abs() < 1e-12, "{}", rep.mean_per_class_recall);
     }
 }

@@ -4,7 +4,7 @@ use anyhow::Result;
 use candle_core::Device;
 
 use super::embed::{embed_source, embed_texts};
-use super::metrics::{retrieval, RetrievalReport};
+use super::metrics::{retrieval_ranks, Ranks, RetrievalReport};
 use crate::data::eval_reader::{EvalSource, Needs};
 use crate::data::skips::SkipCounts;
 use crate::data::tokenizer::TextTokenizer;
@@ -14,6 +14,8 @@ use crate::util::progress::Progress;
 
 pub struct RetrievalRun {
     pub report: RetrievalReport,
+    /// Every query's rank, for recall at any k.
+    pub ranks: Ranks,
     pub skipped: SkipCounts,
 }
 
@@ -32,6 +34,6 @@ pub fn run(
     let bar = Progress::bar(texts.len() as u64, "embedding captions", quiet);
     let text_emb = embed_texts(model, tokenizer, &texts, batch, device, |n| bar.inc(n as u64))?;
     bar.finish();
-    let report = retrieval(&images.embeddings, &text_emb, &links, 1024)?;
-    Ok(RetrievalRun { report, skipped: images.skipped })
+    let ranks = retrieval_ranks(&images.embeddings, &text_emb, &links, 1024)?;
+    Ok(RetrievalRun { report: RetrievalReport::from_ranks(&ranks), ranks, skipped: images.skipped })
 }

@@ -1,0 +1,104 @@
+//! What an evaluation reports besides its numbers, so that a result names what it measured: the
+//! checkpoint and its step, the data, how many images and texts were evaluated, what was skipped
+//! and whether that leaves the set partial; the metrics as fractions under CLIP_benchmark's names.
+//! `--output FILE` writes the layout CLIP_benchmark's `eval` writes (dataset, model, pretrained,
+//! task, metrics, language), which its `build` aggregates with its own results.
+
+use std::path::Path;
+
+use align::data::skips::SkipCounts;
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+#[derive(Serialize)]
+pub struct EvalRecord {
+    pub checkpoint: String,
+    /// The training step of an align checkpoint (none for a Hugging Face model).
+    pub step: Option<u64>,
+    pub data: String,
+    /// CLIP_benchmark's task name: `zeroshot_retrieval` or `zeroshot_classification`.
+    pub task: &'static str,
+    pub images: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub texts: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub classes: Option<usize>,
+    pub skipped: SkipCounts,
+    pub skipped_total: u64,
+    /// False when samples were skipped: the numbers are over part of the set.
+    pub complete: bool,
+    /// Every metric is a fraction in [0, 1].
+    pub unit: &'static str,
+    pub metrics: Map<String, Value>,
+}
+
+impl EvalRecord {
+    pub fn new(checkpoint: &Path, data: &str, task: &'static str, images: usize, skipped: &SkipCounts) -> EvalRecord {
+        let step = align::io::run_dir::read_state(checkpoint).ok().map(|s| s.step);
+        EvalRecord {
+            checkpoint: checkpoint.display().to_string(),
+            step,
+            data: data.to_string(),
+            task,
+            images,
+            texts: None,
+            classes: None,
+            skipped: skipped.clone(),
+            skipped_total: skipped.total(),
+            complete: skipped.is_empty(),
+            unit: "fraction",
+            metrics: Map::new(),
+        }
+    }
+
+    pub fn metric(&mut self, name: impl Into<String>, value: f64) {
+        self.metrics.insert(name.into(), Value::from(value));
+    }
+
+    /// `--strict`: a skipped sample is an error, not a partial result.
+    pub fn check_strict(&self, strict: bool) -> Result<()> {
+        if strict && !self.complete {
+            bail!(
+                "{} of the evaluation data's samples were skipped ({}): --strict allows none",
+                self.skipped_total,
+                self.skipped.summary()
+            );
+        }
+        Ok(())
+    }
+
+    /// The warning a table shows under a partial result.
+    pub fn partial_note(&self) -> Option<String> {
+        (!self.complete)
+            .then(|| format!("PARTIAL: {} samples skipped ({}); the numbers cover the rest", self.skipped_total, self.skipped.summary()))
+    }
+
+    /// Writes CLIP_benchmark's result layout to `path`.
+    pub fn write_clip_benchmark(&self, path: &Path) -> Result<()> {
+        let v = serde_json::json!({
+            "dataset": self.data,
+            "model": self.checkpoint,
+            "pretrained": self.step.map_or_else(String::new, |s| format!("step-{s}")),
+            "task": self.task,
+            "metrics": self.metrics,
+            "language": "en",
+        });
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+        }
+        std::fs::write(path, serde_json::to_string_pretty(&v)?).with_context(|| format!("writing {}", path.display()))
+    }
+}
+
+/// `--recall-k 1,5,10`.
+pub fn parse_ks(s: &str) -> Result<Vec<usize>> {
+    let ks: Vec<usize> = s
+        .split(',')
+        .map(|k| k.trim().parse::<usize>().with_context(|| format!("--recall-k {s:?}: {k:?} is not a number")))
+        .collect::<Result<_>>()?;
+    if ks.is_empty() || ks.contains(&0) {
+        bail!("--recall-k {s:?}: give positive numbers, e.g. 1,5,10");
+    }
+    Ok(ks)
+}
