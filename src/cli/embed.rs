@@ -183,7 +183,8 @@ pub fn search(a: &SearchArgs) -> Result<()> {
         (None, Some(path)) => {
             let cfg = &m.config.data.image;
             let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            let img = decode(&bytes, cfg.resize as u32, cfg.max_pixels).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.detail))?;
+            let img = decode(&bytes, align::data::transform::FULL_RESOLUTION, cfg.max_pixels)
+                .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.detail))?;
             let mut pixels = vec![0.0; cfg.numel()];
             eval_transform(&img, cfg, &mut pixels);
             let image = embed_images(&m.model, &pixels, cfg.image_size, &device, &[path.to_string_lossy().as_ref()])?

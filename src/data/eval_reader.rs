@@ -212,6 +212,26 @@ mod tests {
     use super::*;
     use crate::data::shard_writer::ShardWriter;
 
+    /// A large JPEG is evaluated from its full-resolution pixels (as transformers' processors
+    /// decode it), not from the reduced DCT scale training may use.
+    #[test]
+    fn large_jpegs_are_evaluated_at_full_resolution() {
+        let img =
+            image::RgbImage::from_fn(1024, 768, |x, y| image::Rgb([(x * 7 % 256) as u8, (y * 13 % 256) as u8, ((x ^ y) % 256) as u8]));
+        let mut jpeg = Vec::new();
+        img.write_to(&mut std::io::Cursor::new(&mut jpeg), image::ImageFormat::Jpeg).unwrap();
+        let sample = RawSample { key: "big".into(), index: 0, fields: [("jpg".to_string(), jpeg.clone())].into_iter().collect() };
+        let cfg = ImageConfig { image_size: 64, resize: 72, ..Default::default() };
+        let item = prepare(&["s".into()], &cfg, Needs { image: true, captions: false, label: false }, 0, &sample).unwrap();
+        let at = |min_side: u32| {
+            let mut out = vec![0.0; cfg.numel()];
+            eval_transform(&decode(&jpeg, min_side, cfg.max_pixels).unwrap(), &cfg, &mut out);
+            out
+        };
+        assert_eq!(item.image, at(super::super::transform::FULL_RESOLUTION));
+        assert_ne!(item.image, at(cfg.resize as u32), "the reduced scale gives the same pixels here: the test shows nothing");
+    }
+
     #[test]
     fn items_come_out_in_shard_order_with_bad_ones_counted() {
         let dir = tempfile::tempdir().unwrap();
