@@ -113,6 +113,9 @@ enum EvalCommand {
     Zeroshot(cli::eval::ZeroShotArgs),
     /// K-nearest-neighbour classification of image embeddings (train split as the index).
     Knn(cli::eval::KnnArgs),
+    /// Linear probe: a logistic-regression classifier on frozen image embeddings, its weight decay
+    /// chosen on held-out training images (ALIGN §5.2, CLIP_benchmark's linear_probe).
+    LinearProbe(cli::eval::LinearProbeArgs),
 }
 
 #[derive(Subcommand)]
@@ -160,6 +163,7 @@ fn run() -> Result<()> {
         Command::Eval(EvalCommand::Retrieval(a)) => cli::eval::retrieval(&a),
         Command::Eval(EvalCommand::Zeroshot(a)) => cli::eval::zeroshot(&a),
         Command::Eval(EvalCommand::Knn(a)) => cli::eval::knn(&a),
+        Command::Eval(EvalCommand::LinearProbe(a)) => cli::eval::linear_probe(&a),
         Command::Embed(a) => cli::embed::embed(&a),
         Command::Launch(a) => cli::launch::run(&a),
         Command::Plot(a) => cli::plot::run(&a),

@@ -180,6 +180,15 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     for key in ["acc1", "acc5", "mean_per_class_recall"] {
         assert!((0.0..=1.0).contains(&m[key].as_f64().unwrap()), "{key}: {m}");
     }
+    let probe =
+        || align(&["eval", "linear-probe", "--checkpoint", run, "--train", &data.test, "--test", &data.test, "--epochs", "3", "--json"]);
+    let (ok, a, err) = probe();
+    assert!(ok, "{err}");
+    assert_eq!(a, probe().1, "the probe is not reproducible");
+    let p: serde_json::Value = serde_json::from_str(&a).unwrap();
+    assert_eq!((p["task"].as_str(), p["images"].as_u64(), p["classes"].as_u64()), (Some("linear_probe"), Some(36), Some(36)));
+    assert!((0.0..=1.0).contains(&p["metrics"]["lp_acc1"].as_f64().unwrap()), "{p}");
+    assert!(p["metrics"]["weight_decay"].as_f64().unwrap() > 0.0, "{p}");
 }
 
 #[test]

@@ -237,3 +237,89 @@ pub fn knn(a: &KnnArgs) -> Result<()> {
     t.print();
     Ok(())
 }
+
+#[derive(Args)]
+pub struct LinearProbeArgs {
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Labelled shards to train the classifier on (`cls` per sample).
+    #[arg(long, conflicts_with = "train_imagenet")]
+    pub train: Option<String>,
+    /// An ImageNet-style train folder.
+    #[arg(long)]
+    pub train_imagenet: Option<PathBuf>,
+    /// Labelled shards to score it on.
+    #[arg(long, conflicts_with = "test_imagenet")]
+    pub test: Option<String>,
+    /// An ImageNet-style validation folder to score it on.
+    #[arg(long)]
+    pub test_imagenet: Option<PathBuf>,
+    /// Share of the training split held out to choose the weight decay (0: none, no decay).
+    #[arg(long, default_value_t = 0.2)]
+    pub val_proportion: f64,
+    #[arg(long, default_value_t = 10)]
+    pub epochs: usize,
+    #[arg(long, default_value_t = 0.1)]
+    pub lr: f64,
+    /// Batch of the classifier's training (and of the embedding).
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long)]
+    pub json: bool,
+    /// Any skipped sample is an error instead of a partial result.
+    #[arg(long)]
+    pub strict: bool,
+    /// Also write the result in CLIP_benchmark's layout to this JSON file.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+}
+
+pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
+    use align::data::eval_reader::Needs;
+    use align::eval::embed::embed_source;
+    use align::eval::linear_probe::{probe, ProbeConfig};
+    let device = super::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let needs = Needs { image: true, captions: false, label: true };
+    let cfg = &m.config.data.image;
+    let evaluating = || format!("evaluating {}", m.dir.display());
+    let train = embed_source(&m.model, labelled_source(&a.train, &a.train_imagenet, "train")?, cfg, needs, a.batch, &device, a.json)
+        .with_context(evaluating)?;
+    let test = embed_source(&m.model, labelled_source(&a.test, &a.test_imagenet, "test")?, cfg, needs, a.batch, &device, a.json)
+        .with_context(evaluating)?;
+    let classes = train.labels.iter().chain(&test.labels).flatten().max().map_or(0, |m| *m as usize + 1);
+    let train_y = zs::checked_labels(&train.keys, &train.labels, classes)?;
+    let test_y = zs::checked_labels(&test.keys, &test.labels, classes)?;
+    let pc = ProbeConfig { epochs: a.epochs, lr: a.lr, batch: a.batch, val_proportion: a.val_proportion, seed: a.seed };
+    let rep = probe(&train.embeddings, &train_y, &test.embeddings, &test_y, classes, &pc);
+    let mut skipped = train.skipped.clone();
+    skipped.merge(&test.skipped);
+    let what = format!("{} → {}", a.train.clone().unwrap_or_default(), a.test.clone().unwrap_or_default());
+    let mut rec = EvalRecord::new(&m.dir, &what, "linear_probe", rep.test, &skipped);
+    rec.classes = Some(classes);
+    rec.check_strict(a.strict)?;
+    rec.metric("lp_acc1", rep.acc1);
+    rec.metrics.insert("lp_acc5".into(), rep.acc5.map_or(serde_json::Value::Null, Into::into));
+    rec.metric("lp_mean_per_class_recall", rep.mean_per_class_recall);
+    rec.metric("weight_decay", rep.weight_decay);
+    if let Some(path) = &a.output {
+        rec.write_clip_benchmark(path)?;
+    }
+    if a.json {
+        return super::print_json(&rec);
+    }
+    let mut t = Table::new("Linear probe");
+    t.row("top-1", super::table::pct(rep.acc1));
+    t.row("top-5", rep.acc5.map_or("-".into(), super::table::pct));
+    t.row("mean per-class recall", super::table::pct(rep.mean_per_class_recall));
+    t.row("weight decay (chosen)", format!("{:.3e}", rep.weight_decay));
+    t.row("train / test images", format!("{} / {}", rep.train, rep.test));
+    t.row("skipped", skipped.summary());
+    if let Some(note) = rec.partial_note() {
+        t.row("warning", note);
+    }
+    t.print();
+    Ok(())
+}

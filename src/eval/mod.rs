@@ -2,6 +2,7 @@
 
 pub mod embed;
 pub mod knn;
+pub mod linear_probe;
 pub mod metrics;
 pub mod retrieval;
 pub mod suite;
