@@ -1,8 +1,8 @@
-//! Console output through `tracing`: levels from `RUST_LOG` (default `info`), lines that cooperate
-//! with the active progress bar, and two layouts. In a terminal a line is the message alone
-//! (warnings prefixed `warning:`); when stderr is not a terminal (a batch job's log file), every
-//! line starts with its UTC time and level, and long work prints a line now and then instead of
-//! drawing a bar (`util::progress`).
+//! Console output through `tracing`: levels from `RUST_LOG` (default `warn,align=info`), lines
+//! that cooperate with the active progress bar, and two layouts. In a terminal a line is the
+//! message alone (warnings prefixed `warning:`); when stderr is not a terminal (a batch job's log
+//! file), every line starts with its UTC time and level, and long work prints a line now and then
+//! instead of drawing a bar (`util::progress`).
 //!
 //! Warnings printed with plain `eprintln!` while an indicatif bar is drawing get torn apart by the
 //! redraw; routing every line through the bar keeps both readable.
@@ -37,7 +37,8 @@ pub fn interactive() -> bool {
 /// Installs the subscriber (once; a second call, or one in a process that has its own, does
 /// nothing). Without it (library use, tests) the lines still reach stderr, unformatted.
 pub fn init() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // align's own lines at info; the libraries' (candle, tokenizers, hf-hub) only when they warn.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn,align=info"));
     let subscriber =
         tracing_subscriber::fmt().with_env_filter(filter).event_format(Lines { stamped: !interactive() }).with_writer(BarWriter).finish();
     let _ = tracing::subscriber::set_global_default(subscriber);
