@@ -211,21 +211,42 @@ fn labelled_source(spec_arg: &Option<String>, folder: &Option<PathBuf>, what: &s
     }
 }
 
-pub fn knn(a: &KnnArgs) -> Result<()> {
+/// Two labelled splits (a training / index split and a test / query split) embedded with `m`, and
+/// their labels checked against the classes both hold.
+struct LabelledSplits {
+    first: align::eval::embed::EmbeddedImages,
+    second: align::eval::embed::EmbeddedImages,
+    first_y: Vec<usize>,
+    second_y: Vec<usize>,
+    classes: usize,
+}
+
+fn embed_labelled(
+    m: &align::io::load::LoadedModel,
+    (first, second): (EvalSource, EvalSource),
+    batch: usize,
+    device: &candle_core::Device,
+    quiet: bool,
+) -> Result<LabelledSplits> {
     use align::data::eval_reader::Needs;
     use align::eval::embed::embed_source;
-    let device = super::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
     let needs = Needs { image: true, captions: false, label: true };
     let cfg = &m.config.data.image;
     let evaluating = || format!("evaluating {}", m.dir.display());
-    let index = embed_source(&m.model, labelled_source(&a.train, &a.train_imagenet, "train")?, cfg, needs, a.batch, &device, a.json)
-        .with_context(evaluating)?;
-    let queries = embed_source(&m.model, labelled_source(&a.val, &a.val_imagenet, "val")?, cfg, needs, a.batch, &device, a.json)
-        .with_context(evaluating)?;
-    let classes = index.labels.iter().chain(&queries.labels).flatten().max().map_or(0, |m| *m as usize + 1);
-    let il = zs::checked_labels(&index.keys, &index.labels, classes)?;
-    let ql = zs::checked_labels(&queries.keys, &queries.labels, classes)?;
+    let first = embed_source(&m.model, first, cfg, needs, batch, device, quiet).with_context(evaluating)?;
+    let second = embed_source(&m.model, second, cfg, needs, batch, device, quiet).with_context(evaluating)?;
+    let classes = first.labels.iter().chain(&second.labels).flatten().max().map_or(0, |m| *m as usize + 1);
+    let first_y = zs::checked_labels(&first.keys, &first.labels, classes)?;
+    let second_y = zs::checked_labels(&second.keys, &second.labels, classes)?;
+    Ok(LabelledSplits { first, second, first_y, second_y, classes })
+}
+
+pub fn knn(a: &KnnArgs) -> Result<()> {
+    let device = super::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.val, &a.val_imagenet, "val")?);
+    let LabelledSplits { first: index, second: queries, first_y: il, second_y: ql, .. } =
+        embed_labelled(&m, sources, a.batch, &device, a.json)?;
     let rep = align::eval::knn::knn(&index.embeddings, &il, &queries.embeddings, &ql, a.k, 64)?;
     if a.json {
         return super::print_json(&rep);
@@ -277,21 +298,12 @@ pub struct LinearProbeArgs {
 }
 
 pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
-    use align::data::eval_reader::Needs;
-    use align::eval::embed::embed_source;
     use align::eval::linear_probe::{probe, ProbeConfig};
     let device = super::default_device();
     let m = load_model(&a.checkpoint, &device)?;
-    let needs = Needs { image: true, captions: false, label: true };
-    let cfg = &m.config.data.image;
-    let evaluating = || format!("evaluating {}", m.dir.display());
-    let train = embed_source(&m.model, labelled_source(&a.train, &a.train_imagenet, "train")?, cfg, needs, a.batch, &device, a.json)
-        .with_context(evaluating)?;
-    let test = embed_source(&m.model, labelled_source(&a.test, &a.test_imagenet, "test")?, cfg, needs, a.batch, &device, a.json)
-        .with_context(evaluating)?;
-    let classes = train.labels.iter().chain(&test.labels).flatten().max().map_or(0, |m| *m as usize + 1);
-    let train_y = zs::checked_labels(&train.keys, &train.labels, classes)?;
-    let test_y = zs::checked_labels(&test.keys, &test.labels, classes)?;
+    let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.test, &a.test_imagenet, "test")?);
+    let LabelledSplits { first: train, second: test, first_y: train_y, second_y: test_y, classes } =
+        embed_labelled(&m, sources, a.batch, &device, a.json)?;
     let pc = ProbeConfig { epochs: a.epochs, lr: a.lr, batch: a.batch, val_proportion: a.val_proportion, seed: a.seed };
     let rep = probe(&train.embeddings, &train_y, &test.embeddings, &test_y, classes, &pc);
     let mut skipped = train.skipped.clone();
