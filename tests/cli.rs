@@ -98,11 +98,7 @@ fn a_spec_matching_no_shard_is_an_error_naming_it() {
 #[test]
 fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let tok = common::tiny_tokenizer(&data, dir.path());
-    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=4"]);
-    let cfg_path = dir.path().join("tiny.toml");
-    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=4"]);
     let (ok, out, err) = align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet", "--json"]);
     assert!(ok, "{err}");
     let summary: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -194,11 +190,7 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
 #[test]
 fn a_partial_test_set_is_flagged_and_strict_refuses_it() {
     let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let tok = common::tiny_tokenizer(&data, dir.path());
-    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=2"]);
-    let cfg_path = dir.path().join("tiny.toml");
-    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
     assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
     // The test shard cut in half: its second half is lost, and the cut sample counted.
     let test = std::path::PathBuf::from(&data.test);
@@ -221,11 +213,7 @@ fn a_partial_test_set_is_flagged_and_strict_refuses_it() {
 #[test]
 fn embed_then_search_finds_the_captioned_image() {
     let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let tok = common::tiny_tokenizer(&data, dir.path());
-    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=2"]);
-    let cfg_path = dir.path().join("tiny.toml");
-    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
     assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
     let run = cfg.run_dir();
     let index = dir.path().join("index.safetensors");
@@ -285,16 +273,13 @@ fn embed_then_search_finds_the_captioned_image() {
 #[test]
 fn launch_starts_ranks_with_torchrun_variables_and_reports_a_failing_rank() {
     let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
+    let (data, _, cfg_path) = common::tiny_run(dir.path(), &[]);
     let (ok, out, err) = align(&["launch", "--nproc-per-node", "2", "--", "data", "stats", "--data", &data.test, "--json"]);
     assert!(ok, "{err}");
     // Each rank's lines come out whole, prefixed with its rank.
     assert!(out.lines().all(|l| l.starts_with("[rank 0] ") || l.starts_with("[rank 1] ")), "{out}");
     assert!(out.contains("[rank 0] {") && out.contains("[rank 1] {"), "{out}");
     // Training in a multi-process job needs NCCL; without it each rank says so and launch fails.
-    let cfg = common::tiny_config(&data, &common::tiny_tokenizer(&data, dir.path()), &dir.path().join("runs"), &[]);
-    let cfg_path = dir.path().join("tiny.toml");
-    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
     let (ok, _, err) = align(&["launch", "--nproc-per-node", "2", "--", "train", "--config", cfg_path.to_str().unwrap(), "--quiet"]);
     assert!(!ok);
     assert!(err.contains("NCCL") && err.contains("failed"), "{err}");
@@ -303,13 +288,9 @@ fn launch_starts_ranks_with_torchrun_variables_and_reports_a_failing_rank() {
 #[test]
 fn ctrl_c_saves_a_checkpoint_that_resumes() {
     let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let tok = common::tiny_tokenizer(&data, dir.path());
     // Far more steps than the test waits for, and no periodic checkpoints: any checkpoint
     // found afterwards was written because of the interrupt.
-    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &["train.steps=100000", "train.checkpoint_every=0"]);
-    let cfg_path = dir.path().join("tiny.toml");
-    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let (_, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=100000", "train.checkpoint_every=0"]);
     let child = Command::new(env!("CARGO_BIN_EXE_align"))
         .args(["train", "--config", cfg_path.to_str().unwrap(), "--quiet", "--json"])
         .stdout(std::process::Stdio::piped())

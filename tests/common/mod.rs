@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use align::config::Config;
 use align::data::synth::{write_synth, SynthOutput, SynthSpec};
@@ -12,7 +12,7 @@ pub fn tiny_data(dir: &Path) -> SynthOutput {
     write_synth(dir, &SynthSpec { train_shards: 3, samples_per_shard: 40, test_samples: 36, image_size: 24, seed: 1 }).unwrap()
 }
 
-pub fn tiny_tokenizer(data: &SynthOutput, dir: &Path) -> std::path::PathBuf {
+pub fn tiny_tokenizer(data: &SynthOutput, dir: &Path) -> PathBuf {
     let shards = align::data::spec::expand(&data.train).unwrap();
     let caps = captions_from_shards(&shards, 0);
     let tok = TextTokenizer::new(train_wordpiece(caps.iter(), 300, true, 1).unwrap(), 20).unwrap();
@@ -50,4 +50,15 @@ pub fn tiny_config(data: &SynthOutput, tokenizer: &Path, out: &Path, extra: &[&s
     ];
     o.extend(extra.iter().map(|s| s.to_string()));
     Config::from_str_with_overrides("", "tiny", &o).unwrap()
+}
+
+/// Tiny data, tokenizer and config made in `dir`, the config also written to `dir/tiny.toml`
+/// for commands that take `--config`.
+pub fn tiny_run(dir: &Path, extra: &[&str]) -> (SynthOutput, Config, PathBuf) {
+    let data = tiny_data(&dir.join("data"));
+    let tok = tiny_tokenizer(&data, dir);
+    let cfg = tiny_config(&data, &tok, &dir.join("runs"), extra);
+    let path = dir.join("tiny.toml");
+    std::fs::write(&path, cfg.to_toml().unwrap()).unwrap();
+    (data, cfg, path)
 }
