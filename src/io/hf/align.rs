@@ -7,7 +7,6 @@ use std::path::Path;
 use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
-use serde_json::Value;
 
 use super::files::{load_prefixed, read_json, read_tokenizer, read_weights};
 use super::hub::WEIGHTS;
@@ -20,29 +19,12 @@ use crate::model::init::SeededVars;
 
 /// The image settings of a Hugging Face checkpoint: its `preprocessor_config.json` when present,
 /// else ALIGN's (resize to 346/289 of the input size, center crop, x/127.5 − 1).
-fn image_config(dir: &Path, image_size: usize) -> crate::data::transform::ImageConfig {
-    let mut c = crate::data::transform::ImageConfig { image_size, resize: (image_size * 346).div_ceil(289), ..Default::default() };
-    if let Ok(p) = read_json(&dir.join("preprocessor_config.json")) {
-        let side = |v: Option<&Value>| v.and_then(|s| s.get("height").or(Some(s))).and_then(Value::as_u64).map(|x| x as usize);
-        if let Some(crop) = side(p.get("crop_size")) {
-            c.image_size = crop;
-        }
-        if let Some(size) = side(p.get("size")) {
-            c.resize = size.max(c.image_size);
-        }
-        if p.get("do_normalize").and_then(Value::as_bool) == Some(true) {
-            let three = |k: &str| {
-                p.get(k).and_then(Value::as_array).map(|a| a.iter().filter_map(Value::as_f64).map(|x| x as f32).collect::<Vec<_>>())
-            };
-            if let (Some(m), Some(s)) = (three("image_mean"), three("image_std")) {
-                if m.len() == 3 && s.len() == 3 {
-                    c.mean = [m[0], m[1], m[2]];
-                    c.std = [s[0], s[1], s[2]];
-                }
-            }
-        }
+fn image_config(dir: &Path, image_size: usize) -> Result<crate::data::transform::ImageConfig> {
+    let processor = dir.join("preprocessor_config.json");
+    if processor.exists() {
+        return super::preprocess::read_image_config(&processor);
     }
-    c
+    Ok(crate::data::transform::ImageConfig { image_size, resize: (image_size * 346).div_ceil(289), ..Default::default() })
 }
 
 /// Loads a Hugging Face `AlignModel` directory as an align model.
@@ -50,7 +32,7 @@ pub fn load_hf_align(dir: &Path, device: &Device) -> Result<LoadedModel> {
     let hf = read_json(&dir.join("config.json"))?;
     let spec = align_spec_from_hf(&hf).map_err(|e| anyhow!("{}: {e}", dir.join("config.json").display()))?;
     let mut config = Config::default();
-    config.data.image = image_config(dir, spec.image.image_size());
+    config.data.image = image_config(dir, spec.image.image_size())?;
     config.model.embed_dim = spec.embed_dim;
     config.model.image_projection = false;
     let tokenizer = read_tokenizer(dir, config.text.max_len)?;
