@@ -116,6 +116,9 @@ enum EvalCommand {
     /// Linear probe: a logistic-regression classifier on frozen image embeddings, its weight decay
     /// chosen on held-out training images (ALIGN §5.2, CLIP_benchmark's linear_probe).
     LinearProbe(cli::eval::LinearProbeArgs),
+    /// Several datasets for one or several checkpoints from a TOML file: one table, and one
+    /// CLIP_benchmark JSON per (checkpoint, dataset).
+    Suite(cli::eval_suite::SuiteArgs),
 }
 
 #[derive(Subcommand)]
@@ -164,6 +167,7 @@ fn run() -> Result<()> {
         Command::Eval(EvalCommand::Zeroshot(a)) => cli::eval::zeroshot(&a),
         Command::Eval(EvalCommand::Knn(a)) => cli::eval::knn(&a),
         Command::Eval(EvalCommand::LinearProbe(a)) => cli::eval::linear_probe(&a),
+        Command::Eval(EvalCommand::Suite(a)) => cli::eval_suite::suite(&a),
         Command::Embed(a) => cli::embed::embed(&a),
         Command::Launch(a) => cli::launch::run(&a),
         Command::Plot(a) => cli::plot::run(&a),

@@ -185,6 +185,47 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     assert_eq!((p["task"].as_str(), p["images"].as_u64(), p["classes"].as_u64()), (Some("linear_probe"), Some(36), Some(36)));
     assert!((0.0..=1.0).contains(&p["metrics"]["lp_acc1"].as_f64().unwrap()), "{p}");
     assert!(p["metrics"]["weight_decay"].as_f64().unwrap() > 0.0, "{p}");
+    // The suite: the same three evaluations for two checkpoints in one command give the single
+    // commands' numbers, one CLIP_benchmark file each.
+    let step2 = std::path::Path::new(run).join("step-2");
+    assert!(step2.is_dir());
+    let suite = dir.path().join("evals.toml");
+    let toml = format!(
+        "checkpoints = [{run:?}, {step2:?}]\nrecall_k = [1, 5, 10]\n\
+         [[dataset]]\nname = \"synth-classes\"\ntask = \"zeroshot_classification\"\ndata = {test:?}\nclasses = {classes:?}\ntemplates = {templates:?}\n\
+         [[dataset]]\nname = \"synth-captions\"\ntask = \"zeroshot_retrieval\"\ndata = {test:?}\n\
+         [[dataset]]\nname = \"synth-probe\"\ntask = \"linear_probe\"\ntrain = {test:?}\ntest = {test:?}\nepochs = 3\nbatch = 64\n",
+        test = data.test,
+        classes = data.classes,
+        templates = data.templates,
+    );
+    std::fs::write(&suite, toml.replace("batch = 64\n", "")).unwrap();
+    let results = dir.path().join("suite-results");
+    let (ok, out, err) =
+        align(&["eval", "suite", "--config", suite.to_str().unwrap(), "--json", "--output-dir", results.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let all: Vec<serde_json::Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(all.len(), 6);
+    let single: serde_json::Value = serde_json::from_str(&retrieval().1).unwrap();
+    for (got, want) in [(&all[0], &z), (&all[1], &single), (&all[2], &p)] {
+        assert_eq!(got["metrics"], want["metrics"], "{got}\nvs\n{want}");
+        assert_eq!((&got["step"], &got["images"], &got["task"]), (&want["step"], &want["images"], &want["task"]));
+    }
+    assert_eq!(all[3]["step"].as_u64(), Some(2));
+    let files = std::fs::read_dir(&results).unwrap().count();
+    assert_eq!(files, 6);
+    let cb: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(results.join(format!(
+            "synth-captions_step-4_{}_en_zeroshot_retrieval.json",
+            all[1]["checkpoint"].as_str().unwrap().replace(['/', '_'], "-").trim_matches('-')
+        )))
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!((cb["dataset"].as_str(), &cb["metrics"]), (Some("synth-captions"), &single["metrics"]));
+    let (ok, table, err) = align(&["eval", "suite", "--config", suite.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(table.contains("synth-probe") && table.contains("acc@1"), "{table}");
 }
 
 #[test]

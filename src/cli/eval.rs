@@ -4,7 +4,7 @@ use align::data::eval_reader::EvalSource;
 use align::data::folders::{self, imagenet, Variant};
 use align::data::spec;
 use align::eval::{retrieval as ret, zeroshot as zs};
-use align::io::load::load_model;
+use align::io::load::{load_model, LoadedModel};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
@@ -45,31 +45,70 @@ pub struct RetrievalArgs {
 }
 
 pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
-    let (source, what) = match (&a.data, &a.karpathy, &a.images) {
-        (Some(d), _, _) => (EvalSource::Shards(spec::expand(d)?), d.clone()),
-        (None, Some(k), Some(images)) => {
-            (EvalSource::Files(folders::karpathy(k, images, &a.split)?), format!("{} ({})", k.display(), a.split))
-        }
-        _ => bail!("give --data SPEC, or --karpathy FILE with --images DIR"),
-    };
+    let (source, what) = retrieval_source(&a.data, &a.karpathy, &a.images, &a.split)?;
     let device = super::default_device();
     let m = load_model(&a.checkpoint, &device)?;
     let ks = parse_ks(&a.recall_k)?;
-    let run = ret::run(&m.model, &m.tokenizer, source, &m.config.data.image, a.batch, &device, a.json)
+    let done = evaluate_retrieval(&m, source, &what, &ks, a.batch, &device, a.json)?;
+    done.finish(a.strict, a.output.as_deref(), a.json)
+}
+
+/// A finished evaluation: the record for `--json` / `--output` and the table for people.
+pub struct Evaluated {
+    pub record: EvalRecord,
+    pub table: Table,
+}
+
+impl Evaluated {
+    /// `--strict`, `--output FILE`, then the JSON or the table on standard output.
+    fn finish(mut self, strict: bool, output: Option<&std::path::Path>, json: bool) -> Result<()> {
+        self.record.check_strict(strict)?;
+        if let Some(path) = output {
+            self.record.write_clip_benchmark(path)?;
+        }
+        if json {
+            return super::print_json(&self.record);
+        }
+        if let Some(note) = self.record.partial_note() {
+            self.table.row("warning", note);
+        }
+        self.table.print();
+        Ok(())
+    }
+}
+
+/// Shards, or a Karpathy split file with its image folder.
+pub fn retrieval_source(
+    data: &Option<String>,
+    karpathy: &Option<PathBuf>,
+    images: &Option<PathBuf>,
+    split: &str,
+) -> Result<(EvalSource, String)> {
+    Ok(match (data, karpathy, images) {
+        (Some(d), _, _) => (EvalSource::Shards(spec::expand(d)?), d.clone()),
+        (None, Some(k), Some(images)) => (EvalSource::Files(folders::karpathy(k, images, split)?), format!("{} ({split})", k.display())),
+        _ => bail!("give --data SPEC, or --karpathy FILE with --images DIR"),
+    })
+}
+
+/// Image-text retrieval of `m` on `source`, recall at each of `ks` both ways.
+pub fn evaluate_retrieval(
+    m: &LoadedModel,
+    source: EvalSource,
+    what: &str,
+    ks: &[usize],
+    batch: usize,
+    device: &candle_core::Device,
+    quiet: bool,
+) -> Result<Evaluated> {
+    let run = ret::run(&m.model, &m.tokenizer, source, &m.config.data.image, batch, device, quiet)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
-    let mut rec = EvalRecord::new(&m.dir, &what, "zeroshot_retrieval", run.report.images, &run.skipped);
+    let mut rec = EvalRecord::new(&m.dir, what, "zeroshot_retrieval", run.report.images, &run.skipped);
     rec.texts = Some(run.report.texts);
-    rec.check_strict(a.strict)?;
-    for &k in &ks {
+    for &k in ks {
         // CLIP_benchmark's names: "image retrieval" is a caption finding its image.
         rec.metric(format!("image_retrieval_recall@{k}"), recall_at(&run.ranks.t2i, k));
         rec.metric(format!("text_retrieval_recall@{k}"), recall_at(&run.ranks.i2t, k));
-    }
-    if let Some(path) = &a.output {
-        rec.write_clip_benchmark(path)?;
-    }
-    if a.json {
-        return super::print_json(&rec);
     }
     let mut t = Table::new(&format!("Retrieval: {what}"));
     add_retrieval(&mut t, &run.report);
@@ -80,11 +119,7 @@ pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
         );
     }
     t.row("skipped", run.skipped.summary());
-    if let Some(note) = rec.partial_note() {
-        t.row("warning", note);
-    }
-    t.print();
-    Ok(())
+    Ok(Evaluated { record: rec, table: t })
 }
 
 #[derive(Args)]
@@ -123,55 +158,74 @@ pub struct ZeroShotArgs {
 }
 
 pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
-    let templates = match &a.templates {
-        Some(p) => zs::read_lines(p)?,
-        None => imagenet::lines(imagenet::TEMPLATES),
-    };
-    let (classes, source, what) = match (&a.data, &a.imagenet) {
-        (Some(d), _) => {
-            let Some(c) = &a.classes else { bail!("--data needs --classes FILE (one class name per line, in label order)") };
-            (zs::read_lines(c)?, EvalSource::Shards(spec::expand(d)?), d.clone())
-        }
-        (None, Some(dir)) => {
-            let classes = match &a.classes {
-                Some(c) => zs::read_lines(c)?,
-                None => imagenet::lines(imagenet::CLASSES),
-            };
-            let wnids = match &a.wnids {
-                Some(w) => zs::read_lines(w)?,
-                None => imagenet::lines(imagenet::WNIDS),
-            };
-            let (names, files) = folders::imagenet_folder(dir, a.variant, &classes, &wnids)?;
-            (names, EvalSource::Files(files), format!("{} ({:?})", dir.display(), a.variant))
-        }
-        (None, None) => bail!("give --data SPEC with --classes, or --imagenet DIR"),
-    };
+    let task = ZeroShotData::new(&a.data, &a.imagenet, a.variant, &a.classes, &a.wnids, &a.templates)?;
     let device = super::default_device();
     let m = load_model(&a.checkpoint, &device)?;
-    let run = zs::run(&m.model, &m.tokenizer, source, &classes, &templates, &m.config.data.image, a.batch, &device, a.json)
+    let done = evaluate_zeroshot(&m, task, a.batch, &device, a.json)?;
+    done.finish(a.strict, a.output.as_deref(), a.json)
+}
+
+/// What a zero-shot classification reads: images with labels, class names and prompt templates.
+pub struct ZeroShotData {
+    pub source: EvalSource,
+    pub classes: Vec<String>,
+    pub templates: Vec<String>,
+    pub what: String,
+}
+
+impl ZeroShotData {
+    /// Labelled shards with a class file, or an ImageNet-style folder (the shipped ImageNet-1k
+    /// classes and WordNet ids unless given); CLIP's 80 templates unless given.
+    pub fn new(
+        data: &Option<String>,
+        imagenet: &Option<PathBuf>,
+        variant: Variant,
+        classes: &Option<PathBuf>,
+        wnids: &Option<PathBuf>,
+        templates: &Option<PathBuf>,
+    ) -> Result<ZeroShotData> {
+        let templates = match templates {
+            Some(p) => zs::read_lines(p)?,
+            None => imagenet::lines(imagenet::TEMPLATES),
+        };
+        let (classes, source, what) = match (data, imagenet) {
+            (Some(d), _) => {
+                let Some(c) = classes else { bail!("--data needs --classes FILE (one class name per line, in label order)") };
+                (zs::read_lines(c)?, EvalSource::Shards(spec::expand(d)?), d.clone())
+            }
+            (None, Some(dir)) => {
+                let classes = match classes {
+                    Some(c) => zs::read_lines(c)?,
+                    None => imagenet::lines(imagenet::CLASSES),
+                };
+                let wnids = match wnids {
+                    Some(w) => zs::read_lines(w)?,
+                    None => imagenet::lines(imagenet::WNIDS),
+                };
+                let (names, files) = folders::imagenet_folder(dir, variant, &classes, &wnids)?;
+                (names, EvalSource::Files(files), format!("{} ({variant:?})", dir.display()))
+            }
+            (None, None) => bail!("give --data SPEC with --classes, or --imagenet DIR"),
+        };
+        Ok(ZeroShotData { source, classes, templates, what })
+    }
+}
+
+/// Zero-shot classification of `m` with a prompt ensemble: acc@1, acc@5, mean per-class recall.
+pub fn evaluate_zeroshot(m: &LoadedModel, d: ZeroShotData, batch: usize, device: &candle_core::Device, quiet: bool) -> Result<Evaluated> {
+    let run = zs::run(&m.model, &m.tokenizer, d.source, &d.classes, &d.templates, &m.config.data.image, batch, device, quiet)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
-    let mut rec = EvalRecord::new(&m.dir, &what, "zeroshot_classification", run.report.images, &run.skipped);
+    let mut rec = EvalRecord::new(&m.dir, &d.what, "zeroshot_classification", run.report.images, &run.skipped);
     rec.classes = Some(run.report.classes);
-    rec.check_strict(a.strict)?;
     rec.metric("acc1", run.report.top1);
     // CLIP_benchmark reports no acc5 below five classes (every image would count).
     rec.metrics.insert("acc5".into(), if run.report.classes >= 5 { run.report.top5.into() } else { serde_json::Value::Null });
     rec.metric("mean_per_class_recall", run.report.mean_per_class_recall);
-    if let Some(path) = &a.output {
-        rec.write_clip_benchmark(path)?;
-    }
-    if a.json {
-        return super::print_json(&rec);
-    }
-    let mut t = Table::new(&format!("Zero-shot: {what}, {} templates", templates.len()));
+    let mut t = Table::new(&format!("Zero-shot: {}, {} templates", d.what, d.templates.len()));
     add_zeroshot(&mut t, &run.report);
     t.row("mean per-class recall", super::table::pct(run.report.mean_per_class_recall));
     t.row("skipped", run.skipped.summary());
-    if let Some(note) = rec.partial_note() {
-        t.row("warning", note);
-    }
-    t.print();
-    Ok(())
+    Ok(Evaluated { record: rec, table: t })
 }
 
 #[derive(Args)]
@@ -199,7 +253,7 @@ pub struct KnnArgs {
     pub json: bool,
 }
 
-fn labelled_source(spec_arg: &Option<String>, folder: &Option<PathBuf>, what: &str) -> Result<EvalSource> {
+pub fn labelled_source(spec_arg: &Option<String>, folder: &Option<PathBuf>, what: &str) -> Result<EvalSource> {
     match (spec_arg, folder) {
         (Some(s), _) => Ok(EvalSource::Shards(spec::expand(s)?)),
         (None, Some(dir)) => {
@@ -222,7 +276,7 @@ struct LabelledSplits {
 }
 
 fn embed_labelled(
-    m: &align::io::load::LoadedModel,
+    m: &LoadedModel,
     (first, second): (EvalSource, EvalSource),
     batch: usize,
     device: &candle_core::Device,
@@ -298,30 +352,42 @@ pub struct LinearProbeArgs {
 }
 
 pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
-    use align::eval::linear_probe::{probe, ProbeConfig};
     let device = super::default_device();
     let m = load_model(&a.checkpoint, &device)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.test, &a.test_imagenet, "test")?);
+    let what = format!("{} → {}", a.train.clone().unwrap_or_default(), a.test.clone().unwrap_or_default());
+    let pc = align::eval::linear_probe::ProbeConfig {
+        epochs: a.epochs,
+        lr: a.lr,
+        batch: a.batch,
+        val_proportion: a.val_proportion,
+        seed: a.seed,
+    };
+    let done = evaluate_linear_probe(&m, sources, &what, &pc, &device, a.json)?;
+    done.finish(a.strict, a.output.as_deref(), a.json)
+}
+
+/// A logistic-regression probe on `m`'s frozen image features: trained on the first source,
+/// scored on the second.
+pub fn evaluate_linear_probe(
+    m: &LoadedModel,
+    sources: (EvalSource, EvalSource),
+    what: &str,
+    pc: &align::eval::linear_probe::ProbeConfig,
+    device: &candle_core::Device,
+    quiet: bool,
+) -> Result<Evaluated> {
     let LabelledSplits { first: train, second: test, first_y: train_y, second_y: test_y, classes } =
-        embed_labelled(&m, sources, a.batch, &device, a.json)?;
-    let pc = ProbeConfig { epochs: a.epochs, lr: a.lr, batch: a.batch, val_proportion: a.val_proportion, seed: a.seed };
-    let rep = probe(&train.embeddings, &train_y, &test.embeddings, &test_y, classes, &pc);
+        embed_labelled(m, sources, pc.batch, device, quiet)?;
+    let rep = align::eval::linear_probe::probe(&train.embeddings, &train_y, &test.embeddings, &test_y, classes, pc);
     let mut skipped = train.skipped.clone();
     skipped.merge(&test.skipped);
-    let what = format!("{} → {}", a.train.clone().unwrap_or_default(), a.test.clone().unwrap_or_default());
-    let mut rec = EvalRecord::new(&m.dir, &what, "linear_probe", rep.test, &skipped);
+    let mut rec = EvalRecord::new(&m.dir, what, "linear_probe", rep.test, &skipped);
     rec.classes = Some(classes);
-    rec.check_strict(a.strict)?;
     rec.metric("lp_acc1", rep.acc1);
     rec.metrics.insert("lp_acc5".into(), rep.acc5.map_or(serde_json::Value::Null, Into::into));
     rec.metric("lp_mean_per_class_recall", rep.mean_per_class_recall);
     rec.metric("weight_decay", rep.weight_decay);
-    if let Some(path) = &a.output {
-        rec.write_clip_benchmark(path)?;
-    }
-    if a.json {
-        return super::print_json(&rec);
-    }
     let mut t = Table::new("Linear probe");
     t.row("top-1", super::table::pct(rep.acc1));
     t.row("top-5", rep.acc5.map_or("-".into(), super::table::pct));
@@ -329,9 +395,5 @@ pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
     t.row("weight decay (chosen)", format!("{:.3e}", rep.weight_decay));
     t.row("train / test images", format!("{} / {}", rep.train, rep.test));
     t.row("skipped", skipped.summary());
-    if let Some(note) = rec.partial_note() {
-        t.row("warning", note);
-    }
-    t.print();
-    Ok(())
+    Ok(Evaluated { record: rec, table: t })
 }

@@ -17,7 +17,11 @@ pub struct EvalRecord {
     /// The training step of an align checkpoint (none for a Hugging Face model).
     pub step: Option<u64>,
     pub data: String,
-    /// CLIP_benchmark's task name: `zeroshot_retrieval` or `zeroshot_classification`.
+    /// The dataset's name in a suite (`imagenet1k`, `flickr30k`); CLIP_benchmark's `dataset`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<String>,
+    /// CLIP_benchmark's task name: `zeroshot_retrieval`, `zeroshot_classification` or
+    /// `linear_probe`.
     pub task: &'static str,
     pub images: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -40,6 +44,7 @@ impl EvalRecord {
             checkpoint: checkpoint.display().to_string(),
             step,
             data: data.to_string(),
+            dataset: None,
             task,
             images,
             texts: None,
@@ -77,7 +82,7 @@ impl EvalRecord {
     /// Writes CLIP_benchmark's result layout to `path`.
     pub fn write_clip_benchmark(&self, path: &Path) -> Result<()> {
         let v = serde_json::json!({
-            "dataset": self.data,
+            "dataset": self.dataset.as_ref().unwrap_or(&self.data),
             "model": self.checkpoint,
             "pretrained": self.step.map_or_else(String::new, |s| format!("step-{s}")),
             "task": self.task,

@@ -6,6 +6,7 @@ pub mod demo;
 pub mod embed;
 pub mod eval;
 pub mod eval_record;
+pub mod eval_suite;
 pub mod launch;
 pub mod plot;
 pub mod table;

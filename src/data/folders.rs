@@ -39,7 +39,8 @@ fn images_in(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Which ImageNet-style layout a folder has.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Variant {
     /// ImageNet-1k validation: `<wnid>/*.JPEG`, 1000 classes.
     Val,

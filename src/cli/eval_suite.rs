@@ -1,0 +1,386 @@
+//! `align eval suite --config evals.toml`: several datasets for one or several checkpoints, in one
+//! command. Each checkpoint is loaded once and each dataset embedded once per checkpoint; the
+//! results print as one table and are written as one CLIP_benchmark JSON per (checkpoint,
+//! dataset), named as CLIP_benchmark names its own, so its `build` aggregates both together.
+//!
+//! ```toml
+//! checkpoints = ["runs/demo", "hf:kakaobrain/align-base"]
+//! output_dir = "eval-results"       # default: no files, the table (or --json) only
+//! batch = 256
+//! recall_k = [1, 5, 10]
+//!
+//! [[dataset]]
+//! name = "imagenet1k"
+//! task = "zeroshot_classification"
+//! imagenet = "/data/imagenet/val"   # or: data = "shards-{000..009}.tar" with classes = "classes.txt"
+//!
+//! [[dataset]]
+//! name = "flickr30k"
+//! task = "zeroshot_retrieval"
+//! karpathy = "dataset_flickr30k.json"
+//! images = "flickr30k-images"       # or: data = "test-{000..004}.tar"
+//!
+//! [[dataset]]
+//! name = "cifar10"
+//! task = "linear_probe"
+//! train = "cifar10-train-{0..9}.tar"
+//! test = "cifar10-test-{0..1}.tar"
+//! ```
+//!
+//! Relative paths are taken from the directory `align` runs in, as in training configs.
+
+use std::path::{Path, PathBuf};
+
+use align::data::folders::Variant;
+use align::eval::linear_probe::ProbeConfig;
+use align::io::load::load_model;
+use align::util::progress::Progress;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Deserialize;
+
+use super::eval::{self, Evaluated, ZeroShotData};
+use super::eval_record::EvalRecord;
+
+#[derive(Args)]
+pub struct SuiteArgs {
+    /// The suite: checkpoints and datasets (see `align eval suite --help`'s example in the README).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Print every result as one JSON array instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Any skipped sample is an error instead of a partial result.
+    #[arg(long)]
+    pub strict: bool,
+    /// Write the CLIP_benchmark JSON files here (overrides the config's `output_dir`).
+    #[arg(long)]
+    pub output_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Suite {
+    /// Checkpoints, run directories, Hugging Face directories or `hf:ID`s.
+    pub checkpoints: Vec<PathBuf>,
+    #[serde(default)]
+    pub output_dir: Option<PathBuf>,
+    #[serde(default = "default_batch")]
+    pub batch: usize,
+    #[serde(default = "default_ks")]
+    pub recall_k: Vec<usize>,
+    #[serde(default)]
+    pub strict: bool,
+    #[serde(rename = "dataset")]
+    pub datasets: Vec<Dataset>,
+}
+
+fn default_batch() -> usize {
+    256
+}
+
+fn default_ks() -> Vec<usize> {
+    vec![1, 5, 10]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Task {
+    ZeroshotClassification,
+    ZeroshotRetrieval,
+    LinearProbe,
+}
+
+/// One dataset and the task run on it; the fields a task does not read are refused.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Dataset {
+    /// The name results carry (CLIP_benchmark's `dataset`), e.g. `imagenet1k`, `flickr30k`.
+    pub name: String,
+    pub task: Task,
+    /// Shards (zero-shot with `classes`, or retrieval).
+    pub data: Option<String>,
+    /// Zero-shot: an ImageNet-style folder, its `variant`, optional `classes`, `wnids`.
+    pub imagenet: Option<PathBuf>,
+    pub variant: Option<Variant>,
+    pub classes: Option<PathBuf>,
+    pub wnids: Option<PathBuf>,
+    /// Zero-shot: prompt templates (default CLIP's 80).
+    pub templates: Option<PathBuf>,
+    /// Retrieval: a Karpathy split file, its image folder and split (default `test`).
+    pub karpathy: Option<PathBuf>,
+    pub images: Option<PathBuf>,
+    pub split: Option<String>,
+    /// Linear probe: labelled shards (or ImageNet-style folders) to train and to test on.
+    pub train: Option<String>,
+    pub test: Option<String>,
+    pub train_imagenet: Option<PathBuf>,
+    pub test_imagenet: Option<PathBuf>,
+    /// Linear probe: CLIP_benchmark's settings, defaults as there.
+    pub epochs: Option<usize>,
+    pub lr: Option<f64>,
+    pub val_proportion: Option<f64>,
+    pub seed: Option<u64>,
+}
+
+impl Suite {
+    pub fn read(path: &Path) -> Result<Suite> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let suite: Suite = toml::from_str(&text).with_context(|| format!("{} is not a valid suite", path.display()))?;
+        suite.check().with_context(|| format!("{}", path.display()))?;
+        Ok(suite)
+    }
+
+    /// Every mistake a suite can hold is found before the first checkpoint is loaded.
+    fn check(&self) -> Result<()> {
+        if self.checkpoints.is_empty() {
+            bail!("`checkpoints` is empty");
+        }
+        if self.datasets.is_empty() {
+            bail!("no [[dataset]]");
+        }
+        if self.batch == 0 || self.recall_k.is_empty() || self.recall_k.contains(&0) {
+            bail!("`batch` and every `recall_k` must be positive, and `recall_k` not empty");
+        }
+        let mut names = std::collections::HashSet::new();
+        for d in &self.datasets {
+            if !names.insert(&d.name) {
+                bail!("two datasets are named {:?}", d.name);
+            }
+            d.check().with_context(|| format!("dataset {:?}", d.name))?;
+        }
+        Ok(())
+    }
+}
+
+impl Dataset {
+    fn check(&self) -> Result<()> {
+        let set = |present: bool, field: &str| present.then(|| field.to_string());
+        let zeroshot = [
+            set(self.imagenet.is_some(), "imagenet"),
+            set(self.variant.is_some(), "variant"),
+            set(self.classes.is_some(), "classes"),
+            set(self.wnids.is_some(), "wnids"),
+            set(self.templates.is_some(), "templates"),
+        ];
+        let retrieval =
+            [set(self.karpathy.is_some(), "karpathy"), set(self.images.is_some(), "images"), set(self.split.is_some(), "split")];
+        let probe = [
+            set(self.train.is_some(), "train"),
+            set(self.test.is_some(), "test"),
+            set(self.train_imagenet.is_some(), "train_imagenet"),
+            set(self.test_imagenet.is_some(), "test_imagenet"),
+            set(self.epochs.is_some(), "epochs"),
+            set(self.lr.is_some(), "lr"),
+            set(self.val_proportion.is_some(), "val_proportion"),
+            set(self.seed.is_some(), "seed"),
+        ];
+        let (foreign, data_ok): (Vec<&Option<String>>, bool) = match self.task {
+            Task::ZeroshotClassification => (retrieval.iter().chain(&probe).collect(), true),
+            Task::ZeroshotRetrieval => (zeroshot.iter().chain(&probe).collect(), true),
+            Task::LinearProbe => (zeroshot.iter().chain(&retrieval).collect(), self.data.is_none()),
+        };
+        if let Some(f) = foreign.into_iter().flatten().next() {
+            bail!("`{f}` does not apply to task {:?}", self.task);
+        }
+        if !data_ok {
+            bail!("a linear probe reads `train` and `test`, not `data`");
+        }
+        Ok(())
+    }
+
+    fn probe_config(&self, batch: usize) -> ProbeConfig {
+        let d = ProbeConfig::default();
+        ProbeConfig {
+            epochs: self.epochs.unwrap_or(d.epochs),
+            lr: self.lr.unwrap_or(d.lr),
+            batch,
+            val_proportion: self.val_proportion.unwrap_or(d.val_proportion),
+            seed: self.seed.unwrap_or(d.seed),
+        }
+    }
+
+    /// Evaluates `m` on this dataset. The data's sources are opened here, per checkpoint: a
+    /// source is a reader over files, used up by one pass.
+    fn evaluate(&self, m: &align::io::load::LoadedModel, suite: &Suite, device: &candle_core::Device) -> Result<Evaluated> {
+        let mut done = match self.task {
+            Task::ZeroshotClassification => {
+                let variant = self.variant.unwrap_or(Variant::Val);
+                let data = ZeroShotData::new(&self.data, &self.imagenet, variant, &self.classes, &self.wnids, &self.templates)?;
+                eval::evaluate_zeroshot(m, data, suite.batch, device, true)?
+            }
+            Task::ZeroshotRetrieval => {
+                let split = self.split.clone().unwrap_or_else(|| "test".into());
+                let (source, what) = eval::retrieval_source(&self.data, &self.karpathy, &self.images, &split)?;
+                eval::evaluate_retrieval(m, source, &what, &suite.recall_k, suite.batch, device, true)?
+            }
+            Task::LinearProbe => {
+                let sources = (
+                    eval::labelled_source(&self.train, &self.train_imagenet, "train")?,
+                    eval::labelled_source(&self.test, &self.test_imagenet, "test")?,
+                );
+                let what = format!("{} → {}", self.train.clone().unwrap_or_default(), self.test.clone().unwrap_or_default());
+                eval::evaluate_linear_probe(m, sources, &what, &self.probe_config(suite.batch.min(256)), device, true)?
+            }
+        };
+        done.record.dataset = Some(self.name.clone());
+        Ok(done)
+    }
+}
+
+/// CLIP_benchmark's file name for a result: `{dataset}_{pretrained}_{model}_{language}_{task}.json`,
+/// with the characters a file name cannot hold replaced.
+pub fn result_file_name(r: &EvalRecord) -> String {
+    let clean = |s: &str| -> String {
+        let s: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-.".contains(c) { c } else { '-' }).collect();
+        s.trim_matches('-').to_string()
+    };
+    let dataset = r.dataset.as_deref().unwrap_or(&r.data);
+    let pretrained = r.step.map_or_else(|| "pretrained".to_string(), |s| format!("step-{s}"));
+    format!("{}_{}_{}_en_{}.json", clean(dataset), pretrained, clean(&r.checkpoint), r.task)
+}
+
+/// The headline numbers of a result for the suite's table.
+fn headline(r: &EvalRecord) -> String {
+    let get = |k: &str| r.metrics.get(k).and_then(serde_json::Value::as_f64);
+    let pct = |k: &str| get(k).map_or("-".to_string(), super::table::pct);
+    match r.task {
+        "zeroshot_classification" => {
+            format!("acc@1 {}  acc@5 {}  mean-class recall {}", pct("acc1"), pct("acc5"), pct("mean_per_class_recall"))
+        }
+        "zeroshot_retrieval" => format!(
+            "image→text R@1 {}  text→image R@1 {}  (R@5 {} / {})",
+            pct("text_retrieval_recall@1"),
+            pct("image_retrieval_recall@1"),
+            pct("text_retrieval_recall@5"),
+            pct("image_retrieval_recall@5")
+        ),
+        _ => format!("acc@1 {}  acc@5 {}", pct("lp_acc1"), pct("lp_acc5")),
+    }
+}
+
+pub fn suite(a: &SuiteArgs) -> Result<()> {
+    let suite = Suite::read(&a.config)?;
+    let strict = a.strict || suite.strict;
+    let output_dir = a.output_dir.clone().or_else(|| suite.output_dir.clone());
+    if let Some(dir) = &output_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let device = super::default_device();
+    let jobs = (suite.checkpoints.len() * suite.datasets.len()) as u64;
+    let bar = Progress::bar(jobs, "evaluations", a.json);
+    let mut records = Vec::new();
+    for checkpoint in &suite.checkpoints {
+        let m = load_model(checkpoint, &device)?;
+        for d in &suite.datasets {
+            bar.set_message(format!("{} on {}", d.name, checkpoint.display()));
+            let done = d.evaluate(&m, &suite, &device).with_context(|| format!("dataset {:?}", d.name))?;
+            done.record.check_strict(strict).with_context(|| format!("dataset {:?} with {}", d.name, checkpoint.display()))?;
+            if let Some(dir) = &output_dir {
+                done.record.write_clip_benchmark(&dir.join(result_file_name(&done.record)))?;
+            }
+            records.push(done.record);
+            bar.inc(1);
+        }
+    }
+    bar.finish();
+    if a.json {
+        return super::print_json(&records);
+    }
+    print_table(&records);
+    Ok(())
+}
+
+fn print_table(records: &[EvalRecord]) {
+    let rows: Vec<[String; 5]> = records
+        .iter()
+        .map(|r| {
+            let note = if r.complete { String::new() } else { format!("PARTIAL: {} skipped", r.skipped_total) };
+            [r.checkpoint.clone(), r.dataset.clone().unwrap_or_default(), r.images.to_string(), headline(r), note]
+        })
+        .collect();
+    let head = ["checkpoint", "dataset", "images", "result", ""];
+    let widths: Vec<usize> = (0..5).map(|i| rows.iter().map(|r| r[i].chars().count()).chain([head[i].len()]).max().unwrap_or(0)).collect();
+    let line = |cells: [&str; 5]| {
+        let s: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        println!("{}", s.join("   ").trim_end());
+    };
+    line(head);
+    println!("{}", "-".repeat(widths.iter().sum::<usize>() + 12));
+    for r in &rows {
+        line([&r[0], &r[1], &r[2], &r[3], &r[4]]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Suite> {
+        let s: Suite = toml::from_str(text)?;
+        s.check()?;
+        Ok(s)
+    }
+
+    #[test]
+    fn a_suite_reads_its_datasets_with_defaults() {
+        let s = parse(
+            r#"checkpoints = ["runs/a"]
+            [[dataset]]
+            name = "imagenet1k"
+            task = "zeroshot_classification"
+            imagenet = "val"
+            variant = "v2"
+            [[dataset]]
+            name = "flickr30k"
+            task = "zeroshot_retrieval"
+            karpathy = "dataset_flickr30k.json"
+            images = "flickr30k-images"
+            "#,
+        )
+        .unwrap();
+        assert_eq!((s.batch, s.recall_k.clone()), (256, vec![1, 5, 10]));
+        assert_eq!(s.datasets[0].variant, Some(Variant::V2));
+        assert_eq!(s.datasets[1].task, Task::ZeroshotRetrieval);
+    }
+
+    #[test]
+    fn mistakes_are_found_before_anything_runs() {
+        let cases = [
+            ("checkpoints = []\n[[dataset]]\nname = \"a\"\ntask = \"linear_probe\"", "`checkpoints` is empty"),
+            ("checkpoints = [\"x\"]", "dataset"),
+            (
+                "checkpoints = [\"x\"]\n[[dataset]]\nname = \"a\"\ntask = \"zeroshot_retrieval\"\n[[dataset]]\nname = \"a\"\ntask = \"zeroshot_retrieval\"",
+                "two datasets",
+            ),
+            ("checkpoints = [\"x\"]\n[[dataset]]\nname = \"a\"\ntask = \"zeroshot_retrieval\"\nclasses = \"c.txt\"", "`classes` does not apply"),
+            ("checkpoints = [\"x\"]\n[[dataset]]\nname = \"a\"\ntask = \"linear_probe\"\ndata = \"s.tar\"", "not `data`"),
+            ("checkpoints = [\"x\"]\n[[dataset]]\nname = \"a\"\ntask = \"zeroshot_retrieval\"\nkarpathi = \"k\"", "unknown field"),
+            ("checkpoints = [\"x\"]\n[[dataset]]\nname = \"a\"\ntask = \"knn\"", "unknown variant"),
+        ];
+        for (text, why) in cases {
+            let e = format!("{:#}", parse(text).unwrap_err());
+            assert!(e.contains(why), "{text}\n→ {e}");
+        }
+    }
+
+    #[test]
+    fn result_files_are_named_as_clip_benchmark_names_them() {
+        let mut r = EvalRecord::new(Path::new("runs/demo/checkpoints/step-120"), "x.tar", "zeroshot_retrieval", 3, &Default::default());
+        r.dataset = Some("flickr30k".into());
+        r.step = Some(120);
+        assert_eq!(result_file_name(&r), "flickr30k_step-120_runs-demo-checkpoints-step-120_en_zeroshot_retrieval.json");
+    }
+
+    #[test]
+    fn the_shipped_suites_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/evals");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            Suite::read(&path).unwrap_or_else(|e| panic!("{e:#}"));
+            n += 1;
+        }
+        assert!(n >= 2, "{}", dir.display());
+    }
+}
