@@ -166,16 +166,55 @@ impl Default for ModelConfig {
     }
 }
 
+/// Which contrastive loss trains the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum LossKind {
+    /// ALIGN's (and CLIP's) normalised softmax over the batch, both directions.
+    #[default]
+    Softmax,
+    /// SigLIP's pairwise sigmoid loss with a learned logit bias.
+    Sigmoid,
+}
+
+/// How the sigmoid loss brings other ranks' texts to a rank's images (`train::sigmoid_loss`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Exchange {
+    /// Around the ring, one block at a time: logits memory `n × n` per rank.
+    #[default]
+    Shift,
+    /// All texts gathered on every rank: logits memory `n × N`.
+    Gather,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LossConfig {
+    /// `softmax` (ALIGN §4.1, the default) or `sigmoid` (SigLIP, Zhai et al. 2023). The sigmoid
+    /// loss learns t = exp(s) as `logit_scale` (the model's `temperature` settings do not apply)
+    /// and a bias b as `logit_bias`.
+    pub kind: LossKind,
     /// Label smoothing of both softmax losses. ALIGN §5: 0.1.
     pub label_smoothing: f64,
+    /// Sigmoid loss: how texts reach other ranks (open_clip's `dist_impl`): `shift` passes them
+    /// around the ring (logits n × n per rank), `gather` gathers them all (n × N).
+    pub dist_impl: Exchange,
+    /// Sigmoid loss: s at initialisation, t = exp(s). SigLIP: ln 10.
+    pub init_logit_scale: f64,
+    /// Sigmoid loss: b at initialisation. SigLIP: −10.
+    pub init_logit_bias: f64,
 }
 
 impl Default for LossConfig {
     fn default() -> Self {
-        LossConfig { label_smoothing: 0.1 }
+        LossConfig {
+            kind: LossKind::Softmax,
+            label_smoothing: 0.1,
+            dist_impl: Default::default(),
+            init_logit_scale: 10f64.ln(),
+            init_logit_bias: -10.0,
+        }
     }
 }
 
@@ -382,6 +421,15 @@ impl Config {
         if self.model.embed_dim == 0 {
             bail!("model.embed_dim must be positive");
         }
+        if self.loss.kind == LossKind::Sigmoid {
+            let d = ModelConfig::default();
+            if (self.model.temperature, self.model.temperature_init) != (d.temperature, d.temperature_init) {
+                bail!("with loss.kind = \"sigmoid\" the scale is loss.init_logit_scale: model.temperature and model.temperature_init do not apply");
+            }
+            if !self.loss.init_logit_scale.is_finite() || !self.loss.init_logit_bias.is_finite() {
+                bail!("loss.init_logit_scale and loss.init_logit_bias must be finite numbers");
+            }
+        }
         if self.model.temperature_init <= 0.0 || self.model.temperature_init.is_nan() {
             bail!("model.temperature_init must be positive, got {}", self.model.temperature_init);
         }
@@ -433,14 +481,18 @@ impl Config {
             .with_context(|| format!("model.text_tower {:?} is not one of {:?} or \"bert\"", m.text_tower, BERT_PRESETS))?
             .with(&m.bert);
         bert.validate(self.text.max_len).map_err(|e| anyhow::anyhow!("model.bert: {e}"))?;
+        // The sigmoid loss's t = exp(s) is CLIP's log-parameterised scale (clamped at 100, as
+        // open_clip's training clamps it for SigLIP too) plus a bias.
+        let sigmoid = self.loss.kind == LossKind::Sigmoid;
         Ok(ModelSpec {
             image,
             text: bert,
             embed_dim: m.embed_dim,
             image_projection: m.image_projection,
             text_pooling: m.text_pooling,
-            temperature: m.temperature,
-            temperature_init: m.temperature_init,
+            temperature: if sigmoid { TemperatureKind::Clip } else { m.temperature },
+            temperature_init: if sigmoid { (-self.loss.init_logit_scale).exp() } else { m.temperature_init },
+            logit_bias: sigmoid.then_some(self.loss.init_logit_bias),
         })
     }
 

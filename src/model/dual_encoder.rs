@@ -29,6 +29,10 @@ pub struct ModelSpec {
     pub temperature: TemperatureKind,
     /// σ at initialisation (ALIGN 1.0; CLIP 0.07, i.e. logit scale ln(1/0.07)).
     pub temperature_init: f64,
+    /// The sigmoid loss's learnable logit bias at initialisation (SigLIP: −10), kept with the
+    /// model as `logit_bias`; none for softmax-trained models.
+    #[serde(default)]
+    pub logit_bias: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -87,6 +91,8 @@ pub struct DualEncoder {
     text_projection: Linear,
     /// σ (ALIGN) or s = ln(logit scale) (CLIP); a 0-d variable.
     temperature: Tensor,
+    /// The sigmoid loss's b (0-d), when the model has one.
+    logit_bias: Option<Tensor>,
     pub spec: ModelSpec,
     checkpoint_grads: Option<Arc<GradSink>>,
 }
@@ -112,7 +118,17 @@ impl DualEncoder {
             TemperatureKind::Align => vb.get_with_hints((), "temperature", Init::Const(spec.temperature_init))?,
             TemperatureKind::Clip => vb.get_with_hints((), "logit_scale", Init::Const((1.0 / spec.temperature_init).ln()))?,
         };
-        Ok(DualEncoder { image, text, visual_projection, text_projection, temperature, spec: spec.clone(), checkpoint_grads: None })
+        let logit_bias = spec.logit_bias.map(|b| vb.get_with_hints((), "logit_bias", Init::Const(b))).transpose()?;
+        Ok(DualEncoder {
+            image,
+            text,
+            visual_projection,
+            text_projection,
+            temperature,
+            logit_bias,
+            spec: spec.clone(),
+            checkpoint_grads: None,
+        })
     }
 
     /// With `on`, checkpoints every transformer block and MBConv block of both towers
@@ -172,6 +188,11 @@ impl DualEncoder {
             TemperatureKind::Align => t.recip(),
             TemperatureKind::Clip => t.exp()?.clamp(0.0, CLIP_MAX_LOGIT_SCALE),
         }
+    }
+
+    /// The sigmoid loss's logit bias b (0-d, f32 or f64), if the model has one.
+    pub fn logit_bias(&self) -> Result<Option<Tensor>> {
+        self.logit_bias.as_ref().map(widen).transpose()
     }
 
     /// FLOPs of one (image, caption) pair's forward pass, counted from the architecture (the
@@ -239,6 +260,7 @@ pub(crate) mod tests {
             text_pooling: TextPooling::Cls,
             temperature: TemperatureKind::Align,
             temperature_init: 1.0,
+            logit_bias: None,
         }
     }
 
@@ -366,6 +388,7 @@ pub(crate) mod tests {
                 text_pooling: TextPooling::Cls,
                 temperature: TemperatureKind::Align,
                 temperature_init: 1.0,
+                logit_bias: None,
             };
             DualEncoder::new(&spec, candle_nn::VarBuilder::zeros(DType::F32, &dev)).unwrap()
         };

@@ -32,6 +32,9 @@ pub trait Collective: Send + Sync {
     fn all_gather(&self, t: &Tensor) -> Result<Tensor>;
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
+    /// One step around the ring: sends `t` to rank + 1 and returns what rank − 1 sent (same
+    /// shapes). The sigmoid loss passes text blocks this way instead of gathering them all.
+    fn shift(&self, t: &Tensor) -> Result<Tensor>;
     /// Every rank's bytes, in rank order (lengths may differ).
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>>;
     fn barrier(&self) -> Result<()>;
@@ -60,6 +63,9 @@ impl Collective for SingleProcess {
         Ok(t.clone())
     }
     fn broadcast(&self, t: &Tensor, _root: usize) -> Result<Tensor> {
+        Ok(t.clone())
+    }
+    fn shift(&self, t: &Tensor) -> Result<Tensor> {
         Ok(t.clone())
     }
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
@@ -227,6 +233,15 @@ impl Collective for ThreadGroup {
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         let mut parts = self.floats("broadcast", t)?;
         rebuild(parts.swap_remove(root), t.dims(), t.dtype(), t.device())
+    }
+
+    /// Through the common exchange (every rank sees every block for a moment): these ranks are
+    /// threads of one process sharing its memory, where a point-to-point channel would save
+    /// nothing; NCCL sends one block to one peer.
+    fn shift(&self, t: &Tensor) -> Result<Tensor> {
+        let world = self.shared.world;
+        let mut parts = self.floats("shift", t)?;
+        rebuild(parts.swap_remove((self.rank + world - 1) % world), t.dims(), t.dtype(), t.device())
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {

@@ -9,6 +9,7 @@ pub mod nccl;
 pub mod optim;
 pub mod rendezvous;
 pub mod schedule;
+pub mod sigmoid_loss;
 pub mod step;
 pub mod tensorboard;
 pub mod trainer;

@@ -88,6 +88,7 @@ trait Ops {
     fn all_gather(&self, comm: &Comm) -> Result<()>;
     fn all_reduce_sum(&self, comm: &Comm) -> Result<()>;
     fn broadcast(&self, comm: &Comm, root: usize) -> Result<()>;
+    fn shift(&self, comm: &Comm, next: usize, prev: usize) -> Result<()>;
 }
 
 struct Buffers<'a, T: NcclType + DeviceRepr> {
@@ -105,6 +106,15 @@ impl<T: NcclType + DeviceRepr> Ops for Buffers<'_, T> {
     fn broadcast(&self, comm: &Comm, root: usize) -> Result<()> {
         let src = (comm.rank() == root).then_some(&self.src);
         comm.broadcast(src, &mut *self.dst.borrow_mut(), root as i32).map(|_| ()).map_err(err)
+    }
+    /// A send and a receive in one NCCL group, so that no rank waits on its neighbour's send.
+    fn shift(&self, comm: &Comm, next: usize, prev: usize) -> Result<()> {
+        let mut dst = self.dst.borrow_mut();
+        let send = self.src.slice(..);
+        let recv = dst.slice_mut(..);
+        let mut group = comm.group();
+        group.send(send, next as i32).map_err(err)?;
+        group.recv(recv, prev as i32).map(|_| ()).map_err(err)
     }
 }
 
@@ -144,6 +154,11 @@ impl Collective for NcclGroup {
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         self.run(t, t.elem_count(), t.dims().to_vec(), |c, b| b.broadcast(c, root))
+    }
+
+    fn shift(&self, t: &Tensor) -> Result<Tensor> {
+        let (next, prev) = ((self.rank + 1) % self.world, (self.rank + self.world - 1) % self.world);
+        self.run(t, t.elem_count(), t.dims().to_vec(), |c, b| b.shift(c, next, prev))
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {

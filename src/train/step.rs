@@ -15,7 +15,10 @@ use candle_core::{DType, Result, Tensor, Var};
 
 use super::collective::Collective;
 use super::gather::{distributed_loss, gradient_scale, GatherOptions};
+use super::loss::LossParts;
 use super::optim::{Grads, Optimizer};
+use super::sigmoid_loss::{sigmoid_loss, Exchange};
+use crate::config::LossKind;
 use crate::model::dual_encoder::DualEncoder;
 use crate::model::Ctx;
 use crate::util::rng::derive_seed;
@@ -39,11 +42,60 @@ fn collective(e: super::collective::CollectiveError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
-/// The step's reported loss: with local loss each rank holds its share, so average over ranks.
-fn global_values(parts: &super::loss::LossParts, group: &Arc<dyn Collective>, opts: GatherOptions) -> Result<[f64; 3]> {
+/// The loss a step differentiates, with its distribution settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum StepLoss {
+    /// ALIGN's softmax loss over gathered embeddings.
+    Softmax { opts: GatherOptions, smoothing: f64 },
+    /// SigLIP's sigmoid loss, texts exchanged as `exchange` says.
+    Sigmoid { exchange: Exchange },
+}
+
+impl StepLoss {
+    pub fn from_config(cfg: &crate::config::Config) -> StepLoss {
+        match cfg.loss.kind {
+            LossKind::Softmax => StepLoss::Softmax {
+                opts: GatherOptions { gather_with_grad: cfg.train.gather_with_grad, local_loss: cfg.train.local_loss },
+                smoothing: cfg.loss.label_smoothing,
+            },
+            LossKind::Sigmoid => StepLoss::Sigmoid { exchange: cfg.loss.dist_impl },
+        }
+    }
+
+    /// Whether each rank's value is its share of the loss (averaged over ranks to report).
+    fn per_rank_share(self) -> bool {
+        match self {
+            StepLoss::Softmax { opts, .. } => opts.local_loss,
+            StepLoss::Sigmoid { .. } => true,
+        }
+    }
+
+    /// The factor the summed parameter gradients are multiplied by.
+    fn gradient_scale(self, world: usize) -> f64 {
+        match self {
+            StepLoss::Softmax { opts, .. } => gradient_scale(opts, world),
+            StepLoss::Sigmoid { .. } => 1.0 / world as f64,
+        }
+    }
+
+    fn loss(self, model: &DualEncoder, img: &Tensor, txt: &Tensor, group: &Arc<dyn Collective>) -> Result<LossParts> {
+        match self {
+            StepLoss::Softmax { opts, smoothing } => distributed_loss(img, txt, &model.logit_scale()?, smoothing, group, opts),
+            StepLoss::Sigmoid { exchange } => {
+                let bias = model
+                    .logit_bias()?
+                    .ok_or_else(|| candle_core::Error::Msg("the sigmoid loss needs a model with a logit bias".into()))?;
+                sigmoid_loss(img, txt, &model.logit_scale()?, &bias, group, exchange)
+            }
+        }
+    }
+}
+
+/// The step's reported loss: when each rank holds its share, average over ranks.
+fn global_values(parts: &LossParts, group: &Arc<dyn Collective>, loss: StepLoss) -> Result<[f64; 3]> {
     let v =
         Tensor::stack(&[parts.total.to_dtype(DType::F64)?, parts.i2t.to_dtype(DType::F64)?, parts.t2i.to_dtype(DType::F64)?], 0)?.detach();
-    let v = if opts.local_loss { group.all_reduce_mean(&v).map_err(collective)? } else { v };
+    let v = if loss.per_rank_share() { group.all_reduce_mean(&v).map_err(collective)? } else { v };
     let v: Vec<f64> = v.to_vec1()?;
     Ok([v[0], v[1], v[2]])
 }
@@ -93,18 +145,17 @@ pub fn compute(
     opt: &Optimizer,
     micro: &[MicroBatch],
     group: &Arc<dyn Collective>,
-    opts: GatherOptions,
-    smoothing: f64,
+    loss_kind: StepLoss,
     seed: u64,
 ) -> Result<StepOutput> {
-    let scale = gradient_scale(opts, group.world_size());
+    let scale = loss_kind.gradient_scale(group.world_size());
     let ctx = |k: usize| Ctx::train(derive_seed(seed, &[k as u64]));
     if micro.len() == 1 {
         let m = &micro[0];
         let img = model.image_embeddings(&m.images, &ctx(0))?;
         let txt = model.text_embeddings(&m.ids, &m.mask)?;
-        let parts = distributed_loss(&img, &txt, &model.logit_scale()?, smoothing, group, opts)?;
-        let [loss, i2t, t2i] = global_values(&parts, group, opts)?;
+        let parts = loss_kind.loss(model, &img, &txt, group)?;
+        let [loss, i2t, t2i] = global_values(&parts, group, loss_kind)?;
         let grads = backward(model, opt, &parts.total)?;
         let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
         return Ok(StepOutput { loss, i2t, t2i, grads });
@@ -121,8 +172,8 @@ pub fn compute(
     // 2. The loss over the accumulated (and gathered) batch, differentiated to the embeddings.
     let img_all = Var::from_tensor(&Tensor::cat(&imgs, 0)?)?;
     let txt_all = Var::from_tensor(&Tensor::cat(&txts, 0)?)?;
-    let parts = distributed_loss(img_all.as_tensor(), txt_all.as_tensor(), &model.logit_scale()?, smoothing, group, opts)?;
-    let [loss, i2t, t2i] = global_values(&parts, group, opts)?;
+    let parts = loss_kind.loss(model, img_all.as_tensor(), txt_all.as_tensor(), group)?;
+    let [loss, i2t, t2i] = global_values(&parts, group, loss_kind)?;
     let loss_grads = crate::util::profile::timed("backward", || parts.total.backward())?;
     let mut grads = opt.gather(&loss_grads);
     let d_img = loss_grads.get(img_all.as_tensor()).cloned();
@@ -158,8 +209,20 @@ mod tests {
     use std::time::Duration;
 
     fn model_and_opt(seed: u64) -> (DualEncoder, Optimizer) {
+        model_for(seed, SOFTMAX)
+    }
+
+    const SOFTMAX: StepLoss = StepLoss::Softmax { opts: GatherOptions { gather_with_grad: true, local_loss: true }, smoothing: 0.1 };
+    const SIGMOID: StepLoss = StepLoss::Sigmoid { exchange: Exchange::Shift };
+
+    /// The tiny model, with a logit bias (SigLIP's −10) for the sigmoid loss.
+    fn model_for(seed: u64, loss: StepLoss) -> (DualEncoder, Optimizer) {
         let vm = candle_nn::VarMap::new();
-        let model = DualEncoder::new(&tiny_spec(), SeededVars::builder(&vm, seed, &Device::Cpu)).unwrap();
+        let mut spec = tiny_spec();
+        if let StepLoss::Sigmoid { .. } = loss {
+            spec.logit_bias = Some(-10.0);
+        }
+        let model = DualEncoder::new(&spec, SeededVars::builder(&vm, seed, &Device::Cpu)).unwrap();
         let vars = vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         (model, Optimizer::new(vars, OptimizerConfig::default()).unwrap())
     }
@@ -196,13 +259,48 @@ mod tests {
     #[test]
     fn accumulated_micro_batches_give_the_gradient_of_one_big_batch() {
         let single: Arc<dyn Collective> = Arc::new(SingleProcess);
-        let opts = GatherOptions::default();
         let parts: Vec<MicroBatch> = (0..3).map(|k| batch(4, 4 * k)).collect();
-        let (model, opt) = model_and_opt(1);
-        let big = compute(&model, &opt, &[concat(&parts)], &single, opts, 0.1, 9).unwrap();
-        let acc = compute(&model, &opt, &parts, &single, opts, 0.1, 9).unwrap();
-        assert!((big.loss - acc.loss).abs() < 1e-5 * big.loss, "{} vs {}", big.loss, acc.loss);
-        assert_grads_close(&acc.grads, &big.grads, "accumulation");
+        for loss in [SOFTMAX, SIGMOID] {
+            let (model, opt) = model_for(1, loss);
+            let big = compute(&model, &opt, &[concat(&parts)], &single, loss, 9).unwrap();
+            let acc = compute(&model, &opt, &parts, &single, loss, 9).unwrap();
+            assert!((big.loss - acc.loss).abs() < 1e-5 * big.loss, "{loss:?}: {} vs {}", big.loss, acc.loss);
+            assert!(acc.grads.0.iter().all(|g| g.is_some()), "{loss:?}: a parameter got no gradient");
+            assert_grads_close(&acc.grads, &big.grads, &format!("accumulation, {loss:?}"));
+        }
+    }
+
+    /// The sigmoid loss over ranks (the ring and the gathered form, GradCache accumulation on
+    /// each rank) gives the single-device loss and parameter gradients, the bias's included.
+    #[test]
+    fn sigmoid_loss_ranks_give_the_gradient_of_one_big_batch() {
+        for world in [2usize, 3] {
+            for exchange in [Exchange::Shift, Exchange::Gather] {
+                let loss = StepLoss::Sigmoid { exchange };
+                let single: Arc<dyn Collective> = Arc::new(SingleProcess);
+                let (model, opt) = model_for(1, loss);
+                let all: Vec<MicroBatch> = (0..world).map(|r| batch(4, 4 * r)).collect();
+                let want = compute(&model, &opt, &[concat(&all)], &single, loss, 9).unwrap();
+                let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
+                    .into_iter()
+                    .map(|g| {
+                        std::thread::spawn(move || {
+                            let r = g.rank();
+                            let group: Arc<dyn Collective> = Arc::new(g);
+                            let (model, opt) = model_for(1, loss);
+                            let micro = [batch(2, 4 * r), batch(2, 4 * r + 2)];
+                            let out = compute(&model, &opt, &micro, &group, loss, 9).unwrap();
+                            (out.loss, out.grads)
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    let (got, grads) = h.join().unwrap();
+                    assert!((got - want.loss).abs() < 1e-5 * want.loss, "W={world} {exchange:?}: {got} vs {}", want.loss);
+                    assert_grads_close(&grads, &want.grads, &format!("W={world} {exchange:?}"));
+                }
+            }
+        }
     }
 
     #[test]
@@ -213,7 +311,7 @@ mod tests {
                 let single: Arc<dyn Collective> = Arc::new(SingleProcess);
                 let (model, opt) = model_and_opt(1);
                 let all: Vec<MicroBatch> = (0..world).map(|r| batch(3, 3 * r)).collect();
-                let want = compute(&model, &opt, &[concat(&all)], &single, opts, 0.1, 9).unwrap();
+                let want = compute(&model, &opt, &[concat(&all)], &single, StepLoss::Softmax { opts, smoothing: 0.1 }, 9).unwrap();
                 let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
                     .into_iter()
                     .map(|g| {
@@ -221,7 +319,8 @@ mod tests {
                             let r = g.rank();
                             let group: Arc<dyn Collective> = Arc::new(g);
                             let (model, opt) = model_and_opt(1);
-                            let out = compute(&model, &opt, &[batch(3, 3 * r)], &group, opts, 0.1, 9).unwrap();
+                            let out =
+                                compute(&model, &opt, &[batch(3, 3 * r)], &group, StepLoss::Softmax { opts, smoothing: 0.1 }, 9).unwrap();
                             (out.loss, out.grads)
                         })
                     })
@@ -265,7 +364,7 @@ mod tests {
                 let model =
                     DualEncoder::new(&spec, SeededVars::builder(&vm, 5, &Device::Cpu)).unwrap().with_grad_checkpointing(checkpointing);
                 let opt = Optimizer::new(crate::model::batch_norm::trainable_vars(&vm), OptimizerConfig::default()).unwrap();
-                let out = compute(&model, &opt, micro, &single, opts, 0.1, 9).unwrap();
+                let out = compute(&model, &opt, micro, &single, StepLoss::Softmax { opts, smoothing: 0.1 }, 9).unwrap();
                 let data = vm.data().lock().unwrap();
                 let mut names: Vec<&String> = data.keys().filter(|k| crate::model::batch_norm::is_running_stat(k)).collect();
                 names.sort();

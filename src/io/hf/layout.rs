@@ -170,6 +170,7 @@ pub fn align_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
         text_pooling: TextPooling::Cls,
         temperature: TemperatureKind::Align,
         temperature_init: f64_of(c, "temperature_init_value", "config").unwrap_or(1.0),
+        logit_bias: None,
     })
 }
 
@@ -178,8 +179,12 @@ pub fn align_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     let ImageSpec::EfficientNet(vision) = &spec.image else {
         return Err("only EfficientNet image towers have a Hugging Face AlignModel layout".into());
     };
-    if spec.image_projection || spec.text_pooling != TextPooling::Cls || spec.temperature != TemperatureKind::Align {
-        return Err("AlignModel has no image projection, pools [CLS] and divides by a temperature: this model differs".into());
+    if spec.image_projection
+        || spec.text_pooling != TextPooling::Cls
+        || spec.temperature != TemperatureKind::Align
+        || spec.logit_bias.is_some()
+    {
+        return Err("AlignModel has no image projection or logit bias, pools [CLS] and divides by a temperature: this model differs".into());
     }
     Ok(json!({
         "architectures": ["AlignModel"],
@@ -208,6 +213,7 @@ mod tests {
             text_pooling: TextPooling::Cls,
             temperature: TemperatureKind::Align,
             temperature_init: 1.0,
+            logit_bias: None,
         };
         let j = align_spec_to_hf(&spec).unwrap();
         assert_eq!(j["vision_config"]["batch_norm_momentum"], 0.99);

@@ -17,7 +17,6 @@ use crate::config::{Config, Precision};
 use crate::data::loader::Batch;
 use crate::eval::suite::EvalResults;
 use crate::train::collective::Collective;
-use crate::train::gather::GatherOptions;
 use crate::train::schedule::lr_at;
 use crate::train::step::{self, MicroBatch};
 use crate::util::log;
@@ -113,15 +112,7 @@ fn one_step(
             &view
         }
     };
-    let out = step::compute(
-        compute_model,
-        &run.opt,
-        &micro_batches,
-        group,
-        GatherOptions { gather_with_grad: cfg.train.gather_with_grad, local_loss: cfg.train.local_loss },
-        cfg.loss.label_smoothing,
-        seed,
-    )?;
+    let out = step::compute(compute_model, &run.opt, &micro_batches, group, step::StepLoss::from_config(cfg), seed)?;
     drop(micro_batches);
     if !out.loss.is_finite() {
         let keep = end.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());

@@ -1,0 +1,291 @@
+//! SigLIP's sigmoid loss (Zhai et al. 2023): every image-text pair is its own binary problem,
+//! `−log σ(z · (t·x·y + b))` with z = +1 for a matching pair and −1 otherwise, summed over all
+//! pairs of the global batch and divided by its size. t = exp(s) and b are learned.
+//!
+//! Across ranks the loss is computed without the global batch's logits or texts on any rank.
+//! With `exchange = "shift"` (open_clip's name), each rank keeps its images, and the text blocks
+//! travel around the ring: at step k rank r scores its images against rank r−k's texts, an
+//! `n × n` logits block, with positives only at k = 0. The gradient of each text block is carried
+//! along with it and arrives back at its owner after the last step, so neither the forward nor the
+//! backward pass holds more than one foreign block. `exchange = "gather"` all-gathers the texts
+//! instead (`n × N` logits); it is kept as the reference the ring is tested against.
+//!
+//! The loss and its gradients are computed together, in one pass around the ring, outside
+//! candle's graph; a surrogate whose gradient is exactly those gradients joins them to the graph
+//! (as the GradCache step does). Rank r's value is the loss of its own images; their mean over
+//! ranks is the global loss, and the trainer's gradient all-reduce (scaled by 1/world, as for the
+//! local softmax loss) gives the single-device gradient.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Result, Tensor};
+
+use super::collective::Collective;
+use super::loss::LossParts;
+pub use crate::config::Exchange;
+
+fn collective(e: super::collective::CollectiveError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// The loss terms of one block: `x` (`n × d`) against `y` (`m × d`), positives at `(i, offset + i)`
+/// when `diagonal` is Some(offset). Returns the summed loss, dL/dlogits (already divided by the
+/// local batch `n_local`) and the dot products.
+fn block(x: &Tensor, y: &Tensor, t: f64, b: f64, diagonal: Option<usize>, n_local: usize) -> Result<(f64, Tensor, Tensor)> {
+    let dots = x.matmul(&y.t()?)?;
+    let (n, m) = dots.dims2()?;
+    let logits = dots.affine(t, b)?;
+    // z = −1 everywhere but the matching pairs.
+    let mut z = vec![-1.0f64; n * m];
+    if let Some(offset) = diagonal {
+        for i in 0..n {
+            z[i * m + offset + i] = 1.0;
+        }
+    }
+    let z = Tensor::from_vec(z, (n, m), x.device())?.to_dtype(x.dtype())?;
+    // ℓ = softplus(−z·logit) = max(u, 0) + log(1 + exp(−|u|)) with u = −z·logit, stable for any u.
+    let u = (&z * &logits)?.neg()?;
+    let softplus = (u.relu()? + (u.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
+    let loss = softplus.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    // dℓ/dlogit = −z·σ(u).
+    let g = ((z.neg()? * candle_nn::ops::sigmoid(&u)?)? / n_local as f64)?;
+    Ok((loss, g, dots))
+}
+
+/// The sigmoid loss of this rank's pairs. `img`, `txt`: this rank's L2-normalised embeddings
+/// (`n × d`, equal `n` on every rank); `logit_scale`: t (0-d), `logit_bias`: b (0-d), both joined
+/// to their parameters in the graph. Computed in f32 (f64 when the embeddings are f64).
+pub fn sigmoid_loss(
+    img: &Tensor,
+    txt: &Tensor,
+    logit_scale: &Tensor,
+    logit_bias: &Tensor,
+    group: &Arc<dyn Collective>,
+    exchange: Exchange,
+) -> Result<LossParts> {
+    let _profile = crate::util::profile::region("loss");
+    let dtype = if img.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    let x = img.detach().to_dtype(dtype)?;
+    let own = txt.detach().to_dtype(dtype)?;
+    let t = logit_scale.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let b = logit_bias.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let (n, world, rank) = (x.dim(0)?, group.world_size(), group.rank());
+    let mut loss = 0.0;
+    let (mut d_t, mut d_b) = (0.0, 0.0);
+    let mut d_x = x.zeros_like()?;
+    let d_y = match exchange {
+        Exchange::Shift => {
+            let mut y = own.clone();
+            let mut d_y = own.zeros_like()?;
+            for k in 0..world {
+                if k > 0 {
+                    // The block and the gradient gathered for it so far travel together.
+                    y = group.shift(&y).map_err(collective)?;
+                    d_y = group.shift(&d_y).map_err(collective)?;
+                }
+                let (l, g, dots) = block(&x, &y, t, b, (k == 0).then_some(0), n)?;
+                loss += l;
+                d_t += (&g * &dots)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                d_b += g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                d_x = (d_x + (g.matmul(&y)? * t)?)?;
+                d_y = (d_y + (g.t()?.matmul(&x)? * t)?)?;
+            }
+            // After world − 1 steps rank r holds rank r+1's block: one more step takes each
+            // block's gradient home.
+            if world > 1 {
+                d_y = group.shift(&d_y).map_err(collective)?;
+            }
+            d_y
+        }
+        Exchange::Gather => {
+            let all = group.all_gather(&own).map_err(collective)?;
+            let (l, g, dots) = block(&x, &all, t, b, Some(rank * n), n)?;
+            loss += l;
+            d_t += (&g * &dots)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+            d_b += g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+            d_x = (g.matmul(&all)? * t)?;
+            // Every rank's gradient for every text, summed, then this rank's rows.
+            let d_all = group.all_reduce_sum(&(g.t()?.matmul(&x)? * t)?).map_err(collective)?;
+            d_all.narrow(0, rank * n, n)?
+        }
+    };
+    let value = Tensor::new(loss / n as f64, img.device())?.to_dtype(dtype)?;
+    // Σ ⟨param, its gradient⟩: differentiating it yields exactly the gradients computed above.
+    let surrogate = ((img.to_dtype(dtype)? * d_x.to_device(img.device())?)?.sum_all()?
+        + (txt.to_dtype(dtype)? * d_y.to_device(txt.device())?)?.sum_all()?)?;
+    let surrogate = (surrogate + (logit_scale.to_dtype(dtype)? * d_t)?)?;
+    let surrogate = (surrogate + (logit_bias.to_dtype(dtype)? * d_b)?)?;
+    let total = ((&surrogate - surrogate.detach())? + value)?;
+    // The loss has no direction: both halves of the report are the loss itself.
+    Ok(LossParts { i2t: total.detach(), t2i: total.detach(), total })
+}
+
+/// Bytes of the f32 logits one rank holds at once for a global batch: one `n × n` block with the
+/// ring, `n × N` with the texts gathered (the loss keeps about four such matrices alive: logits,
+/// signs, loss terms and their gradient).
+pub fn logits_bytes(global_batch: usize, world: usize, exchange: Exchange) -> usize {
+    let n = global_batch / world;
+    match exchange {
+        Exchange::Shift => n * n * 4,
+        Exchange::Gather => n * global_batch * 4,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::collective::{SingleProcess, ThreadGroup};
+    use candle_core::{Device, Var};
+    use std::time::Duration;
+
+    /// Plain f64: the loss of all pairs divided by the batch, from the definition.
+    fn reference(img: &[Vec<f64>], txt: &[Vec<f64>], t: f64, b: f64) -> f64 {
+        let mut total = 0.0;
+        for (i, x) in img.iter().enumerate() {
+            for (j, y) in txt.iter().enumerate() {
+                let z = if i == j { 1.0 } else { -1.0 };
+                let logit = t * x.iter().zip(y).map(|(p, q)| p * q).sum::<f64>() + b;
+                total += -(1.0 / (1.0 + (-z * logit).exp())).ln();
+            }
+        }
+        total / img.len() as f64
+    }
+
+    fn normalised(rows: usize, dim: usize, seed: u64) -> Vec<Vec<f64>> {
+        let mut rng = crate::util::rng::Rng::new(seed);
+        (0..rows)
+            .map(|_| {
+                let v: Vec<f64> = (0..dim).map(|_| rng.normal()).collect();
+                let n = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+                v.into_iter().map(|x| x / n).collect()
+            })
+            .collect()
+    }
+
+    struct Inputs {
+        img: Var,
+        txt: Var,
+        s: Var,
+        b: Var,
+    }
+
+    fn inputs(img: &[Vec<f64>], txt: &[Vec<f64>], s: f64, b: f64) -> Inputs {
+        let dev = Device::Cpu;
+        Inputs {
+            img: Var::new(img.to_vec(), &dev).unwrap(),
+            txt: Var::new(txt.to_vec(), &dev).unwrap(),
+            s: Var::new(s, &dev).unwrap(),
+            b: Var::new(b, &dev).unwrap(),
+        }
+    }
+
+    /// Loss and gradients of (img, txt, s, b) on one rank.
+    fn single(v: &Inputs) -> (f64, Vec<Vec<f64>>, Vec<Vec<f64>>, f64, f64) {
+        let group: Arc<dyn Collective> = Arc::new(SingleProcess);
+        let scale = v.s.as_tensor().exp().unwrap();
+        let parts = sigmoid_loss(v.img.as_tensor(), v.txt.as_tensor(), &scale, v.b.as_tensor(), &group, Exchange::Shift).unwrap();
+        let g = parts.total.backward().unwrap();
+        let get2 = |x: &Var| g.get(x.as_tensor()).unwrap().to_vec2::<f64>().unwrap();
+        let get0 = |x: &Var| g.get(x.as_tensor()).unwrap().to_scalar::<f64>().unwrap();
+        (parts.total.to_scalar::<f64>().unwrap(), get2(&v.img), get2(&v.txt), get0(&v.s), get0(&v.b))
+    }
+
+    #[test]
+    fn two_pairs_by_hand() {
+        // Orthogonal unit embeddings, t = 1, b = 0: the matching logits are 1, the others 0.
+        // Loss = [2·(−log σ(1)) + 2·(−log σ(0))] / 2 = log(1 + e⁻¹) + log 2.
+        let e = vec![vec![1.0, 0.0], vec![0.0, 1.0]];
+        let (loss, ..) = single(&inputs(&e, &e, 0.0, 0.0));
+        let want = (1.0 + (-1f64).exp()).ln() + 2f64.ln();
+        assert!((loss - want).abs() < 1e-12, "{loss} vs {want}");
+        // With SigLIP's initial t = 10, b = −10 the 2 positives cost −log σ(0) = log 2 each and the
+        // negatives −log σ(10) each.
+        let (loss, ..) = single(&inputs(&e, &e, 10f64.ln(), -10.0));
+        let want = (2.0 * 2f64.ln() + 2.0 * (1.0 + (-10f64).exp()).ln()) / 2.0;
+        assert!((loss - want).abs() < 1e-12, "{loss} vs {want}");
+    }
+
+    #[test]
+    fn loss_and_gradients_match_the_definition_and_finite_differences() {
+        let (img, txt) = (normalised(5, 4, 1), normalised(5, 4, 2));
+        let (s, b) = (2.0f64.ln() + 1.0, -1.5);
+        let (loss, gi, gt, gs, gb) = single(&inputs(&img, &txt, s, b));
+        assert!((loss - reference(&img, &txt, s.exp(), b)).abs() < 1e-12);
+        let h = 1e-6;
+        let fd = |f: &dyn Fn(f64) -> f64| (f(h) - f(-h)) / (2.0 * h);
+        for (r, c) in [(0, 0), (2, 3), (4, 1)] {
+            let bump = |m: &[Vec<f64>], d: f64| {
+                let mut m = m.to_vec();
+                m[r][c] += d;
+                m
+            };
+            let want_i = fd(&|d| reference(&bump(&img, d), &txt, s.exp(), b));
+            let want_t = fd(&|d| reference(&img, &bump(&txt, d), s.exp(), b));
+            assert!((gi[r][c] - want_i).abs() < 1e-7, "image ({r},{c}): {} vs {want_i}", gi[r][c]);
+            assert!((gt[r][c] - want_t).abs() < 1e-7, "text ({r},{c}): {} vs {want_t}", gt[r][c]);
+        }
+        let want_s = fd(&|d| reference(&img, &txt, (s + d).exp(), b));
+        let want_b = fd(&|d| reference(&img, &txt, s.exp(), b + d));
+        assert!((gs - want_s).abs() < 1e-7, "log scale: {gs} vs {want_s}");
+        assert!((gb - want_b).abs() < 1e-7, "bias: {gb} vs {want_b}");
+    }
+
+    /// 2, 3 and 4 ranks, each exchange: the mean of the ranks' losses is the single-device loss of
+    /// the whole batch, and the ranks' summed gradients scaled by 1/world its gradients.
+    #[test]
+    fn ranks_give_the_single_device_loss_and_gradients() {
+        let b = 3;
+        for world in [2usize, 3, 4] {
+            let (img, txt) = (normalised(world * b, 6, 10 + world as u64), normalised(world * b, 6, 20 + world as u64));
+            let (want, want_gi, want_gt, want_gs, want_gb) = single(&inputs(&img, &txt, 1.7, -3.0));
+            for exchange in [Exchange::Shift, Exchange::Gather] {
+                let groups = ThreadGroup::new(world, Duration::from_secs(20));
+                let handles: Vec<_> = groups
+                    .into_iter()
+                    .map(|grp| {
+                        let (img, txt) = (img.clone(), txt.clone());
+                        std::thread::spawn(move || {
+                            let r = grp.rank();
+                            let group: Arc<dyn Collective> = Arc::new(grp);
+                            let v = inputs(&img[r * b..(r + 1) * b], &txt[r * b..(r + 1) * b], 1.7, -3.0);
+                            let scale = v.s.as_tensor().exp().unwrap();
+                            let parts =
+                                sigmoid_loss(v.img.as_tensor(), v.txt.as_tensor(), &scale, v.b.as_tensor(), &group, exchange).unwrap();
+                            let loss = group.all_reduce_mean(&parts.total).unwrap().to_scalar::<f64>().unwrap();
+                            let g = parts.total.backward().unwrap();
+                            let f = 1.0 / world as f64;
+                            let rows = |x: &Var| {
+                                group.all_gather(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_vec2::<f64>().unwrap()
+                            };
+                            let sum = |x: &Var| {
+                                group.all_reduce_sum(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_scalar::<f64>().unwrap()
+                            };
+                            (loss, rows(&v.img), rows(&v.txt), sum(&v.s), sum(&v.b))
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    let (loss, gi, gt, gs, gb) = h.join().unwrap();
+                    let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1.0);
+                    assert!(close(loss, want), "W={world} {exchange:?}: loss {loss} vs {want}");
+                    assert!(close(gs, want_gs) && close(gb, want_gb), "W={world} {exchange:?}: {gs} {gb} vs {want_gs} {want_gb}");
+                    for (got, want) in [(gi, &want_gi), (gt, &want_gt)] {
+                        for (x, y) in got.iter().flatten().zip(want.iter().flatten()) {
+                            assert!(close(*x, *y), "W={world} {exchange:?}: gradient {x} vs {y}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn logits_memory_at_a_global_batch_of_32k() {
+        // 32,768 pairs over 8 ranks: one 4096² block (64 MiB) against 4096 × 32,768 (512 MiB).
+        assert_eq!(logits_bytes(32768, 8, Exchange::Shift), 64 << 20);
+        assert_eq!(logits_bytes(32768, 8, Exchange::Gather), 512 << 20);
+        // Over 256 ranks the ring's block shrinks with the local batch; gathering does not.
+        assert_eq!(logits_bytes(32768, 256, Exchange::Shift), 64 << 10);
+        assert_eq!(logits_bytes(32768, 256, Exchange::Gather), 16 << 20);
+    }
+}
