@@ -194,12 +194,12 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
         "checkpoints = [{run:?}, {step2:?}]\nrecall_k = [1, 5, 10]\n\
          [[dataset]]\nname = \"synth-classes\"\ntask = \"zeroshot_classification\"\ndata = {test:?}\nclasses = {classes:?}\ntemplates = {templates:?}\n\
          [[dataset]]\nname = \"synth-captions\"\ntask = \"zeroshot_retrieval\"\ndata = {test:?}\n\
-         [[dataset]]\nname = \"synth-probe\"\ntask = \"linear_probe\"\ntrain = {test:?}\ntest = {test:?}\nepochs = 3\nbatch = 64\n",
+         [[dataset]]\nname = \"synth-probe\"\ntask = \"linear_probe\"\ntrain = {test:?}\ntest = {test:?}\nepochs = 3\n",
         test = data.test,
         classes = data.classes,
         templates = data.templates,
     );
-    std::fs::write(&suite, toml.replace("batch = 64\n", "")).unwrap();
+    std::fs::write(&suite, toml).unwrap();
     let results = dir.path().join("suite-results");
     let (ok, out, err) =
         align(&["eval", "suite", "--config", suite.to_str().unwrap(), "--json", "--output-dir", results.to_str().unwrap()]);

@@ -78,6 +78,7 @@ fn a_near_miss_of_the_pipeline_falls_below_the_threshold() {
     ];
     for (what, cfg) in misses {
         let worst = cosines(&m, &cfg).into_iter().map(|(_, c)| c).fold(1.0, f64::min);
+        println!("{what}: worst cosine {worst:.4}");
         assert!(worst < 0.999, "{what}: every cosine stays >= 0.999 (worst {worst}), so the parity test could not see it");
     }
 }

@@ -189,12 +189,14 @@ impl Dataset {
         Ok(())
     }
 
-    fn probe_config(&self, batch: usize) -> ProbeConfig {
+    /// The probe's settings: CLIP_benchmark's defaults (its batch of 64 included, as
+    /// `align eval linear-probe` has them) where the dataset sets none.
+    fn probe_config(&self) -> ProbeConfig {
         let d = ProbeConfig::default();
         ProbeConfig {
             epochs: self.epochs.unwrap_or(d.epochs),
             lr: self.lr.unwrap_or(d.lr),
-            batch,
+            batch: d.batch,
             val_proportion: self.val_proportion.unwrap_or(d.val_proportion),
             seed: self.seed.unwrap_or(d.seed),
         }
@@ -220,7 +222,7 @@ impl Dataset {
                     eval::labelled_source(&self.test, &self.test_imagenet, "test")?,
                 );
                 let what = format!("{} → {}", self.train.clone().unwrap_or_default(), self.test.clone().unwrap_or_default());
-                eval::evaluate_linear_probe(m, sources, &what, &self.probe_config(suite.batch.min(256)), device, true)?
+                eval::evaluate_linear_probe(m, sources, &what, &self.probe_config(), device, true)?
             }
         };
         done.record.dataset = Some(self.name.clone());

@@ -152,13 +152,14 @@ pub fn logits_bytes(global_batch: usize, world: usize, local_loss: bool) -> usiz
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::train::collective::ThreadGroup;
     use candle_core::{Device, Var};
     use std::time::Duration;
 
-    fn normalised(rows: usize, dim: usize, seed: u64) -> Vec<Vec<f64>> {
+    /// `rows` random unit vectors of `dim`, from `seed`.
+    pub(crate) fn normalised(rows: usize, dim: usize, seed: u64) -> Vec<Vec<f64>> {
         let mut rng = crate::util::rng::Rng::new(seed);
         (0..rows)
             .map(|_| {

@@ -28,28 +28,36 @@ fn collective(e: super::collective::CollectiveError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
-/// The loss terms of one block: `x` (`n × d`) against `y` (`m × d`), positives at `(i, offset + i)`
-/// when `diagonal` is Some(offset). Returns the summed loss, dL/dlogits (already divided by the
-/// local batch `n_local`) and the dot products.
-fn block(x: &Tensor, y: &Tensor, t: f64, b: f64, diagonal: Option<usize>, n_local: usize) -> Result<(f64, Tensor, Tensor)> {
+/// z for an `n × m` block: −1 everywhere but +1 at `(i, offset + i)` when `diagonal` is
+/// Some(offset). Built on the block's device (a host matrix would cross the bus every step).
+fn signs(n: usize, m: usize, diagonal: Option<usize>, like: &Tensor) -> Result<Tensor> {
+    let Some(offset) = diagonal else { return Tensor::full(-1.0, (n, m), like.device())?.to_dtype(like.dtype()) };
+    let mut parts = Vec::with_capacity(3);
+    if offset > 0 {
+        parts.push(Tensor::zeros((n, offset), like.dtype(), like.device())?);
+    }
+    parts.push(Tensor::eye(n, like.dtype(), like.device())?);
+    if offset + n < m {
+        parts.push(Tensor::zeros((n, m - offset - n), like.dtype(), like.device())?);
+    }
+    Tensor::cat(&parts, 1)?.affine(2.0, -1.0)
+}
+
+/// The terms of one block, `x` (`n × d`) against `y` (`m × d`), positives as [`signs`] places
+/// them, all 0-d or matrices on the device: the summed loss, dL/dlogits (divided by the local
+/// batch `n_local`), and the block's parts of dL/dt and dL/db.
+fn block(x: &Tensor, y: &Tensor, t: f64, b: f64, diagonal: Option<usize>, n_local: usize) -> Result<[Tensor; 4]> {
     let dots = x.matmul(&y.t()?)?;
     let (n, m) = dots.dims2()?;
-    let logits = dots.affine(t, b)?;
-    // z = −1 everywhere but the matching pairs.
-    let mut z = vec![-1.0f64; n * m];
-    if let Some(offset) = diagonal {
-        for i in 0..n {
-            z[i * m + offset + i] = 1.0;
-        }
-    }
-    let z = Tensor::from_vec(z, (n, m), x.device())?.to_dtype(x.dtype())?;
-    // ℓ = softplus(−z·logit) = max(u, 0) + log(1 + exp(−|u|)) with u = −z·logit, stable for any u.
-    let u = (&z * &logits)?.neg()?;
-    let softplus = (u.relu()? + (u.abs()?.neg()?.exp()? + 1.0)?.log()?)?;
-    let loss = softplus.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    let z = signs(n, m, diagonal, &dots)?;
+    // ℓ = softplus(u) = max(u, 0) + log(1 + exp(−|u|)) with u = −z·logit, stable for any u.
+    let u = (&z * dots.affine(t, b)?)?.neg()?;
+    let loss = (u.relu()? + (u.abs()?.neg()?.exp()? + 1.0)?.log()?)?.to_dtype(DType::F64)?.sum_all()?;
     // dℓ/dlogit = −z·σ(u).
     let g = ((z.neg()? * candle_nn::ops::sigmoid(&u)?)? / n_local as f64)?;
-    Ok((loss, g, dots))
+    let d_t = (&g * &dots)?.to_dtype(DType::F64)?.sum_all()?;
+    let d_b = g.to_dtype(DType::F64)?.sum_all()?;
+    Ok([loss, g, d_t, d_b])
 }
 
 /// The sigmoid loss of this rank's pairs. `img`, `txt`: this rank's L2-normalised embeddings
@@ -69,52 +77,49 @@ pub fn sigmoid_loss(
     let own = txt.detach().to_dtype(dtype)?;
     let t = logit_scale.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let b = logit_bias.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let (n, world, rank) = (x.dim(0)?, group.world_size(), group.rank());
-    let mut loss = 0.0;
-    let (mut d_t, mut d_b) = (0.0, 0.0);
-    let mut d_x = x.zeros_like()?;
-    let d_y = match exchange {
+    let (n, d, world, rank) = (x.dim(0)?, x.dim(1)?, group.world_size(), group.rank());
+    let zero = Tensor::zeros((), DType::F64, x.device())?;
+    let (mut loss, mut d_t, mut d_b) = (zero.clone(), zero.clone(), zero);
+    let mut add = |[l, g, dt, db]: [Tensor; 4]| -> Result<Tensor> {
+        loss = (&loss + l)?;
+        d_t = (&d_t + dt)?;
+        d_b = (&d_b + db)?;
+        Ok(g)
+    };
+    let (d_x, d_y) = match exchange {
         Exchange::Shift => {
-            let mut y = own.clone();
-            let mut d_y = own.zeros_like()?;
+            // The block and the gradient gathered for it so far travel together, side by side.
+            let mut travelling = Tensor::cat(&[&own, &own.zeros_like()?], 1)?;
+            let mut d_x = x.zeros_like()?;
             for k in 0..world {
                 if k > 0 {
-                    // The block and the gradient gathered for it so far travel together.
-                    y = group.shift(&y).map_err(collective)?;
-                    d_y = group.shift(&d_y).map_err(collective)?;
+                    travelling = group.shift(&travelling).map_err(collective)?;
                 }
-                let (l, g, dots) = block(&x, &y, t, b, (k == 0).then_some(0), n)?;
-                loss += l;
-                d_t += (&g * &dots)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-                d_b += g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+                let y = travelling.narrow(1, 0, d)?;
+                let g = add(block(&x, &y, t, b, (k == 0).then_some(0), n)?)?;
                 d_x = (d_x + (g.matmul(&y)? * t)?)?;
-                d_y = (d_y + (g.t()?.matmul(&x)? * t)?)?;
+                let d_y = (travelling.narrow(1, d, d)? + (g.t()?.matmul(&x)? * t)?)?;
+                travelling = Tensor::cat(&[&y, &d_y], 1)?;
             }
             // After world − 1 steps rank r holds rank r+1's block: one more step takes each
             // block's gradient home.
-            if world > 1 {
-                d_y = group.shift(&d_y).map_err(collective)?;
-            }
-            d_y
+            let d_y = travelling.narrow(1, d, d)?;
+            let d_y = if world > 1 { group.shift(&d_y.contiguous()?).map_err(collective)? } else { d_y };
+            (d_x, d_y)
         }
         Exchange::Gather => {
             let all = group.all_gather(&own).map_err(collective)?;
-            let (l, g, dots) = block(&x, &all, t, b, Some(rank * n), n)?;
-            loss += l;
-            d_t += (&g * &dots)?.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-            d_b += g.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
-            d_x = (g.matmul(&all)? * t)?;
+            let g = add(block(&x, &all, t, b, Some(rank * n), n)?)?;
             // Every rank's gradient for every text, summed, then this rank's rows.
             let d_all = group.all_reduce_sum(&(g.t()?.matmul(&x)? * t)?).map_err(collective)?;
-            d_all.narrow(0, rank * n, n)?
+            ((g.matmul(&all)? * t)?, d_all.narrow(0, rank * n, n)?)
         }
     };
-    let value = Tensor::new(loss / n as f64, img.device())?.to_dtype(dtype)?;
+    let value = (loss / n as f64)?.to_dtype(dtype)?;
     // Σ ⟨param, its gradient⟩: differentiating it yields exactly the gradients computed above.
-    let surrogate = ((img.to_dtype(dtype)? * d_x.to_device(img.device())?)?.sum_all()?
-        + (txt.to_dtype(dtype)? * d_y.to_device(txt.device())?)?.sum_all()?)?;
-    let surrogate = (surrogate + (logit_scale.to_dtype(dtype)? * d_t)?)?;
-    let surrogate = (surrogate + (logit_bias.to_dtype(dtype)? * d_b)?)?;
+    let surrogate = ((img.to_dtype(dtype)? * d_x)?.sum_all()? + (txt.to_dtype(dtype)? * d_y)?.sum_all()?)?;
+    let surrogate = (surrogate + logit_scale.to_dtype(dtype)?.mul(&d_t.to_dtype(dtype)?)?)?;
+    let surrogate = (surrogate + logit_bias.to_dtype(dtype)?.mul(&d_b.to_dtype(dtype)?)?)?;
     let total = ((&surrogate - surrogate.detach())? + value)?;
     // The loss has no direction: both halves of the report are the loss itself.
     Ok(LossParts { i2t: total.detach(), t2i: total.detach(), total })
@@ -135,6 +140,7 @@ pub fn logits_bytes(global_batch: usize, world: usize, exchange: Exchange) -> us
 mod tests {
     use super::*;
     use crate::train::collective::{SingleProcess, ThreadGroup};
+    use crate::train::gather::tests::normalised;
     use candle_core::{Device, Var};
     use std::time::Duration;
 
@@ -149,17 +155,6 @@ mod tests {
             }
         }
         total / img.len() as f64
-    }
-
-    fn normalised(rows: usize, dim: usize, seed: u64) -> Vec<Vec<f64>> {
-        let mut rng = crate::util::rng::Rng::new(seed);
-        (0..rows)
-            .map(|_| {
-                let v: Vec<f64> = (0..dim).map(|_| rng.normal()).collect();
-                let n = v.iter().map(|x| x * x).sum::<f64>().sqrt();
-                v.into_iter().map(|x| x / n).collect()
-            })
-            .collect()
     }
 
     struct Inputs {

@@ -208,10 +208,6 @@ mod tests {
     use candle_core::Device;
     use std::time::Duration;
 
-    fn model_and_opt(seed: u64) -> (DualEncoder, Optimizer) {
-        model_for(seed, SOFTMAX)
-    }
-
     const SOFTMAX: StepLoss = StepLoss::Softmax { opts: GatherOptions { gather_with_grad: true, local_loss: true }, smoothing: 0.1 };
     const SIGMOID: StepLoss = StepLoss::Sigmoid { exchange: Exchange::Shift };
 
@@ -270,35 +266,41 @@ mod tests {
         }
     }
 
+    /// `world` thread ranks, each computing `loss` over its `per_rank` samples in `split`
+    /// micro-batches, give the loss and parameter gradients of one device holding all of them.
+    fn assert_ranks_match_one_big_batch(world: usize, loss: StepLoss, per_rank: usize, split: usize) {
+        let single: Arc<dyn Collective> = Arc::new(SingleProcess);
+        let (model, opt) = model_for(1, loss);
+        let all: Vec<MicroBatch> = (0..world).map(|r| batch(per_rank, per_rank * r)).collect();
+        let want = compute(&model, &opt, &[concat(&all)], &single, loss, 9).unwrap();
+        let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
+            .into_iter()
+            .map(|g| {
+                std::thread::spawn(move || {
+                    let r = g.rank();
+                    let group: Arc<dyn Collective> = Arc::new(g);
+                    let (model, opt) = model_for(1, loss);
+                    let n = per_rank / split;
+                    let micro: Vec<MicroBatch> = (0..split).map(|k| batch(n, per_rank * r + n * k)).collect();
+                    let out = compute(&model, &opt, &micro, &group, loss, 9).unwrap();
+                    (out.loss, out.grads)
+                })
+            })
+            .collect();
+        for h in handles {
+            let (got, grads) = h.join().unwrap();
+            assert!((got - want.loss).abs() < 1e-5 * want.loss, "W={world} {loss:?}: {got} vs {}", want.loss);
+            assert_grads_close(&grads, &want.grads, &format!("W={world} {loss:?}"));
+        }
+    }
+
     /// The sigmoid loss over ranks (the ring and the gathered form, GradCache accumulation on
     /// each rank) gives the single-device loss and parameter gradients, the bias's included.
     #[test]
     fn sigmoid_loss_ranks_give_the_gradient_of_one_big_batch() {
         for world in [2usize, 3] {
             for exchange in [Exchange::Shift, Exchange::Gather] {
-                let loss = StepLoss::Sigmoid { exchange };
-                let single: Arc<dyn Collective> = Arc::new(SingleProcess);
-                let (model, opt) = model_for(1, loss);
-                let all: Vec<MicroBatch> = (0..world).map(|r| batch(4, 4 * r)).collect();
-                let want = compute(&model, &opt, &[concat(&all)], &single, loss, 9).unwrap();
-                let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
-                    .into_iter()
-                    .map(|g| {
-                        std::thread::spawn(move || {
-                            let r = g.rank();
-                            let group: Arc<dyn Collective> = Arc::new(g);
-                            let (model, opt) = model_for(1, loss);
-                            let micro = [batch(2, 4 * r), batch(2, 4 * r + 2)];
-                            let out = compute(&model, &opt, &micro, &group, loss, 9).unwrap();
-                            (out.loss, out.grads)
-                        })
-                    })
-                    .collect();
-                for h in handles {
-                    let (got, grads) = h.join().unwrap();
-                    assert!((got - want.loss).abs() < 1e-5 * want.loss, "W={world} {exchange:?}: {got} vs {}", want.loss);
-                    assert_grads_close(&grads, &want.grads, &format!("W={world} {exchange:?}"));
-                }
+                assert_ranks_match_one_big_batch(world, StepLoss::Sigmoid { exchange }, 4, 2);
             }
         }
     }
@@ -308,28 +310,7 @@ mod tests {
         for world in [2usize, 3, 4] {
             for local_loss in [true, false] {
                 let opts = GatherOptions { gather_with_grad: true, local_loss };
-                let single: Arc<dyn Collective> = Arc::new(SingleProcess);
-                let (model, opt) = model_and_opt(1);
-                let all: Vec<MicroBatch> = (0..world).map(|r| batch(3, 3 * r)).collect();
-                let want = compute(&model, &opt, &[concat(&all)], &single, StepLoss::Softmax { opts, smoothing: 0.1 }, 9).unwrap();
-                let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
-                    .into_iter()
-                    .map(|g| {
-                        std::thread::spawn(move || {
-                            let r = g.rank();
-                            let group: Arc<dyn Collective> = Arc::new(g);
-                            let (model, opt) = model_and_opt(1);
-                            let out =
-                                compute(&model, &opt, &[batch(3, 3 * r)], &group, StepLoss::Softmax { opts, smoothing: 0.1 }, 9).unwrap();
-                            (out.loss, out.grads)
-                        })
-                    })
-                    .collect();
-                for h in handles {
-                    let (loss, grads) = h.join().unwrap();
-                    assert!((loss - want.loss).abs() < 1e-5 * want.loss, "W={world} local={local_loss}: {loss} vs {}", want.loss);
-                    assert_grads_close(&grads, &want.grads, &format!("W={world} local={local_loss}"));
-                }
+                assert_ranks_match_one_big_batch(world, StepLoss::Softmax { opts, smoothing: 0.1 }, 3, 1);
             }
         }
     }
