@@ -261,6 +261,20 @@ pub struct TrainConfig {
     /// Compute threads (rayon's pool, which candle's CPU kernels share); 0 = one per core. Lower
     /// it to give the loader whole cores of its own.
     pub compute_threads: usize,
+    /// The last N steps train without patch dropout (FLIP's unmasked tuning); 0 = none.
+    pub unmasked_tuning_steps: u64,
+    /// Decay of an exponential moving average of the weights, kept in f32 beside them and saved
+    /// with each checkpoint (`ema.safetensors`); 0 = none. timm's `--model-ema-decay`.
+    pub ema_decay: f64,
+    /// Ramp the decay up from 0 as timm's `ModelEmaV3` does: `1 − (1 + n/γ)^−p` after n updates,
+    /// capped at `ema_decay`, so early weights do not linger.
+    pub ema_warmup: bool,
+    /// γ of the warm-up.
+    pub ema_warmup_gamma: f64,
+    /// p of the warm-up (2/3 for runs of a million steps or more, 3/4 for shorter ones).
+    pub ema_warmup_power: f64,
+    /// The periodic evaluation also evaluates the average (logged as `ema`).
+    pub ema_eval: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -299,6 +313,12 @@ impl Default for TrainConfig {
             precision: Precision::F32,
             grad_checkpointing: false,
             compute_threads: 0,
+            unmasked_tuning_steps: 0,
+            ema_decay: 0.0,
+            ema_warmup: true,
+            ema_warmup_gamma: 1.0,
+            ema_warmup_power: 2.0 / 3.0,
+            ema_eval: false,
         }
     }
 }
@@ -447,6 +467,20 @@ impl Config {
         }
         if self.eval.batch_size == 0 {
             bail!("eval.batch_size must be positive");
+        }
+        if !(0.0..1.0).contains(&t.ema_decay) {
+            bail!("train.ema_decay must be in [0, 1) (0 = no average), got {}", t.ema_decay);
+        }
+        if t.ema_warmup
+            && (t.ema_warmup_gamma <= 0.0 || t.ema_warmup_power <= 0.0 || t.ema_warmup_gamma.is_nan() || t.ema_warmup_power.is_nan())
+        {
+            bail!("train.ema_warmup_gamma and train.ema_warmup_power must be positive");
+        }
+        if t.ema_eval && t.ema_decay == 0.0 {
+            bail!("train.ema_eval evaluates the weight average, but train.ema_decay is 0 (no average)");
+        }
+        if t.unmasked_tuning_steps > t.steps {
+            bail!("train.unmasked_tuning_steps {} exceeds train.steps {}", t.unmasked_tuning_steps, t.steps);
         }
         self.data.image.validate().map_err(|e| anyhow::anyhow!("data.image: {e}"))?;
         self.optimizer.validate().map_err(|e| anyhow::anyhow!("optimizer: {e}"))?;

@@ -127,6 +127,8 @@ enum BenchCommand {
     Loader(cli::bench::LoaderArgs),
     /// Training-step time (forward, backward, optimiser) and peak memory of a model.
     Model(cli::bench::ModelArgs),
+    /// The sigmoid loss over thread ranks, ring or gathered: time and peak memory.
+    Loss(cli::bench::LossArgs),
     /// EfficientNet's depthwise layers: our op against candle's grouped convolution.
     Depthwise(cli::bench::DepthwiseArgs),
     /// Every per-op kernel on the device (f32) against the CPU's f64 op, forward and backward,
@@ -176,6 +178,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),
+        Command::Bench(BenchCommand::Loss(a)) => cli::bench::loss(&a),
         Command::Bench(BenchCommand::Ops(a)) => cli::bench::ops(&a),
     }
 }

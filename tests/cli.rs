@@ -228,6 +228,45 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     assert!(table.contains("synth-probe") && table.contains("acc@1"), "{table}");
 }
 
+/// The weights' moving average evaluated during training (`train.ema_eval`) is the one `--ema`
+/// loads from the saved checkpoint: the same recalls at the last step.
+#[test]
+fn the_average_evaluated_in_training_is_the_one_ema_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let retrieval_data = format!("eval.retrieval={}", data.test);
+    let extra = ["train.steps=4", "train.ema_decay=0.5", "train.ema_eval=true", "train.eval_every=2", retrieval_data.as_str()];
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &extra);
+    let cfg_path = dir.path().join("ema.toml");
+    std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
+    let (ok, _, err) = align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]);
+    assert!(ok, "{err}");
+    let log = align::train::metrics_log::read(&cfg.run_dir().join("metrics.jsonl")).unwrap();
+    let evals = |key: &str| {
+        log.iter().filter(|r| r.get(key).is_some()).map(|r| (r["step"].as_u64().unwrap(), r[key]["retrieval"].clone())).collect::<Vec<_>>()
+    };
+    let (plain, ema) = (evals("eval"), evals("eval_ema"));
+    assert_eq!(ema.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4]);
+    assert_eq!(plain.len(), 2);
+    assert_ne!(ema[1].1["rsum"], plain[1].1["rsum"], "the average and the weights evaluate alike, so the test could not tell them apart");
+    let run = cfg.run_dir();
+    let run = run.to_str().unwrap();
+    for (flag, logged) in [(true, &ema[1].1), (false, &plain[1].1)] {
+        let mut args = vec!["eval", "retrieval", "--checkpoint", run, "--data", &data.test, "--json"];
+        if flag {
+            args.push("--ema");
+        }
+        let (ok, out, err) = align(&args);
+        assert!(ok, "{err}");
+        let m = &serde_json::from_str::<serde_json::Value>(&out).unwrap()["metrics"];
+        for k in [1, 5, 10] {
+            assert_eq!(m[format!("image_retrieval_recall@{k}")].as_f64(), logged["t2i"][format!("r{k}")].as_f64(), "--ema {flag}, k={k}");
+            assert_eq!(m[format!("text_retrieval_recall@{k}")].as_f64(), logged["i2t"][format!("r{k}")].as_f64(), "--ema {flag}, k={k}");
+        }
+    }
+}
+
 #[test]
 fn a_partial_test_set_is_flagged_and_strict_refuses_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -416,4 +455,18 @@ fn bench_model_json_reports_throughput_memory_and_profile() {
             assert!(v["profile"]["recompute"]["calls"].as_f64().unwrap() > 0.0, "checkpointed blocks must be recomputed: {out}");
         }
     }
+}
+
+#[test]
+fn bench_loss_reports_both_exchanges_and_their_logits_blocks() {
+    for (dist, block) in [("shift", 4.0 * 4.0), ("gather", 4.0 * 12.0)] {
+        let (ok, out, err) =
+            align(&["bench", "loss", "--dist-impl", dist, "--world", "3", "--batch", "12", "--dim", "8", "--steps", "1", "--json"]);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["logits_block_mib"].as_f64(), Some(block * 4.0 / (1u64 << 20) as f64), "{out}");
+        assert!(v["peak_rss_mib"].as_f64().unwrap() >= v["rss_before_mib"].as_f64().unwrap(), "{out}");
+    }
+    let (ok, _, err) = align(&["bench", "loss", "--dist-impl", "ring", "--json"]);
+    assert!(!ok && err.contains("shift or gather"), "{err}");
 }

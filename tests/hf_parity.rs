@@ -79,7 +79,7 @@ fn vit_model_hidden_states_match_transformers() {
     let weights = read_weights(&fixture("vit-tiny"), &Device::Cpu).unwrap();
     load_prefixed(&vm, &weights, "", "vision_model.", "vit-tiny").unwrap();
     let io = io("vit-tiny");
-    let h = vit.hidden_states(&io["pixel_values"]).unwrap();
+    let h = vit.hidden_states(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
     assert!(max_diff(&h, &io["last_hidden_state"]) < 1e-4, "{}", max_diff(&h, &io["last_hidden_state"]));
 }
 

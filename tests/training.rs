@@ -26,17 +26,17 @@ fn assert_identical(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) {
     }
 }
 
-#[test]
-fn resumed_run_matches_uninterrupted_run_bit_for_bit() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let tok = common::tiny_tokenizer(&data, dir.path());
+/// Trains 8 steps straight and 3 + 5 resumed with `extra` settings; the two end bit for bit
+/// identical (weights, optimizer moments, metrics log). Returns the two final checkpoints.
+fn assert_resume_is_exact(dir: &std::path::Path, extra: &[&str]) -> (std::path::PathBuf, std::path::PathBuf) {
+    let data = common::tiny_data(&dir.join("data"));
+    let tok = common::tiny_tokenizer(&data, dir);
 
-    let straight = common::tiny_config(&data, &tok, &dir.path().join("a"), &[]);
+    let straight = common::tiny_config(&data, &tok, &dir.join("a"), extra);
     let s = train(&straight, &opts(false, None)).unwrap();
     assert_eq!(s.steps, 8);
 
-    let split = common::tiny_config(&data, &tok, &dir.path().join("b"), &[]);
+    let split = common::tiny_config(&data, &tok, &dir.join("b"), extra);
     let first = train(&split, &opts(false, Some(3))).unwrap();
     assert_eq!(first.steps, 3);
     let second = train(&split, &opts(true, None)).unwrap();
@@ -53,6 +53,38 @@ fn resumed_run_matches_uninterrupted_run_bit_for_bit() {
     let losses = |l: &[serde_json::Value]| l.iter().filter_map(|r| r.get("loss").and_then(|v| v.as_f64())).collect::<Vec<_>>();
     assert_eq!(losses(&la), losses(&lb));
     assert_eq!(losses(&la).len(), 8);
+    (s.checkpoint, second.checkpoint)
+}
+
+#[test]
+fn resumed_run_matches_uninterrupted_run_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _) = assert_resume_is_exact(dir.path(), &[]);
+    assert!(!a.join(run_dir::EMA_FILE).exists(), "a run without train.ema_decay saved a weight average");
+    let e = load::load_model_with(&a, &Device::Cpu, true).err().unwrap().to_string();
+    assert!(e.contains("--ema") && e.contains("ema_decay"), "{e}");
+}
+
+/// Patch dropout's draws and the weights' moving average come back exactly on resume, through
+/// the switch to unmasked tuning (the last 2 steps); `--ema` loads the average.
+#[test]
+fn resume_with_patch_dropout_and_a_weight_average_is_bit_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = [
+        "model.vit={patch_size = 8, width = 32, depth = 1, heads = 2, patch_dropout = 0.5}",
+        "train.unmasked_tuning_steps=2",
+        "train.ema_decay=0.9",
+    ];
+    let (a, b) = assert_resume_is_exact(dir.path(), &extra);
+    let ema = |d: &std::path::Path| tensors::read_tensors(&d.join(run_dir::EMA_FILE), &Device::Cpu).unwrap();
+    assert_identical(&ema(&a), &ema(&b));
+    let loaded = load::load_model_with(&a, &Device::Cpu, true).unwrap();
+    assert_identical(&tensors::var_tensors(&loaded.varmap), &ema(&a));
+    let differs = weights(&a).iter().any(|(k, w)| {
+        let (w, e) = (w.flatten_all().unwrap().to_vec1::<f32>().unwrap(), ema(&a)[k].flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        w != e
+    });
+    assert!(differs, "the average equals the weights");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use align::eval::embed::{embed_images, embed_source, embed_texts};
 use align::eval::knn::top_k;
 use align::eval::metrics::Embeddings;
 use align::eval::zeroshot::read_lines;
-use align::io::load::load_model;
+use align::io::load::load_model_with;
 use align::util::progress::Progress;
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -22,6 +22,9 @@ use serde::{Deserialize, Serialize};
 pub struct EmbedArgs {
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
     /// Shards to embed: every image, and every caption it carries.
     #[arg(long, conflicts_with = "texts")]
     pub data: Option<String>,
@@ -54,7 +57,7 @@ fn to_tensor(e: &Embeddings) -> Result<Tensor> {
 
 pub fn embed(a: &EmbedArgs) -> Result<()> {
     let device = super::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
+    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let mut tensors = HashMap::new();
     let mut side = Sidecar::default();
     match (&a.data, &a.texts) {
@@ -118,6 +121,9 @@ pub struct SearchArgs {
     /// The checkpoint the index was embedded with.
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
     /// A text query.
     #[arg(long)]
     pub text: Option<String>,
@@ -172,7 +178,7 @@ pub fn combine(image: &[f32], plus: Option<&[f32]>, minus: Option<&[f32]>, w: f3
 
 pub fn search(a: &SearchArgs) -> Result<()> {
     let device = super::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
+    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let index = candle_core::safetensors::load(&a.index, &Device::Cpu).with_context(|| format!("reading {}", a.index.display()))?;
     let side: Sidecar = serde_json::from_str(
         &std::fs::read_to_string(sidecar_path(&a.index)).with_context(|| format!("reading {}", sidecar_path(&a.index).display()))?,
@@ -239,13 +245,16 @@ pub struct ExportArgs {
     /// An align checkpoint or run directory (or anything `--checkpoint` accepts).
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
     /// Output directory in Hugging Face's `AlignModel` layout.
     #[arg(long)]
     pub out: PathBuf,
 }
 
 pub fn export(a: &ExportArgs) -> Result<()> {
-    let m = load_model(&a.checkpoint, &Device::Cpu)?;
+    let m = load_model_with(&a.checkpoint, &Device::Cpu, a.ema)?;
     align::io::hf::align::export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &a.out)?;
     println!("wrote {} (load it with transformers.AlignModel.from_pretrained)", a.out.display());
     Ok(())

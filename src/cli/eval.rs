@@ -4,7 +4,7 @@ use align::data::eval_reader::EvalSource;
 use align::data::folders::{self, imagenet, Variant};
 use align::data::spec;
 use align::eval::{retrieval as ret, zeroshot as zs};
-use align::io::load::{load_model, LoadedModel};
+use align::io::load::{load_model_with, LoadedModel};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
@@ -17,6 +17,9 @@ pub struct RetrievalArgs {
     /// Checkpoint directory, or a run directory (its latest checkpoint).
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
     /// Shards with one image and its captions (lines of `txt`, or `captions` in `json`).
     #[arg(long, conflicts_with = "karpathy")]
     pub data: Option<String>,
@@ -47,7 +50,7 @@ pub struct RetrievalArgs {
 pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
     let (source, what) = retrieval_source(&a.data, &a.karpathy, &a.images, &a.split)?;
     let device = super::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
+    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let ks = parse_ks(&a.recall_k)?;
     let done = evaluate_retrieval(&m, source, &what, &ks, a.batch, &device, a.json)?;
     done.finish(a.strict, a.output.as_deref(), a.json)
@@ -126,6 +129,9 @@ pub fn evaluate_retrieval(
 pub struct ZeroShotArgs {
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
     /// Shards with a `cls` label per sample (needs --classes).
     #[arg(long, conflicts_with = "imagenet")]
     pub data: Option<String>,
@@ -160,7 +166,7 @@ pub struct ZeroShotArgs {
 pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
     let task = ZeroShotData::new(&a.data, &a.imagenet, a.variant, &a.classes, &a.wnids, &a.templates)?;
     let device = super::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
+    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let done = evaluate_zeroshot(&m, task, a.batch, &device, a.json)?;
     done.finish(a.strict, a.output.as_deref(), a.json)
 }
@@ -232,6 +238,9 @@ pub fn evaluate_zeroshot(m: &LoadedModel, d: ZeroShotData, batch: usize, device:
 pub struct KnnArgs {
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
     /// Labelled shards for the index (`cls` per sample).
     #[arg(long, conflicts_with = "train_imagenet")]
     pub train: Option<String>,
@@ -297,7 +306,7 @@ fn embed_labelled(
 
 pub fn knn(a: &KnnArgs) -> Result<()> {
     let device = super::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
+    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.val, &a.val_imagenet, "val")?);
     let LabelledSplits { first: index, second: queries, first_y: il, second_y: ql, .. } =
         embed_labelled(&m, sources, a.batch, &device, a.json)?;
@@ -317,6 +326,9 @@ pub fn knn(a: &KnnArgs) -> Result<()> {
 pub struct LinearProbeArgs {
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
     /// Labelled shards to train the classifier on (`cls` per sample).
     #[arg(long, conflicts_with = "train_imagenet")]
     pub train: Option<String>,
@@ -353,7 +365,7 @@ pub struct LinearProbeArgs {
 
 pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
     let device = super::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
+    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.test, &a.test_imagenet, "test")?);
     let what = format!("{} → {}", a.train.clone().unwrap_or_default(), a.test.clone().unwrap_or_default());
     let pc = align::eval::linear_probe::ProbeConfig {

@@ -54,8 +54,24 @@ pub fn tokenizer(cfg: &Config) -> Result<Option<TextTokenizer>> {
     Ok(None)
 }
 
-/// The model's sizes, from the init checkpoints where there are any.
+/// The model's sizes, from the init checkpoints where there are any, with the run's patch
+/// dropout on a ViT image tower (a training setting, so it applies to a pretrained tower too).
 pub fn spec(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
+    let mut spec = towers(cfg, vocab)?;
+    if let Some(rate) = cfg.model.vit.patch_dropout {
+        match &mut spec.image {
+            ImageSpec::Vit(v) => v.patch_dropout = rate,
+            ImageSpec::EfficientNet(_) if rate == 0.0 => {}
+            ImageSpec::EfficientNet(_) => bail!("model.vit.patch_dropout drops ViT patch tokens, but the image tower is an EfficientNet"),
+        }
+        if let ImageSpec::Vit(v) = &spec.image {
+            v.validate().map_err(|e| anyhow!("model.vit: {e}"))?;
+        }
+    }
+    Ok(spec)
+}
+
+fn towers(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
     if let Some(dir) = located(&cfg.model.init)? {
         let mut spec = if dir.join(SPEC_FILE).is_file() {
             serde_json::from_str::<ModelSpec>(&std::fs::read_to_string(dir.join(SPEC_FILE))?)

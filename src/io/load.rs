@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 
-use super::run_dir::{resolve, CONFIG_FILE, MODEL_FILE, SPEC_FILE, TOKENIZER_FILE};
+use super::run_dir::{resolve, CONFIG_FILE, EMA_FILE, MODEL_FILE, SPEC_FILE, TOKENIZER_FILE};
 use super::tensors::{load_strict, read_tensors};
 
 /// A model restored from a checkpoint directory, with what is needed to use it.
@@ -22,8 +22,17 @@ pub struct LoadedModel {
 /// Loads a model onto `device` from an align checkpoint, a run directory (its latest checkpoint),
 /// a Hugging Face `AlignModel` directory, or `hf:ID[@REVISION]`.
 pub fn load_model(path: &Path, device: &Device) -> Result<LoadedModel> {
+    load_model_with(path, device, false)
+}
+
+/// [`load_model`], with the weights' moving average in place of the weights when `ema` is set
+/// (`--ema`; an align checkpoint of a run with `train.ema_decay`).
+pub fn load_model_with(path: &Path, device: &Device, ema: bool) -> Result<LoadedModel> {
     let located = super::hf::hub::resolve_location(&path.to_string_lossy())?;
     if !located.join(SPEC_FILE).is_file() && super::hf::files::is_hf_model(&located, "align") {
+        if ema {
+            anyhow::bail!("--ema: {} is a Hugging Face model, which holds one set of weights and no moving average", path.display());
+        }
         return super::hf::align::load_hf_align(&located, device);
     }
     let dir = resolve(&located)?;
@@ -35,7 +44,10 @@ pub fn load_model(path: &Path, device: &Device) -> Result<LoadedModel> {
     let tokenizer = crate::data::tokenizer::TextTokenizer::from_file(&dir.join(TOKENIZER_FILE), config.text.max_len)?;
     let varmap = VarMap::new();
     let model = crate::model::dual_encoder::DualEncoder::new(&spec, crate::model::init::SeededVars::builder(&varmap, 0, device))?;
-    let weights = read_tensors(&dir.join(MODEL_FILE), device)?;
-    load_strict(&varmap, &weights, &dir.join(MODEL_FILE))?;
+    let file = dir.join(if ema { EMA_FILE } else { MODEL_FILE });
+    if ema && !file.is_file() {
+        anyhow::bail!("--ema: {} has no {EMA_FILE}: its run kept no moving average of the weights (train.ema_decay = 0)", dir.display());
+    }
+    load_strict(&varmap, &read_tensors(&file, device)?, &file)?;
     Ok(LoadedModel { model, varmap, tokenizer, config, dir })
 }

@@ -3,6 +3,8 @@
 //! A checkpoint directory holds
 //! - `model.safetensors`: weights under Hugging Face names,
 //! - `optimizer.safetensors`: AdamW/LAMB moments (`exp_avg.NAME`, `exp_avg_sq.NAME`),
+//! - `ema.safetensors`: the weights' moving average under the weights' names, when the run keeps
+//!   one (`train.ema_decay`),
 //! - `config.toml`: the full experiment config, `align.json`: the resolved model sizes,
 //! - `tokenizer.json`: the vocabulary the run trains with,
 //! - `state.json`: step, samples seen, the loader position and the run's clock.
@@ -52,6 +54,7 @@ pub struct TrainState {
 
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const EMA_FILE: &str = "ema.safetensors";
 pub const STATE_FILE: &str = "state.json";
 pub const SPEC_FILE: &str = "align.json";
 pub const CONFIG_FILE: &str = "config.toml";
@@ -62,6 +65,8 @@ pub const LATEST: &str = "latest";
 pub struct CheckpointContents<'a> {
     pub weights: HashMap<String, Tensor>,
     pub optimizer: HashMap<String, Tensor>,
+    /// The weights' moving average, when the run keeps one.
+    pub ema: Option<HashMap<String, Tensor>>,
     pub config_toml: String,
     pub spec_json: String,
     pub tokenizer: &'a crate::data::tokenizer::TextTokenizer,
@@ -112,6 +117,9 @@ fn write_partial(partial: &Path, c: &CheckpointContents) -> Result<()> {
     std::fs::create_dir_all(partial).with_context(|| format!("creating {}", partial.display()))?;
     save_tensors(&c.weights, &partial.join(MODEL_FILE))?;
     save_tensors(&c.optimizer, &partial.join(OPTIMIZER_FILE))?;
+    if let Some(ema) = &c.ema {
+        save_tensors(ema, &partial.join(EMA_FILE))?;
+    }
     write_synced(&partial.join(CONFIG_FILE), c.config_toml.as_bytes())?;
     write_synced(&partial.join(SPEC_FILE), c.spec_json.as_bytes())?;
     let tokenizer = partial.join(TOKENIZER_FILE);
@@ -302,6 +310,7 @@ mod tests {
         let c = CheckpointContents {
             weights,
             optimizer: HashMap::new(),
+            ema: None,
             config_toml: String::new(),
             spec_json: "{}".into(),
             tokenizer: &tok,

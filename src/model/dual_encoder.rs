@@ -66,7 +66,7 @@ pub enum ImageTower {
 impl ImageTower {
     pub fn pooled(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         match self {
-            ImageTower::Vit(v) => v.pooled(images),
+            ImageTower::Vit(v) => v.pooled(images, ctx),
             ImageTower::EfficientNet(e) => e.pooled(images, ctx),
         }
     }
@@ -206,7 +206,8 @@ impl DualEncoder {
         let image = match &self.image {
             ImageTower::Vit(v) => {
                 let c = &v.config;
-                let patches = (c.image_size / c.patch_size).pow(2) as f64;
+                // A training pass under patch dropout embeds and encodes only the kept patches.
+                let patches = if c.patch_dropout > 0.0 { c.kept_patches() } else { c.num_patches() } as f64;
                 let (d, p) = (c.width as f64, c.patch_size as f64);
                 2.0 * patches * 3.0 * p * p * d + transformer(patches + 1.0, d, c.mlp_dim as f64, c.depth)
             }
@@ -244,6 +245,7 @@ pub(crate) mod tests {
                 mlp_dim: 32,
                 pool: ImagePooling::Cls,
                 layer_norm_eps: 1e-12,
+                patch_dropout: 0.0,
             }),
             text: BertConfig {
                 vocab_size: 30,

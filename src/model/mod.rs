@@ -11,8 +11,8 @@ pub mod presets;
 pub mod recompute;
 pub mod vit;
 
-/// How a forward pass runs: training (batch statistics, stochastic depth drawn from `seed`) or
-/// evaluation.
+/// How a forward pass runs: training (batch statistics, stochastic depth drawn from `seed`, patch
+/// dropout drawn per `masking`) or evaluation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ctx {
     pub train: bool,
@@ -20,12 +20,25 @@ pub struct Ctx {
     /// Whether training-mode BatchNorm updates its running statistics. Off for the embedding-only
     /// pass of cached-gradient accumulation, which runs every micro-batch twice.
     pub update_stats: bool,
+    /// The ViT's patch dropout, when it applies to this pass (the model's rate decides how many
+    /// tokens it drops).
+    pub masking: Option<Masking>,
+}
+
+/// Where a batch's patch-dropout draws come from: row `i` draws from `(seed, first_row + i)`. With
+/// `first_row` the row's index in the global batch, a row keeps the same tokens whichever rank or
+/// micro-batch holds it, so sharding and accumulation leave the gradient unchanged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Masking {
+    pub seed: u64,
+    pub first_row: u64,
 }
 
 impl Ctx {
-    pub const EVAL: Ctx = Ctx { train: false, seed: 0, update_stats: false };
+    pub const EVAL: Ctx = Ctx { train: false, seed: 0, update_stats: false, masking: None };
 
+    /// A training pass, patch dropout included (drawn from `seed`, rows numbered from 0).
     pub fn train(seed: u64) -> Self {
-        Ctx { train: true, seed, update_stats: true }
+        Ctx { train: true, seed, update_stats: true, masking: Some(Masking { seed, first_row: 0 }) }
     }
 }

@@ -41,6 +41,9 @@ pub struct VitOverrides {
     pub mlp_ratio: Option<f64>,
     pub pool: Option<ImagePooling>,
     pub layer_norm_eps: Option<f64>,
+    /// FLIP's patch dropout: the fraction of patch tokens each training image drops (0.5 keeps
+    /// half; the class token always stays). Evaluation sees every token.
+    pub patch_dropout: Option<f64>,
 }
 
 /// Optional overrides on top of an EfficientNet preset.
@@ -82,6 +85,9 @@ pub struct VitConfig {
     pub mlp_dim: usize,
     pub pool: ImagePooling,
     pub layer_norm_eps: f64,
+    /// The fraction of patch tokens dropped in training (FLIP); 0 keeps all.
+    #[serde(default)]
+    pub patch_dropout: f64,
 }
 
 impl VitConfig {
@@ -105,6 +111,7 @@ impl VitConfig {
             mlp_dim: 4 * width,
             pool: ImagePooling::Cls,
             layer_norm_eps: 1e-12,
+            patch_dropout: 0.0,
         })
     }
 
@@ -131,11 +138,20 @@ impl VitConfig {
         if let Some(e) = o.layer_norm_eps {
             self.layer_norm_eps = e;
         }
+        if let Some(p) = o.patch_dropout {
+            self.patch_dropout = p;
+        }
         self
     }
 
     pub fn num_patches(&self) -> usize {
         (self.image_size / self.patch_size).pow(2)
+    }
+
+    /// The patch tokens a training image keeps under patch dropout (open_clip's rounding: the
+    /// floor, at least one).
+    pub fn kept_patches(&self) -> usize {
+        ((self.num_patches() as f64 * (1.0 - self.patch_dropout)) as usize).max(1)
     }
 
     pub fn validate(&self) -> Result<(), String> {
@@ -147,6 +163,9 @@ impl VitConfig {
         }
         if self.depth == 0 || self.mlp_dim == 0 {
             return Err("ViT depth and MLP size must be positive".into());
+        }
+        if !(0.0..1.0).contains(&self.patch_dropout) {
+            return Err(format!("model.vit.patch_dropout {} is not in [0, 1): it is the fraction of patches dropped", self.patch_dropout));
         }
         Ok(())
     }

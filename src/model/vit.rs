@@ -11,7 +11,9 @@ use candle_nn::{Init, VarBuilder};
 use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
 use super::presets::{ImagePooling, VitConfig};
 use super::recompute::Checkpointing;
+use super::{Ctx, Masking};
 use crate::ops::kernels::linear::linear_bias;
+use crate::util::rng::Rng;
 
 struct Block {
     norm1: LayerNorm,
@@ -87,9 +89,10 @@ impl Vit {
         x.reshape((b, c, gh, p, gw, p))?.permute((0, 2, 4, 1, 3, 5))?.contiguous()?.reshape((b, gh * gw, c * p * p))
     }
 
-    /// Final hidden states `[b, 1 + patches, width]` after the last LayerNorm (Hugging Face's
-    /// `last_hidden_state`).
-    pub fn hidden_states(&self, images: &Tensor) -> Result<Tensor> {
+    /// Final hidden states `[b, 1 + tokens, width]` after the last LayerNorm (Hugging Face's
+    /// `last_hidden_state`): every patch, or under patch dropout (a training `ctx` with masking
+    /// and a positive rate) the patches each image keeps.
+    pub fn hidden_states(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let (b, _, h, w) = images.dims4()?;
         if h != self.config.image_size || w != self.config.image_size {
             candle_core::bail!("ViT expects {}x{} images, got {h}x{w}", self.config.image_size, self.config.image_size);
@@ -98,11 +101,21 @@ impl Vit {
         let weight = self.patch_weight.reshape((width, ()))?;
         let patches = self.patchify(images)?;
         let (np, pd) = (patches.dim(1)?, patches.dim(2)?);
+        let mut patches = patches.reshape((b * np, pd))?;
+        let mut patch_pos = self.pos.narrow(1, 1, np)?.squeeze(0)?.repeat((b, 1))?;
+        let mut tokens_per_image = np;
+        // Dropped patches are left out before the embedding: they cost nothing at all.
+        if let (true, Some(m)) = (ctx.train && self.config.patch_dropout > 0.0, ctx.masking) {
+            let kept = self.kept_rows(b, m, patches.device())?;
+            patches = patches.index_select(&kept, 0)?;
+            patch_pos = patch_pos.index_select(&kept, 0)?;
+            tokens_per_image = self.config.kept_patches();
+        }
         // One 2-D product over all patches of the batch (a broadcast weight would get one
         // gradient per image, summed on one thread); the pixels get no gradient.
-        let tokens = linear_bias(&patches.reshape((b * np, pd))?, &weight, &self.patch_bias)?.reshape((b, np, width))?;
-        let cls = self.cls_token.broadcast_as((b, 1, width))?;
-        let mut x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.pos)?;
+        let tokens = (linear_bias(&patches, &weight, &self.patch_bias)? + patch_pos)?.reshape((b, tokens_per_image, width))?;
+        let cls = self.cls_token.broadcast_add(&self.pos.narrow(1, 0, 1)?)?.broadcast_as((b, 1, width))?;
+        let mut x = Tensor::cat(&[&cls, &tokens], 1)?;
         for block in &self.blocks {
             let block = block.clone();
             x = self.checkpointing.run(&x, Arc::new(move |x, _| block.forward(x)))?;
@@ -110,14 +123,40 @@ impl Vit {
         self.norm.forward(&x)
     }
 
-    pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
-        let x = self.hidden_states(images)?;
+    /// The rows of the flattened `[b · patches]` patch matrix that patch dropout keeps: for each
+    /// image, `kept_patches` distinct patches drawn from its own stream (a partial Fisher-Yates
+    /// shuffle), in ascending order.
+    fn kept_rows(&self, b: usize, m: Masking, device: &candle_core::Device) -> Result<Tensor> {
+        let np = self.config.num_patches();
+        let keep = self.config.kept_patches();
+        let mut rows = Vec::with_capacity(b * keep);
+        let mut order: Vec<u32> = Vec::with_capacity(np);
+        for i in 0..b {
+            let mut rng = Rng::derived(m.seed, &[PATCH_DROPOUT_STREAM, m.first_row + i as u64]);
+            order.clear();
+            order.extend(0..np as u32);
+            for k in 0..keep {
+                let j = k + rng.below(np - k);
+                order.swap(k, j);
+            }
+            let kept = &mut order[..keep];
+            kept.sort_unstable();
+            rows.extend(kept.iter().map(|&p| (i * np) as u32 + p));
+        }
+        Tensor::from_vec(rows, b * keep, device)
+    }
+
+    pub fn pooled(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let x = self.hidden_states(images, ctx)?;
         match self.config.pool {
             ImagePooling::Cls => x.narrow(1, 0, 1)?.squeeze(1),
-            ImagePooling::Gap => x.narrow(1, 1, self.config.num_patches())?.mean(1),
+            ImagePooling::Gap => x.narrow(1, 1, x.dim(1)? - 1)?.mean(1),
         }
     }
 }
+
+/// Tags patch dropout's draws apart from the other streams a step's seed feeds.
+const PATCH_DROPOUT_STREAM: u64 = 0x5041_5443_4844_524f;
 
 #[cfg(test)]
 mod tests {
@@ -136,6 +175,7 @@ mod tests {
             mlp_dim: 8,
             pool: ImagePooling::Cls,
             layer_norm_eps: 1e-12,
+            patch_dropout: 0.0,
         };
         let vm = candle_nn::VarMap::new();
         let vit = Vit::new(&cfg, crate::model::init::SeededVars::builder(&vm, 1, &dev)).unwrap();
@@ -144,5 +184,96 @@ mod tests {
         let via_conv = x.conv2d(&vit.patch_weight, 0, 4, 1, 1).unwrap().flatten_from(2).unwrap().transpose(1, 2).unwrap();
         let diff = (via_matmul - via_conv).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(diff < 1e-5, "{diff}");
+    }
+
+    /// A 16 px, patch-4 ViT (16 patches) dropping `rate` of them in training.
+    fn masked_vit(rate: f64) -> (Vit, candle_nn::VarMap) {
+        let cfg = VitConfig {
+            image_size: 16,
+            patch_size: 4,
+            width: 8,
+            depth: 2,
+            heads: 2,
+            mlp_dim: 16,
+            pool: ImagePooling::Cls,
+            layer_norm_eps: 1e-6,
+            patch_dropout: rate,
+        };
+        let vm = candle_nn::VarMap::new();
+        let vit = Vit::new(&cfg, crate::model::init::SeededVars::builder(&vm, 3, &Device::Cpu)).unwrap();
+        (vit, vm)
+    }
+
+    fn masked(seed: u64, first_row: u64) -> Ctx {
+        Ctx { masking: Some(Masking { seed, first_row }), ..Ctx::train(seed) }
+    }
+
+    fn rows_of(vit: &Vit, b: usize, ctx: Ctx) -> Vec<Vec<u32>> {
+        let rows = vit.kept_rows(b, ctx.masking.unwrap(), &Device::Cpu).unwrap().to_vec1::<u32>().unwrap();
+        rows.chunks(vit.config.kept_patches()).enumerate().map(|(i, c)| c.iter().map(|r| r - 16 * i as u32).collect()).collect()
+    }
+
+    #[test]
+    fn kept_patches_differ_per_image_and_step_and_repeat_from_the_seed() {
+        for (rate, keep) in [(0.5, 8), (0.75, 4), (0.9, 1), (0.99, 1)] {
+            let (vit, _) = masked_vit(rate);
+            assert_eq!(vit.config.kept_patches(), keep, "rate {rate}");
+            let a = rows_of(&vit, 6, masked(11, 0));
+            for r in &a {
+                assert!(r.windows(2).all(|w| w[0] < w[1]) && r.iter().all(|&p| p < 16), "rate {rate}: {r:?}");
+            }
+            assert_eq!(a, rows_of(&vit, 6, masked(11, 0)), "the same seed draws the same patches");
+            if keep > 1 {
+                assert!(a.iter().skip(1).any(|r| r != &a[0]), "rate {rate}: every image kept {:?}", a[0]);
+                assert_ne!(a, rows_of(&vit, 6, masked(12, 0)), "rate {rate}: another step drew the same patches");
+            }
+            // Row 2 of a batch starting at global row 0 is row 0 of one starting at row 2.
+            assert_eq!(a[2..], rows_of(&vit, 4, masked(11, 2))[..]);
+        }
+        // Over many draws every patch is kept about equally often.
+        let (vit, _) = masked_vit(0.5);
+        let mut counts = [0usize; 16];
+        rows_of(&vit, 2000, masked(5, 0)).iter().flatten().for_each(|&p| counts[p as usize] += 1);
+        assert!(counts.iter().all(|&c| (900..1100).contains(&c)), "{counts:?}");
+    }
+
+    /// The masked forward pass equals the blocks run on the kept tokens alone, built here with a
+    /// strided convolution and the positions picked by hand.
+    #[test]
+    fn patch_dropout_runs_the_blocks_on_the_kept_tokens_only() {
+        let (vit, _) = masked_vit(0.75);
+        let x = crate::util::rng::randn(7, 0.0, 1.0, (3, 3, 16, 16), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let ctx = masked(21, 40);
+        let got = vit.hidden_states(&x, &ctx).unwrap();
+        assert_eq!(got.dims(), &[3, 5, 8]);
+        let kept = rows_of(&vit, 3, ctx);
+        let all = x.conv2d(&vit.patch_weight, 0, 4, 1, 1).unwrap().flatten_from(2).unwrap().transpose(1, 2).unwrap();
+        let all = all.broadcast_add(&vit.patch_bias).unwrap().broadcast_add(&vit.pos.narrow(1, 1, 16).unwrap()).unwrap();
+        let cls = (vit.cls_token.squeeze(0).unwrap() + vit.pos.narrow(1, 0, 1).unwrap().squeeze(0).unwrap()).unwrap();
+        for (i, rows) in kept.iter().enumerate() {
+            let idx = Tensor::new(rows.as_slice(), &Device::Cpu).unwrap();
+            let mut t = Tensor::cat(&[&cls, &all.get(i).unwrap().index_select(&idx, 0).unwrap()], 0).unwrap().unsqueeze(0).unwrap();
+            for b in &vit.blocks {
+                t = b.forward(&t).unwrap();
+            }
+            let want = vit.norm.forward(&t).unwrap().squeeze(0).unwrap();
+            let diff = (got.get(i).unwrap() - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(diff < 1e-5, "image {i}: {diff}");
+        }
+    }
+
+    #[test]
+    fn evaluation_sees_every_patch_whatever_the_rate() {
+        let (vit, vm) = masked_vit(0.5);
+        let mut plain_cfg = vit.config.clone();
+        plain_cfg.patch_dropout = 0.0;
+        let plain = Vit::new(&plain_cfg, candle_nn::VarBuilder::from_varmap(&vm, candle_core::DType::F32, &Device::Cpu)).unwrap();
+        let x = crate::util::rng::randn(8, 0.0, 1.0, (2, 3, 16, 16), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let eval = vit.pooled(&x, &Ctx::EVAL).unwrap();
+        assert_eq!(eval.to_vec2::<f32>().unwrap(), plain.pooled(&x, &Ctx::EVAL).unwrap().to_vec2::<f32>().unwrap());
+        // A training pass without masking (the unmasked-tuning phase) sees every patch too.
+        let unmasked = Ctx { masking: None, ..Ctx::train(4) };
+        assert_eq!(vit.hidden_states(&x, &unmasked).unwrap().dims(), &[2, 17, 8]);
+        assert_eq!(vit.hidden_states(&x, &masked(4, 0)).unwrap().dims(), &[2, 9, 8]);
     }
 }

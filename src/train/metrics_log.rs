@@ -59,11 +59,14 @@ const EVAL_COUNTS: [&str; 3] = ["images", "texts", "classes"];
 /// The curves of one record as (tag, value): what the TensorBoard files and `align plot` draw,
 /// so both are derived from the log and never disagree with it. A training record gives
 /// `train/FIELD` for each number but the step; an evaluation record gives `eval/PATH` for each
-/// measured number of its report (`eval/zeroshot/top1`, `eval/retrieval/i2t/r1`, ...).
+/// measured number of its report (`eval/zeroshot/top1`, `eval/retrieval/i2t/r1`, ...), and one
+/// of the weights' moving average `eval_ema/PATH`.
 pub fn scalars(record: &Value) -> Vec<(String, f64)> {
     let mut out = Vec::new();
     if let Some(eval) = record.get("eval") {
         flatten("eval", eval, &mut out);
+    } else if let Some(eval) = record.get("eval_ema") {
+        flatten("eval_ema", eval, &mut out);
     } else if let Some(fields) = record.as_object() {
         for (k, v) in fields {
             if let (false, Some(x)) = (k == "step", v.as_f64()) {
@@ -95,7 +98,7 @@ fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, f64)>) {
 /// the step it came at, in tag order.
 pub fn best_eval(records: &[Value]) -> Vec<(String, f64, u64)> {
     let mut best: std::collections::BTreeMap<String, (f64, u64)> = Default::default();
-    for r in records.iter().filter(|r| r.get("eval").is_some()) {
+    for r in records.iter().filter(|r| r.get("eval").is_some() || r.get("eval_ema").is_some()) {
         let step = r.get("step").and_then(Value::as_u64).unwrap_or(0);
         for (tag, x) in scalars(r) {
             let e = best.entry(tag).or_insert((x, step));
@@ -124,6 +127,8 @@ mod tests {
             assert!(tags.contains(&want.to_string()), "{want} missing from {tags:?}");
         }
         assert!(!tags.iter().any(|t| t.ends_with("images") || t.ends_with("texts") || t.ends_with("classes")));
+        let ema = serde_json::json!({"step": 7, "eval_ema": {"zeroshot": {"top1": 0.75}}});
+        assert_eq!(scalars(&ema), vec![("eval_ema/zeroshot/top1".to_string(), 0.75)]);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Training: the loss, optimisers and schedules, checkpoints, and the loop.
 
 pub mod collective;
+pub mod ema;
 pub mod gather;
 pub mod loss;
 pub mod metrics_log;

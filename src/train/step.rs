@@ -20,8 +20,11 @@ use super::optim::{Grads, Optimizer};
 use super::sigmoid_loss::{sigmoid_loss, Exchange};
 use crate::config::LossKind;
 use crate::model::dual_encoder::DualEncoder;
-use crate::model::Ctx;
+use crate::model::{Ctx, Masking};
 use crate::util::rng::derive_seed;
+
+/// Tags the patch-dropout stream apart from the micro-batches' stochastic-depth seeds.
+const PATCH_DROPOUT_STREAM: u64 = u64::MAX;
 
 pub struct MicroBatch {
     pub images: Tensor,
@@ -139,7 +142,7 @@ fn all_reduce(mut grads: Grads, opt: &Optimizer, group: &Arc<dyn Collective>, sc
 }
 
 /// The gradients of one optimisation step over `micro` (this rank's micro-batches), `seed` drawing
-/// the step's stochastic depth.
+/// the step's stochastic depth and, with `patch_dropout`, the patches each image keeps.
 pub fn compute(
     model: &DualEncoder,
     opt: &Optimizer,
@@ -147,9 +150,20 @@ pub fn compute(
     group: &Arc<dyn Collective>,
     loss_kind: StepLoss,
     seed: u64,
+    patch_dropout: bool,
 ) -> Result<StepOutput> {
     let scale = loss_kind.gradient_scale(group.world_size());
-    let ctx = |k: usize| Ctx::train(derive_seed(seed, &[k as u64]));
+    // Rows are numbered as in the global batch (rank-major, then micro-batch), so an image keeps
+    // the same patches however the batch is split.
+    let sizes: Vec<usize> = micro.iter().map(|m| m.images.dim(0)).collect::<Result<_>>()?;
+    let local_rows: usize = sizes.iter().sum();
+    let first_rows: Vec<u64> =
+        sizes.iter().scan((group.rank() * local_rows) as u64, |row, &n| Some(std::mem::replace(row, *row + n as u64))).collect();
+    let masking_seed = derive_seed(seed, &[PATCH_DROPOUT_STREAM]);
+    let ctx = |k: usize| Ctx {
+        masking: patch_dropout.then_some(Masking { seed: masking_seed, first_row: first_rows[k] }),
+        ..Ctx::train(derive_seed(seed, &[k as u64]))
+    };
     if micro.len() == 1 {
         let m = &micro[0];
         let img = model.image_embeddings(&m.images, &ctx(0))?;
@@ -213,10 +227,18 @@ mod tests {
 
     /// The tiny model, with a logit bias (SigLIP's −10) for the sigmoid loss.
     fn model_for(seed: u64, loss: StepLoss) -> (DualEncoder, Optimizer) {
+        model_dropping(seed, loss, 0.0)
+    }
+
+    /// [`model_for`] with a ViT dropping `patch_dropout` of its 4 patches in training.
+    fn model_dropping(seed: u64, loss: StepLoss, patch_dropout: f64) -> (DualEncoder, Optimizer) {
         let vm = candle_nn::VarMap::new();
         let mut spec = tiny_spec();
         if let StepLoss::Sigmoid { .. } = loss {
             spec.logit_bias = Some(-10.0);
+        }
+        if let crate::model::dual_encoder::ImageSpec::Vit(v) = &mut spec.image {
+            v.patch_dropout = patch_dropout;
         }
         let model = DualEncoder::new(&spec, SeededVars::builder(&vm, seed, &Device::Cpu)).unwrap();
         let vars = vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -258,8 +280,8 @@ mod tests {
         let parts: Vec<MicroBatch> = (0..3).map(|k| batch(4, 4 * k)).collect();
         for loss in [SOFTMAX, SIGMOID] {
             let (model, opt) = model_for(1, loss);
-            let big = compute(&model, &opt, &[concat(&parts)], &single, loss, 9).unwrap();
-            let acc = compute(&model, &opt, &parts, &single, loss, 9).unwrap();
+            let big = compute(&model, &opt, &[concat(&parts)], &single, loss, 9, true).unwrap();
+            let acc = compute(&model, &opt, &parts, &single, loss, 9, true).unwrap();
             assert!((big.loss - acc.loss).abs() < 1e-5 * big.loss, "{loss:?}: {} vs {}", big.loss, acc.loss);
             assert!(acc.grads.0.iter().all(|g| g.is_some()), "{loss:?}: a parameter got no gradient");
             assert_grads_close(&acc.grads, &big.grads, &format!("accumulation, {loss:?}"));
@@ -269,20 +291,24 @@ mod tests {
     /// `world` thread ranks, each computing `loss` over its `per_rank` samples in `split`
     /// micro-batches, give the loss and parameter gradients of one device holding all of them.
     fn assert_ranks_match_one_big_batch(world: usize, loss: StepLoss, per_rank: usize, split: usize) {
+        assert_ranks_match_one_big_batch_dropping(world, loss, per_rank, split, 0.0)
+    }
+
+    fn assert_ranks_match_one_big_batch_dropping(world: usize, loss: StepLoss, per_rank: usize, split: usize, patch_dropout: f64) {
         let single: Arc<dyn Collective> = Arc::new(SingleProcess);
-        let (model, opt) = model_for(1, loss);
+        let (model, opt) = model_dropping(1, loss, patch_dropout);
         let all: Vec<MicroBatch> = (0..world).map(|r| batch(per_rank, per_rank * r)).collect();
-        let want = compute(&model, &opt, &[concat(&all)], &single, loss, 9).unwrap();
+        let want = compute(&model, &opt, &[concat(&all)], &single, loss, 9, true).unwrap();
         let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
             .into_iter()
             .map(|g| {
                 std::thread::spawn(move || {
                     let r = g.rank();
                     let group: Arc<dyn Collective> = Arc::new(g);
-                    let (model, opt) = model_for(1, loss);
+                    let (model, opt) = model_dropping(1, loss, patch_dropout);
                     let n = per_rank / split;
                     let micro: Vec<MicroBatch> = (0..split).map(|k| batch(n, per_rank * r + n * k)).collect();
-                    let out = compute(&model, &opt, &micro, &group, loss, 9).unwrap();
+                    let out = compute(&model, &opt, &micro, &group, loss, 9, true).unwrap();
                     (out.loss, out.grads)
                 })
             })
@@ -303,6 +329,27 @@ mod tests {
                 assert_ranks_match_one_big_batch(world, StepLoss::Sigmoid { exchange }, 4, 2);
             }
         }
+    }
+
+    /// Under patch dropout an image keeps the same patches whichever rank and micro-batch hold
+    /// it, so sharding and accumulation still give the big batch's gradient; and the patches do
+    /// change the gradient (against the unmasked step and another step's draws).
+    #[test]
+    fn patch_dropout_follows_the_image_not_the_split() {
+        for world in [1usize, 2, 3] {
+            assert_ranks_match_one_big_batch_dropping(world, SOFTMAX, 4, 2, 0.5);
+        }
+        let single: Arc<dyn Collective> = Arc::new(SingleProcess);
+        let (model, opt) = model_dropping(1, SOFTMAX, 0.5);
+        let b = batch(6, 0);
+        let masked = compute(&model, &opt, std::slice::from_ref(&b), &single, SOFTMAX, 9, true).unwrap();
+        let unmasked = compute(&model, &opt, std::slice::from_ref(&b), &single, SOFTMAX, 9, false).unwrap();
+        let other_step = compute(&model, &opt, std::slice::from_ref(&b), &single, SOFTMAX, 10, true).unwrap();
+        let (model0, opt0) = model_dropping(1, SOFTMAX, 0.0);
+        let plain = compute(&model0, &opt0, std::slice::from_ref(&b), &single, SOFTMAX, 9, true).unwrap();
+        assert_eq!(unmasked.loss, plain.loss, "without masking the rate does not matter");
+        assert_ne!(masked.loss, unmasked.loss);
+        assert_ne!(masked.loss, other_step.loss);
     }
 
     #[test]
@@ -345,7 +392,7 @@ mod tests {
                 let model =
                     DualEncoder::new(&spec, SeededVars::builder(&vm, 5, &Device::Cpu)).unwrap().with_grad_checkpointing(checkpointing);
                 let opt = Optimizer::new(crate::model::batch_norm::trainable_vars(&vm), OptimizerConfig::default()).unwrap();
-                let out = compute(&model, &opt, micro, &single, StepLoss::Softmax { opts, smoothing: 0.1 }, 9).unwrap();
+                let out = compute(&model, &opt, micro, &single, StepLoss::Softmax { opts, smoothing: 0.1 }, 9, true).unwrap();
                 let data = vm.data().lock().unwrap();
                 let mut names: Vec<&String> = data.keys().filter(|k| crate::model::batch_norm::is_running_stat(k)).collect();
                 names.sort();

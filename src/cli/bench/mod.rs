@@ -1,13 +1,16 @@
-//! `align bench`: the training step (`model`), the loader (`loader`), EfficientNet's depthwise
-//! layers (`depthwise`) and every per-op kernel on a device against the CPU (`ops`).
+//! `align bench`: the training step (`model`), the sigmoid loss across ranks (`loss`), the
+//! loader (`loader`), EfficientNet's depthwise layers (`depthwise`) and every per-op kernel on a
+//! device against the CPU (`ops`).
 
 mod depthwise;
 mod loader;
+mod loss;
 mod model;
 mod ops;
 
 pub use depthwise::{depthwise, DepthwiseArgs};
 pub use loader::{loader, LoaderArgs};
+pub use loss::{loss, LossArgs};
 pub use model::{model, ModelArgs};
 
 use align::util::progress::Progress;

@@ -90,8 +90,13 @@ fn gpu_used_mib(device: &candle_core::Device) -> Option<f64> {
 
 /// Peak resident memory of this process (Linux `VmHWM`).
 fn peak_rss_mib() -> Option<f64> {
+    rss_mib("VmHWM:")
+}
+
+/// A memory figure of this process from `/proc/self/status` (`VmRSS:`, `VmHWM:`), in MiB.
+pub(super) fn rss_mib(field: &str) -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb / 1024.0)
 }

@@ -96,6 +96,7 @@ pub fn vit_from_hf(c: &Value) -> Result<VitConfig, String> {
         mlp_dim: usize_of(c, "intermediate_size", ctx)?,
         pool: ImagePooling::Cls,
         layer_norm_eps: f64_of(c, "layer_norm_eps", ctx).unwrap_or(1e-12),
+        patch_dropout: 0.0,
     })
 }
 

@@ -40,6 +40,7 @@ pub(super) fn save(cfg: &Config, group: &dyn Collective, run: &Run, at: &Positio
     let contents = CheckpointContents {
         weights: var_tensors(&run.varmap),
         optimizer: run.opt.state_tensors(),
+        ema: run.ema.as_ref().map(|e| e.tensors()),
         config_toml: cfg.to_toml()?,
         spec_json: serde_json::to_string_pretty(&run.spec)?,
         tokenizer: &run.tokenizer,

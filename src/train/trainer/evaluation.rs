@@ -7,6 +7,10 @@ use super::logging::RunLog;
 use super::setup::Run;
 use crate::config::Config;
 use crate::eval::suite::{self, EvalResults};
+use crate::io::tensors::load_strict;
+use crate::model::dual_encoder::DualEncoder;
+use crate::model::init::SeededVars;
+use crate::train::ema::WeightEma;
 use crate::util::log;
 
 /// Whether `step` evaluates: evaluation data is configured, and it is an `eval_every` step or the
@@ -32,5 +36,24 @@ pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mu
         log::info(format!("step {step}: {}", results.line()));
     }
     log.record(serde_json::json!({"step": step, "eval": results}))?;
+    if let (true, Some(ema)) = (cfg.train.ema_eval, &run.ema) {
+        match ema_model(run, ema).and_then(|m| suite::run(&m, &run.tokenizer, cfg, &run.device, true)) {
+            Ok(r) => {
+                if !quiet {
+                    log::info(format!("step {step} (weight average): {}", r.line()));
+                }
+                log.record(serde_json::json!({"step": step, "eval_ema": r}))?;
+            }
+            Err(e) => crate::util::log::warn(format!("step {step}: evaluating the weight average failed: {e:#}")),
+        }
+    }
     Ok(results)
+}
+
+/// The model with the weights' moving average in place of the weights.
+fn ema_model(run: &Run, ema: &WeightEma) -> Result<DualEncoder> {
+    let vm = candle_nn::VarMap::new();
+    let model = DualEncoder::new(&run.spec, SeededVars::builder(&vm, 0, &run.device))?;
+    load_strict(&vm, &ema.tensors(), std::path::Path::new("the weight average"))?;
+    Ok(model)
 }

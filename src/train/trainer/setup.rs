@@ -16,13 +16,14 @@ use crate::data::loader::{LoaderSettings, TrainLoader};
 use crate::data::spec;
 use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
 use crate::io::init_from;
-use crate::io::run_dir::{self, TrainState, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE};
+use crate::io::run_dir::{self, TrainState, EMA_FILE, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE};
 use crate::io::run_lock::RunLock;
 use crate::io::tensors::{load_strict, read_tensors};
 use crate::model::batch_norm::trainable_vars;
 use crate::model::dual_encoder::{DualEncoder, ModelSpec};
 use crate::model::init::SeededVars;
 use crate::train::collective::Collective;
+use crate::train::ema::{EmaSchedule, WeightEma};
 use crate::train::optim::Optimizer;
 use crate::util::log;
 
@@ -38,6 +39,8 @@ pub(super) struct Run {
     pub varmap: VarMap,
     pub model: DualEncoder,
     pub opt: Optimizer,
+    /// The weights' moving average (rank 0, with `train.ema_decay`).
+    pub ema: Option<WeightEma>,
     pub loader: TrainLoader,
     pub device: Device,
     /// Rank 0's hold on the run directory, for the whole run.
@@ -76,8 +79,12 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
         restore(dir, &varmap, &mut opt, &start, &device, opts.quiet)?;
     }
     broadcast_weights(&varmap, group)?;
+    let ema = match EmaSchedule::from_config(&cfg.train) {
+        Some(s) if group.rank() == 0 => Some(start_ema(&varmap, s, resumed_from.as_deref(), &device, opts.quiet)?),
+        _ => None,
+    };
     let loader = start_loader(cfg, group, tokenizer.clone(), &start)?;
-    Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, loader, device, _lock: lock })
+    Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, ema, loader, device, _lock: lock })
 }
 
 /// Creates the run directory, takes its lock and clears what an interrupted save or prune left.
@@ -217,6 +224,21 @@ fn restore(dir: &Path, varmap: &VarMap, opt: &mut Optimizer, start: &TrainState,
         log::info(format!("resumed from {} (step {})", dir.display(), start.step));
     }
     Ok(())
+}
+
+/// The weights' moving average: the checkpoint's when resuming from one that has it, else one
+/// starting at the weights (which its first update overwrites anyway).
+fn start_ema(varmap: &VarMap, schedule: EmaSchedule, resumed_from: Option<&Path>, device: &Device, quiet: bool) -> Result<WeightEma> {
+    let mut ema = WeightEma::new(varmap, schedule)?;
+    if let Some(dir) = resumed_from {
+        let path = dir.join(EMA_FILE);
+        if path.is_file() {
+            ema.restore(&read_tensors(&path, device)?, &path)?;
+        } else if !quiet {
+            log::info(format!("{} has no weight average: starting one from its weights", dir.display()));
+        }
+    }
+    Ok(ema)
 }
 
 /// Identical starting weights on every rank, whatever each built.

@@ -112,7 +112,8 @@ fn one_step(
             &view
         }
     };
-    let out = step::compute(compute_model, &run.opt, &micro_batches, group, step::StepLoss::from_config(cfg), seed)?;
+    let masked = at.step < cfg.train.steps - cfg.train.unmasked_tuning_steps;
+    let out = step::compute(compute_model, &run.opt, &micro_batches, group, step::StepLoss::from_config(cfg), seed, masked)?;
     drop(micro_batches);
     if !out.loss.is_finite() {
         let keep = end.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
@@ -124,6 +125,9 @@ fn one_step(
     }
     let world = group.world_size() as u64;
     at.step += 1;
+    if let Some(ema) = &mut run.ema {
+        ema.update(&run.varmap, at.step)?;
+    }
     at.samples_seen += local * world;
     at.last_loss = Some(out.loss);
     log.count(local * world, waited);
