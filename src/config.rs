@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::data::transform::ImageConfig;
-use crate::model::dual_encoder::{ImageSpec, ModelSpec};
+use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::efficientnet::EfficientNetConfig;
 use crate::model::presets::{
     BertConfig, BertOverrides, EfficientNetOverrides, TemperatureKind, TextPooling, VitConfig, VitOverrides, BERT_PRESETS,
@@ -520,7 +520,8 @@ impl Config {
         let sigmoid = self.loss.kind == LossKind::Sigmoid;
         Ok(ModelSpec {
             image,
-            text: bert,
+            text: TextSpec::Bert(bert),
+            text_projection_bias: true,
             embed_dim: m.embed_dim,
             image_projection: m.image_projection,
             text_pooling: m.text_pooling,
@@ -586,7 +587,8 @@ mod tests {
         let spec = c.model_spec(100_000).unwrap();
         assert!(matches!(spec.image, ImageSpec::EfficientNet(_)));
         assert_eq!((spec.image.image_size(), spec.image.width(), spec.embed_dim), (289, 640, 640));
-        assert_eq!((spec.text.layers, spec.text.hidden, spec.text.vocab_size), (12, 768, 100_000));
+        let text = spec.text.bert().unwrap();
+        assert_eq!((text.layers, text.hidden, text.vocab_size), (12, 768, 100_000));
     }
 
     #[test]

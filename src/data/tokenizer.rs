@@ -18,6 +18,8 @@ pub const UNK: &str = "[UNK]";
 pub const CLS: &str = "[CLS]";
 pub const SEP: &str = "[SEP]";
 pub const MASK: &str = "[MASK]";
+/// CLIP's end-of-text token, which its tokenizers also pad with.
+pub const CLIP_END: &str = "<|endoftext|>";
 /// CC12M replaces person names by this hypernym; it must never be split into `<`, `person`, `>`.
 pub const PERSON: &str = "<PERSON>";
 
@@ -42,9 +44,13 @@ impl TextTokenizer {
         Self::new(inner, max_len).with_context(|| format!("tokenizer {}", path.display()))
     }
 
+    /// A BERT vocabulary (it has `[PAD]`), or a CLIP one padded with its end-of-text token.
     pub fn new(mut inner: Tokenizer, max_len: usize) -> Result<Self> {
         if max_len < 2 {
             bail!("max_len {max_len} leaves no room for [CLS] and [SEP]");
+        }
+        if inner.token_to_id(PAD).is_none() && inner.token_to_id(CLIP_END).is_some() {
+            return Self::with_pad_token(inner, max_len, CLIP_END);
         }
         let pad_id = inner.token_to_id(PAD).ok_or_else(|| anyhow!("vocabulary has no {PAD} token"))?;
         for t in [CLS, SEP] {
@@ -54,6 +60,25 @@ impl TextTokenizer {
             // A vocabulary without a post-processor would silently drop [CLS]/[SEP] and break
             // [CLS] pooling; attach BERT's template.
             attach_bert_template(&mut inner)?;
+        }
+        inner
+            .with_truncation(Some(TruncationParams {
+                max_length: max_len,
+                strategy: TruncationStrategy::LongestFirst,
+                stride: 0,
+                direction: TruncationDirection::Right,
+            }))
+            .map_err(|e| anyhow!("{e}"))?;
+        inner.with_padding(None);
+        Ok(Self { inner, max_len, pad_id })
+    }
+
+    /// Any `tokenizer.json` whose own post-processor adds the special tokens (CLIP's
+    /// `<|startoftext|> … <|endoftext|>`), padded with `pad_token`.
+    pub fn with_pad_token(mut inner: Tokenizer, max_len: usize, pad_token: &str) -> Result<Self> {
+        let pad_id = inner.token_to_id(pad_token).ok_or_else(|| anyhow!("vocabulary has no padding token {pad_token:?}"))?;
+        if inner.get_post_processor().is_none() {
+            bail!("the tokenizer adds no special tokens (it has no post-processor)");
         }
         inner
             .with_truncation(Some(TruncationParams {

@@ -15,6 +15,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 
+use super::hf::clip::clip_spec_from_hf;
 use super::hf::files::{is_hf_model, load_prefixed, read_json, read_tokenizer, read_weights};
 use super::hf::hub::resolve_location;
 use super::hf::layout::{align_spec_from_hf, bert_from_hf, vit_from_hf};
@@ -22,7 +23,7 @@ use super::run_dir::{self, MODEL_FILE, SPEC_FILE, TOKENIZER_FILE};
 use super::tensors::read_tensors;
 use crate::config::Config;
 use crate::data::tokenizer::TextTokenizer;
-use crate::model::dual_encoder::{ImageSpec, ModelSpec};
+use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 
 fn located(loc: &str) -> Result<Option<PathBuf>> {
     if loc.is_empty() {
@@ -61,8 +62,8 @@ pub fn spec(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
     if let Some(rate) = cfg.model.vit.patch_dropout {
         match &mut spec.image {
             ImageSpec::Vit(v) => v.patch_dropout = rate,
-            ImageSpec::EfficientNet(_) if rate == 0.0 => {}
-            ImageSpec::EfficientNet(_) => bail!("model.vit.patch_dropout drops ViT patch tokens, but the image tower is an EfficientNet"),
+            _ if rate == 0.0 => {}
+            _ => bail!("model.vit.patch_dropout drops the patch tokens of align's ViT tower, which this model's image tower is not"),
         }
         if let ImageSpec::Vit(v) = &spec.image {
             v.validate().map_err(|e| anyhow!("model.vit: {e}"))?;
@@ -78,8 +79,10 @@ fn towers(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
                 .with_context(|| format!("parsing {}", dir.join(SPEC_FILE).display()))?
         } else if is_hf_model(&dir, "align") {
             align_spec_from_hf(&read_json(&dir.join("config.json"))?).map_err(|e| anyhow!("{}: {e}", dir.display()))?
+        } else if is_hf_model(&dir, "clip") {
+            clip_spec_from_hf(&read_json(&dir.join("config.json"))?).map_err(|e| anyhow!("{}: {e}", dir.display()))?
         } else {
-            bail!("model.init {}: neither an align checkpoint nor a Hugging Face AlignModel", cfg.model.init);
+            bail!("model.init {}: neither an align checkpoint nor a Hugging Face AlignModel or CLIPModel", cfg.model.init);
         };
         if let ImageSpec::EfficientNet(e) = &mut spec.image {
             let o = &cfg.model.efficientnet;
@@ -87,17 +90,34 @@ fn towers(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
             e.drop_path = o.drop_path.unwrap_or(e.drop_path);
             e.image_size = cfg.data.image.image_size;
         }
-        if spec.text.vocab_size != vocab {
-            bail!("model.init {} has a {}-token vocabulary but the tokenizer has {vocab}", cfg.model.init, spec.text.vocab_size);
+        if spec.text.vocab_size() != vocab {
+            bail!("model.init {} has a {}-token vocabulary but the tokenizer has {vocab}", cfg.model.init, spec.text.vocab_size());
+        }
+        let positions = match &spec.text {
+            TextSpec::Bert(t) => t.max_position,
+            TextSpec::Clip(t) => t.max_position,
+            TextSpec::Siglip(t) => t.max_position,
+        };
+        if cfg.text.max_len > positions {
+            bail!(
+                "text.max_len {} exceeds the {positions} positions of model.init {}'s text tower; set text.max_len to at most {positions}",
+                cfg.text.max_len,
+                cfg.model.init
+            );
         }
         return Ok(spec);
     }
     let mut spec = cfg.model_spec(vocab)?;
     if let Some(dir) = located(&cfg.model.init_text)? {
-        spec.text =
-            bert_from_hf(&read_json(&dir.join("config.json"))?).map_err(|e| anyhow!("model.init_text {}: {e}", cfg.model.init_text))?;
-        if spec.text.vocab_size != vocab {
-            bail!("model.init_text {} has a {}-token vocabulary but the tokenizer has {vocab}", cfg.model.init_text, spec.text.vocab_size);
+        spec.text = TextSpec::Bert(
+            bert_from_hf(&read_json(&dir.join("config.json"))?).map_err(|e| anyhow!("model.init_text {}: {e}", cfg.model.init_text))?,
+        );
+        if spec.text.vocab_size() != vocab {
+            bail!(
+                "model.init_text {} has a {}-token vocabulary but the tokenizer has {vocab}",
+                cfg.model.init_text,
+                spec.text.vocab_size()
+            );
         }
     }
     if let Some(dir) = located(&cfg.model.init_image)? {

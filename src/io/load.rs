@@ -10,6 +10,16 @@ use candle_nn::VarMap;
 use super::run_dir::{resolve, CONFIG_FILE, EMA_FILE, MODEL_FILE, SPEC_FILE, TOKENIZER_FILE};
 use super::tensors::{load_strict, read_tensors};
 
+/// The `model_type` of a Hugging Face model directory (one with a `config.json` and no align
+/// checkpoint files).
+fn hf_model_type(dir: &Path) -> Option<String> {
+    if dir.join(SPEC_FILE).is_file() {
+        return None;
+    }
+    let config = super::hf::files::read_json(&dir.join("config.json")).ok()?;
+    config.get("model_type")?.as_str().map(str::to_string)
+}
+
 /// A model restored from a checkpoint directory, with what is needed to use it.
 pub struct LoadedModel {
     pub model: crate::model::dual_encoder::DualEncoder,
@@ -29,11 +39,18 @@ pub fn load_model(path: &Path, device: &Device) -> Result<LoadedModel> {
 /// (`--ema`; an align checkpoint of a run with `train.ema_decay`).
 pub fn load_model_with(path: &Path, device: &Device, ema: bool) -> Result<LoadedModel> {
     let located = super::hf::hub::resolve_location(&path.to_string_lossy())?;
-    if !located.join(SPEC_FILE).is_file() && super::hf::files::is_hf_model(&located, "align") {
+    if let Some(model_type) = hf_model_type(&located) {
         if ema {
             anyhow::bail!("--ema: {} is a Hugging Face model, which holds one set of weights and no moving average", path.display());
         }
-        return super::hf::align::load_hf_align(&located, device);
+        return match model_type.as_str() {
+            "align" => super::hf::align::load_hf_align(&located, device),
+            "clip" => super::hf::clip::load_hf_clip(&located, device),
+            other => anyhow::bail!(
+                "{} is a Hugging Face {other:?} model; align loads its own checkpoints and run directories and Hugging Face \"align\" (AlignModel) and \"clip\" (CLIPModel) directories",
+                path.display()
+            ),
+        };
     }
     let dir = resolve(&located)?;
     let config = crate::config::Config::load(&dir.join(CONFIG_FILE), &[])?;

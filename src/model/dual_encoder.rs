@@ -9,11 +9,13 @@ use candle_nn::{Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
 use super::bert::Bert;
+use super::clip::{ClipText, ClipTextConfig, ClipVision, ClipVisionConfig};
 use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
 use super::layers::{l2_normalize, linear, Linear};
 use super::presets::{BertConfig, TemperatureKind, TextPooling, VitConfig};
 use super::recompute::{Checkpointing, GradSink};
+use super::siglip::{SiglipText, SiglipTextConfig, SiglipVision, SiglipVisionConfig};
 use super::vit::Vit;
 use super::Ctx;
 
@@ -21,10 +23,14 @@ use super::Ctx;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelSpec {
     pub image: ImageSpec,
-    pub text: BertConfig,
+    pub text: TextSpec,
     pub embed_dim: usize,
     /// Without a projection the image tower's width must equal `embed_dim` (ALIGN's EfficientNet).
     pub image_projection: bool,
+    /// Whether the text projection has a bias (ALIGN's does, CLIP's does not). SigLIP's text
+    /// tower ends in its own head and has no projection.
+    #[serde(default = "yes")]
+    pub text_projection_bias: bool,
     pub text_pooling: TextPooling,
     pub temperature: TemperatureKind,
     /// σ at initialisation (ALIGN 1.0; CLIP 0.07, i.e. logit scale ln(1/0.07)).
@@ -35,18 +41,29 @@ pub struct ModelSpec {
     pub logit_bias: Option<f64>,
 }
 
+fn yes() -> bool {
+    true
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum ImageSpec {
     Vit(VitConfig),
     EfficientNet(EfficientNetConfig),
+    /// CLIP's vision transformer.
+    Clip(ClipVisionConfig),
+    /// SigLIP's vision transformer with its attention-pooling head.
+    Siglip(SiglipVisionConfig),
 }
 
 impl ImageSpec {
+    /// The width of the tower's pooled output.
     pub fn width(&self) -> usize {
         match self {
             ImageSpec::Vit(c) => c.width,
             ImageSpec::EfficientNet(c) => c.width(),
+            ImageSpec::Clip(c) => c.encoder.width,
+            ImageSpec::Siglip(c) => c.encoder.width,
         }
     }
 
@@ -54,6 +71,73 @@ impl ImageSpec {
         match self {
             ImageSpec::Vit(c) => c.image_size,
             ImageSpec::EfficientNet(c) => c.image_size,
+            ImageSpec::Clip(c) => c.image_size,
+            ImageSpec::Siglip(c) => c.image_size,
+        }
+    }
+}
+
+/// The text tower's sizes. Checkpoints written before CLIP and SigLIP towers existed hold a bare
+/// BERT config, which still reads as one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(from = "TextSpecRepr")]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TextSpec {
+    Bert(BertConfig),
+    /// CLIP's causal text transformer, pooled at the end-of-text token.
+    Clip(ClipTextConfig),
+    /// SigLIP's text transformer, its last position through its head.
+    Siglip(SiglipTextConfig),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TextSpecRepr {
+    Tagged(TaggedTextSpec),
+    Bert(BertConfig),
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+enum TaggedTextSpec {
+    Bert(BertConfig),
+    Clip(ClipTextConfig),
+    Siglip(SiglipTextConfig),
+}
+
+impl From<TextSpecRepr> for TextSpec {
+    fn from(r: TextSpecRepr) -> TextSpec {
+        match r {
+            TextSpecRepr::Bert(c) | TextSpecRepr::Tagged(TaggedTextSpec::Bert(c)) => TextSpec::Bert(c),
+            TextSpecRepr::Tagged(TaggedTextSpec::Clip(c)) => TextSpec::Clip(c),
+            TextSpecRepr::Tagged(TaggedTextSpec::Siglip(c)) => TextSpec::Siglip(c),
+        }
+    }
+}
+
+impl TextSpec {
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            TextSpec::Bert(c) => c.vocab_size,
+            TextSpec::Clip(c) => c.vocab_size,
+            TextSpec::Siglip(c) => c.vocab_size,
+        }
+    }
+
+    /// The width of the tower's pooled output.
+    pub fn width(&self) -> usize {
+        match self {
+            TextSpec::Bert(c) => c.hidden,
+            TextSpec::Clip(c) => c.encoder.width,
+            TextSpec::Siglip(c) => c.projection,
+        }
+    }
+
+    /// The BERT config, where the tower is one.
+    pub fn bert(&self) -> Option<&BertConfig> {
+        match self {
+            TextSpec::Bert(c) => Some(c),
+            _ => None,
         }
     }
 }
@@ -61,6 +145,8 @@ impl ImageSpec {
 pub enum ImageTower {
     Vit(Vit),
     EfficientNet(EfficientNet),
+    Clip(ClipVision),
+    Siglip(SiglipVision),
 }
 
 impl ImageTower {
@@ -68,6 +154,32 @@ impl ImageTower {
         match self {
             ImageTower::Vit(v) => v.pooled(images, ctx),
             ImageTower::EfficientNet(e) => e.pooled(images, ctx),
+            ImageTower::Clip(c) => c.pooled(images),
+            ImageTower::Siglip(s) => s.pooled(images),
+        }
+    }
+}
+
+pub enum TextTower {
+    Bert(Bert),
+    Clip(ClipText),
+    Siglip(SiglipText),
+}
+
+impl TextTower {
+    fn new(spec: &TextSpec, vb: VarBuilder) -> Result<Self> {
+        Ok(match spec {
+            TextSpec::Bert(c) => TextTower::Bert(Bert::new(c, vb)?),
+            TextSpec::Clip(c) => TextTower::Clip(ClipText::new(c, vb)?),
+            TextSpec::Siglip(c) => TextTower::Siglip(SiglipText::new(c, vb)?),
+        })
+    }
+
+    pub fn pooled(&self, ids: &Tensor, mask: &Tensor, pooling: TextPooling) -> Result<Tensor> {
+        match self {
+            TextTower::Bert(b) => b.pooled(ids, mask, pooling),
+            TextTower::Clip(c) => c.pooled(ids, mask),
+            TextTower::Siglip(s) => s.pooled(ids),
         }
     }
 }
@@ -86,9 +198,10 @@ pub const CLIP_MAX_LOGIT_SCALE: f64 = 100.0;
 
 pub struct DualEncoder {
     pub image: ImageTower,
-    pub text: Bert,
+    pub text: TextTower,
     visual_projection: Option<Linear>,
-    text_projection: Linear,
+    /// None for SigLIP, whose text head is its projection.
+    text_projection: Option<Linear>,
     /// σ (ALIGN) or s = ln(logit scale) (CLIP); a 0-d variable.
     temperature: Tensor,
     /// The sigmoid loss's b (0-d), when the model has one.
@@ -102,8 +215,10 @@ impl DualEncoder {
         let image = match &spec.image {
             ImageSpec::Vit(c) => ImageTower::Vit(Vit::new(c, vb.pp("vision_model"))?),
             ImageSpec::EfficientNet(c) => ImageTower::EfficientNet(EfficientNet::new(c, vb.pp("vision_model"))?),
+            ImageSpec::Clip(c) => ImageTower::Clip(ClipVision::new(c, vb.pp("vision_model"))?),
+            ImageSpec::Siglip(c) => ImageTower::Siglip(SiglipVision::new(c, vb.pp("vision_model"))?),
         };
-        let text = Bert::new(&spec.text, vb.pp("text_model"))?;
+        let text = TextTower::new(&spec.text, vb.pp("text_model"))?;
         let width = spec.image.width();
         let visual_projection = if spec.image_projection {
             Some(linear(width, spec.embed_dim, false, LINEAR_DEFAULT, vb.pp("visual_projection"))?)
@@ -113,7 +228,13 @@ impl DualEncoder {
             }
             None
         };
-        let text_projection = linear(spec.text.hidden, spec.embed_dim, true, LINEAR_DEFAULT, vb.pp("text_projection"))?;
+        let text_projection = match &spec.text {
+            TextSpec::Siglip(c) if c.projection != spec.embed_dim => {
+                candle_core::bail!("SigLIP's text head gives {} wide embeddings, not embed_dim {}", c.projection, spec.embed_dim)
+            }
+            TextSpec::Siglip(_) => None,
+            t => Some(linear(t.width(), spec.embed_dim, spec.text_projection_bias, LINEAR_DEFAULT, vb.pp("text_projection"))?),
+        };
         let temperature = match spec.temperature {
             TemperatureKind::Align => vb.get_with_hints((), "temperature", Init::Const(spec.temperature_init))?,
             TemperatureKind::Clip => vb.get_with_hints((), "logit_scale", Init::Const((1.0 / spec.temperature_init).ln()))?,
@@ -144,8 +265,14 @@ impl DualEncoder {
         match &mut self.image {
             ImageTower::Vit(v) => v.checkpointing = c.clone(),
             ImageTower::EfficientNet(e) => e.checkpointing = c.clone(),
+            ImageTower::Clip(v) => v.encoder.checkpointing = c.clone(),
+            ImageTower::Siglip(v) => v.encoder.checkpointing = c.clone(),
         }
-        self.text.checkpointing = c;
+        match &mut self.text {
+            TextTower::Bert(t) => t.checkpointing = c,
+            TextTower::Clip(t) => t.encoder.checkpointing = c,
+            TextTower::Siglip(t) => t.encoder.checkpointing = c,
+        }
         self.checkpoint_grads = Some(sink);
         self
     }
@@ -159,7 +286,7 @@ impl DualEncoder {
     /// The dtype the towers compute in: their weights' (bf16 for a mixed-precision view built
     /// with `SeededVars::builder_dtype(.., BF16, ..)` over f32 variables).
     pub fn compute_dtype(&self) -> DType {
-        self.text_projection.weight().dtype()
+        self.temperature.dtype()
     }
 
     /// L2-normalised image embeddings `[batch, embed_dim]` for `[batch, 3, S, S]` images.
@@ -177,7 +304,11 @@ impl DualEncoder {
     pub fn text_embeddings(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let _profile = crate::util::profile::region("forward/text");
         let pooled = self.text.pooled(ids, mask, self.spec.text_pooling)?;
-        l2_normalize(&widen(&self.text_projection.forward(&pooled)?)?)
+        let x = match &self.text_projection {
+            Some(p) => p.forward(&pooled)?,
+            None => pooled,
+        };
+        l2_normalize(&widen(&x)?)
     }
 
     /// The factor logits are multiplied by: 1/σ (ALIGN) or min(exp(s), 100) (CLIP). 0-d, f32 or
@@ -212,12 +343,29 @@ impl DualEncoder {
                 2.0 * patches * 3.0 * p * p * d + transformer(patches + 1.0, d, c.mlp_dim as f64, c.depth)
             }
             ImageTower::EfficientNet(e) => e.forward_flops(),
+            ImageTower::Clip(v) => {
+                let c = &v.config;
+                let (patches, p) = (c.num_patches() as f64, c.patch_size as f64);
+                2.0 * patches * 3.0 * p * p * c.encoder.width as f64 + c.encoder.flops(patches + 1.0)
+            }
+            ImageTower::Siglip(v) => {
+                let c = &v.config;
+                let (patches, p, d) = (c.num_patches() as f64, c.patch_size as f64, c.encoder.width as f64);
+                // The head: the probe's attention over the patches and its MLP.
+                let head = 4.0 * patches * d * d + 4.0 * patches * d + 4.0 * d * c.encoder.mlp_dim as f64;
+                2.0 * patches * 3.0 * p * p * d + c.encoder.flops(patches) + head
+            }
         };
-        let t = &self.spec.text;
-        let text = transformer(text_len as f64, t.hidden as f64, t.intermediate as f64, t.layers);
+        let l = text_len as f64;
+        let text = match &self.spec.text {
+            TextSpec::Bert(t) => transformer(l, t.hidden as f64, t.intermediate as f64, t.layers),
+            TextSpec::Clip(t) => t.encoder.flops(l),
+            TextSpec::Siglip(t) => t.encoder.flops(l) + 2.0 * t.encoder.width as f64 * t.projection as f64,
+        };
         let width = self.spec.image.width() as f64;
         let e = self.spec.embed_dim as f64;
-        let projections = 2.0 * t.hidden as f64 * e + if self.visual_projection.is_some() { 2.0 * width * e } else { 0.0 };
+        let text_projection = if self.text_projection.is_some() { 2.0 * self.spec.text.width() as f64 * e } else { 0.0 };
+        let projections = text_projection + if self.visual_projection.is_some() { 2.0 * width * e } else { 0.0 };
         image + text + projections
     }
 
@@ -247,7 +395,7 @@ pub(crate) mod tests {
                 layer_norm_eps: 1e-12,
                 patch_dropout: 0.0,
             }),
-            text: BertConfig {
+            text: TextSpec::Bert(BertConfig {
                 vocab_size: 30,
                 hidden: 16,
                 layers: 1,
@@ -256,7 +404,8 @@ pub(crate) mod tests {
                 max_position: 16,
                 type_vocab: 2,
                 layer_norm_eps: 1e-12,
-            },
+            }),
+            text_projection_bias: true,
             embed_dim: 8,
             image_projection: true,
             text_pooling: TextPooling::Cls,
@@ -358,6 +507,20 @@ pub(crate) mod tests {
         assert_eq!(model.logit_scale().unwrap().to_scalar::<f32>().unwrap(), 100.0);
     }
 
+    /// Checkpoints from before the CLIP and SigLIP towers hold the BERT config bare, without a
+    /// `kind` and without `text_projection_bias`.
+    #[test]
+    fn specs_written_before_the_text_tower_kinds_still_read() {
+        let spec = tiny_spec();
+        let mut json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(json["text"]["kind"], "bert");
+        json["text"].as_object_mut().unwrap().remove("kind");
+        json.as_object_mut().unwrap().remove("text_projection_bias");
+        assert_eq!(serde_json::from_value::<ModelSpec>(json).unwrap(), spec);
+        let round = serde_json::to_string(&spec).unwrap();
+        assert_eq!(serde_json::from_str::<ModelSpec>(&round).unwrap(), spec);
+    }
+
     #[test]
     fn padding_does_not_change_the_text_embedding() {
         let dev = Device::Cpu;
@@ -384,7 +547,8 @@ pub(crate) mod tests {
             };
             let spec = ModelSpec {
                 image,
-                text: BertConfig::preset(text, 30522).unwrap(),
+                text: TextSpec::Bert(BertConfig::preset(text, 30522).unwrap()),
+                text_projection_bias: true,
                 embed_dim: 640,
                 image_projection: true,
                 text_pooling: TextPooling::Cls,

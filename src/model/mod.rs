@@ -3,12 +3,15 @@
 
 pub mod batch_norm;
 pub mod bert;
+pub mod clip;
 pub mod dual_encoder;
 pub mod efficientnet;
 pub mod init;
 pub mod layers;
+pub mod prenorm;
 pub mod presets;
 pub mod recompute;
+pub mod siglip;
 pub mod vit;
 
 /// How a forward pass runs: training (batch statistics, stochastic depth drawn from `seed`, patch

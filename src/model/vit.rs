@@ -80,13 +80,8 @@ impl Vit {
         })
     }
 
-    /// `[b, 3, H, W]` → `[b, patches, 3·p·p]` with each patch flattened as (channel, row, col),
-    /// the order of the convolution weight.
     fn patchify(&self, x: &Tensor) -> Result<Tensor> {
-        let (b, c, h, w) = x.dims4()?;
-        let p = self.config.patch_size;
-        let (gh, gw) = (h / p, w / p);
-        x.reshape((b, c, gh, p, gw, p))?.permute((0, 2, 4, 1, 3, 5))?.contiguous()?.reshape((b, gh * gw, c * p * p))
+        patchify(x, self.config.patch_size)
     }
 
     /// Final hidden states `[b, 1 + tokens, width]` after the last LayerNorm (Hugging Face's
@@ -153,6 +148,14 @@ impl Vit {
             ImagePooling::Gap => x.narrow(1, 1, x.dim(1)? - 1)?.mean(1),
         }
     }
+}
+
+/// `[b, 3, H, W]` → `[b, patches, 3·p·p]` with each patch flattened as (channel, row, col), the
+/// order of a `p`×`p` stride-`p` convolution's weight.
+pub(crate) fn patchify(x: &Tensor, p: usize) -> Result<Tensor> {
+    let (b, c, h, w) = x.dims4()?;
+    let (gh, gw) = (h / p, w / p);
+    x.reshape((b, c, gh, p, gw, p))?.permute((0, 2, 4, 1, 3, 5))?.contiguous()?.reshape((b, gh * gw, c * p * p))
 }
 
 /// Tags patch dropout's draws apart from the other streams a step's seed feeds.

@@ -60,7 +60,7 @@ pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer,
     }
     // AlignTextModel carries BERT's pooler, which ALIGN never uses; zeros keep transformers from
     // reporting it as missing.
-    let h = spec.text.hidden;
+    let h = spec.text.width();
     tensors.insert("text_model.pooler.dense.weight".into(), Tensor::zeros((h, h), DType::F32, &Device::Cpu)?);
     tensors.insert("text_model.pooler.dense.bias".into(), Tensor::zeros(h, DType::F32, &Device::Cpu)?);
     crate::io::tensors::write_tensors(&tensors, &out.join(WEIGHTS))?;

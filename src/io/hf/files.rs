@@ -15,8 +15,20 @@ use crate::data::tokenizer::TextTokenizer;
 use crate::io::tensors::read_tensors;
 use crate::util::log;
 
-/// Every tensor of a directory's `model.safetensors`, or of the shards its index lists.
+/// Every tensor of a directory's `model.safetensors`, or of the shards its index lists, with
+/// SigLIP's `[1]`-shaped `logit_scale` and `logit_bias` as the scalars align keeps.
 pub fn read_weights(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let mut w = read_stored_weights(dir, device)?;
+    for name in ["logit_scale", "logit_bias"] {
+        if let Some(t) = w.get(name).filter(|t| t.dims() == [1]) {
+            let scalar = t.squeeze(0)?;
+            w.insert(name.to_string(), scalar);
+        }
+    }
+    Ok(w)
+}
+
+fn read_stored_weights(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let single = dir.join(WEIGHTS);
     if single.is_file() {
         return read_tensors(&single, device);

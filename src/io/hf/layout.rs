@@ -7,7 +7,7 @@
 
 use serde_json::{json, Value};
 
-use crate::model::dual_encoder::{ImageSpec, ModelSpec};
+use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::efficientnet::{EfficientNetConfig, Stages};
 use crate::model::presets::{BertConfig, ImagePooling, TemperatureKind, TextPooling, VitConfig};
 
@@ -20,15 +20,15 @@ pub fn is_unused_hf_tensor(name: &str) -> bool {
         || name.ends_with("embeddings.token_type_ids")
 }
 
-fn get<'a>(v: &'a Value, key: &str, ctx: &str) -> Result<&'a Value, String> {
+pub(super) fn get<'a>(v: &'a Value, key: &str, ctx: &str) -> Result<&'a Value, String> {
     v.get(key).ok_or_else(|| format!("{ctx} has no {key:?}"))
 }
 
-fn usize_of(v: &Value, key: &str, ctx: &str) -> Result<usize, String> {
+pub(super) fn usize_of(v: &Value, key: &str, ctx: &str) -> Result<usize, String> {
     get(v, key, ctx)?.as_u64().map(|x| x as usize).ok_or_else(|| format!("{ctx}.{key} is not an integer"))
 }
 
-fn f64_of(v: &Value, key: &str, ctx: &str) -> Result<f64, String> {
+pub(super) fn f64_of(v: &Value, key: &str, ctx: &str) -> Result<f64, String> {
     get(v, key, ctx)?.as_f64().ok_or_else(|| format!("{ctx}.{key} is not a number"))
 }
 
@@ -165,7 +165,8 @@ pub fn align_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
     }
     Ok(ModelSpec {
         image: ImageSpec::EfficientNet(vision),
-        text,
+        text: TextSpec::Bert(text),
+        text_projection_bias: true,
         embed_dim,
         image_projection: false,
         text_pooling: TextPooling::Cls,
@@ -193,7 +194,7 @@ pub fn align_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
         "projection_dim": spec.embed_dim,
         "temperature_init_value": spec.temperature_init,
         "initializer_range": 0.02,
-        "text_config": bert_to_hf(&spec.text),
+        "text_config": bert_to_hf(spec.text.bert().ok_or("AlignModel's text tower is BERT")?),
         "vision_config": efficientnet_to_hf(vision),
     }))
 }
@@ -208,7 +209,8 @@ mod tests {
         e.drop_path = 0.0;
         let spec = ModelSpec {
             image: ImageSpec::EfficientNet(e),
-            text: BertConfig::preset("bert-base", 30522).unwrap(),
+            text: TextSpec::Bert(BertConfig::preset("bert-base", 30522).unwrap()),
+            text_projection_bias: true,
             embed_dim: 640,
             image_projection: false,
             text_pooling: TextPooling::Cls,

@@ -1,0 +1,156 @@
+//! CLIP's towers with Hugging Face `CLIPModel` parameter names: the text transformer (causal,
+//! pre-norm, pooled at the end-of-text token) and the vision transformer (class embedding,
+//! pre-LayerNorm, the class token's final state after `post_layernorm`).
+
+use candle_core::{DType, Module, Result, Tensor};
+use candle_nn::{Embedding, Init, VarBuilder};
+use serde::{Deserialize, Serialize};
+
+use super::layers::{scaled_normal, LayerNorm};
+use super::prenorm::{Encoder, EncoderConfig};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClipTextConfig {
+    pub vocab_size: usize,
+    pub max_position: usize,
+    pub encoder: EncoderConfig,
+    pub eos_token_id: u32,
+}
+
+impl ClipTextConfig {
+    /// OpenAI's configs say `eos_token_id = 2` although the end-of-text token is the vocabulary's
+    /// last; transformers then pools at the highest id of each row, which is that token.
+    pub fn pools_at_highest_id(&self) -> bool {
+        self.eos_token_id == 2
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClipVisionConfig {
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub encoder: EncoderConfig,
+}
+
+impl ClipVisionConfig {
+    pub fn num_patches(&self) -> usize {
+        (self.image_size / self.patch_size).pow(2)
+    }
+}
+
+/// A large negative score for masked keys: finite, so a row with every key masked stays finite.
+const MASKED: f64 = -1e9;
+
+pub struct ClipText {
+    token: Embedding,
+    position: Embedding,
+    pub encoder: Encoder,
+    final_norm: LayerNorm,
+    pub config: ClipTextConfig,
+}
+
+impl ClipText {
+    pub fn new(c: &ClipTextConfig, vb: VarBuilder) -> Result<Self> {
+        let e = vb.pp("embeddings");
+        let w = c.encoder.width;
+        let emb = |n: usize, name: &str| -> Result<Embedding> {
+            Ok(Embedding::new(e.get_with_hints((n, w), &format!("{name}.weight"), scaled_normal(w))?, w))
+        };
+        Ok(ClipText {
+            token: emb(c.vocab_size, "token_embedding")?,
+            position: emb(c.max_position, "position_embedding")?,
+            encoder: Encoder::new(&c.encoder, vb.pp("encoder"))?,
+            final_norm: LayerNorm::new(w, c.encoder.layer_norm_eps, vb.pp("final_layer_norm"))?,
+            config: c.clone(),
+        })
+    }
+
+    /// `[b, L, width]` after `final_layer_norm`: each token sees itself, the tokens before it and
+    /// no padding.
+    pub fn hidden_states(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, l) = ids.dims2()?;
+        if l > self.config.max_position {
+            candle_core::bail!("CLIP's text tower takes at most {} tokens, got {l}", self.config.max_position);
+        }
+        let dev = ids.device();
+        let positions = Tensor::arange(0u32, l as u32, dev)?;
+        let x = self.token.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?;
+        let causal: Vec<f32> = (0..l).flat_map(|q| (0..l).map(move |k| if k <= q { 0.0 } else { MASKED as f32 })).collect();
+        let causal = Tensor::from_vec(causal, (1, 1, l, l), dev)?;
+        let padding = ((mask.to_dtype(DType::F32)? - 1.0)? * -MASKED)?.reshape((b, 1, 1, l))?;
+        let bias = causal.broadcast_add(&padding)?;
+        self.final_norm.forward(&self.encoder.forward(&x, Some(&bias))?)
+    }
+
+    /// The end-of-text token's final state of each row: at the row's highest id (OpenAI's
+    /// configs), else at its first `eos_token_id`, as transformers pools.
+    pub fn pooled(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let h = self.hidden_states(ids, mask)?;
+        let (b, l, w) = h.dims3()?;
+        let rows: Vec<Vec<u32>> = ids.to_vec2()?;
+        let eos = self.config.eos_token_id;
+        let at: Vec<u32> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let p = if self.config.pools_at_highest_id() {
+                    // The first of the highest ids, as torch's argmax returns.
+                    r.iter().enumerate().fold(0, |best, (j, &t)| if t > r[best] { j } else { best })
+                } else {
+                    r.iter().position(|&t| t == eos).unwrap_or(l - 1)
+                };
+                (i * l + p) as u32
+            })
+            .collect();
+        h.reshape((b * l, w))?.index_select(&Tensor::from_vec(at, b, h.device())?, 0)
+    }
+}
+
+pub struct ClipVision {
+    patch_weight: Tensor,
+    class_embedding: Tensor,
+    position: Tensor,
+    pre_norm: LayerNorm,
+    pub encoder: Encoder,
+    post_norm: LayerNorm,
+    pub config: ClipVisionConfig,
+}
+
+impl ClipVision {
+    pub fn new(c: &ClipVisionConfig, vb: VarBuilder) -> Result<Self> {
+        let e = vb.pp("embeddings");
+        let (w, p) = (c.encoder.width, c.patch_size);
+        let eps = c.encoder.layer_norm_eps;
+        Ok(ClipVision {
+            patch_weight: e.pp("patch_embedding").get_with_hints((w, 3, p, p), "weight", scaled_normal(3 * p * p))?,
+            class_embedding: e.get_with_hints(w, "class_embedding", Init::Randn { mean: 0.0, stdev: (w as f64).powf(-0.5) })?,
+            position: e.pp("position_embedding").get_with_hints((c.num_patches() + 1, w), "weight", scaled_normal(w))?,
+            // Hugging Face's spelling.
+            pre_norm: LayerNorm::new(w, eps, vb.pp("pre_layrnorm"))?,
+            encoder: Encoder::new(&c.encoder, vb.pp("encoder"))?,
+            post_norm: LayerNorm::new(w, eps, vb.pp("post_layernorm"))?,
+            config: c.clone(),
+        })
+    }
+
+    /// The encoder's output `[b, 1 + patches, width]` (Hugging Face's `last_hidden_state`, before
+    /// `post_layernorm`).
+    pub fn hidden_states(&self, images: &Tensor) -> Result<Tensor> {
+        let (b, _, h, w) = images.dims4()?;
+        let (size, p) = (self.config.image_size, self.config.patch_size);
+        if h != size || w != size {
+            candle_core::bail!("CLIP's vision tower expects {size}x{size} images, got {h}x{w}");
+        }
+        let width = self.config.encoder.width;
+        let patches = super::vit::patchify(images, p)?;
+        let np = patches.dim(1)?;
+        let tokens = patches.reshape((b * np, ()))?.matmul(&self.patch_weight.reshape((width, ()))?.t()?)?.reshape((b, np, width))?;
+        let cls = self.class_embedding.reshape((1, 1, width))?.broadcast_as((b, 1, width))?;
+        let x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.position.unsqueeze(0)?)?;
+        self.encoder.forward(&self.pre_norm.forward(&x)?, None)
+    }
+
+    pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
+        self.post_norm.forward(&self.hidden_states(images)?.narrow(1, 0, 1)?.squeeze(1)?)
+    }
+}

@@ -1,0 +1,171 @@
+//! CLIP and SigLIP towers against Hugging Face transformers, on tiny random `CLIPModel` (with
+//! quick-GELU, and with exact GELU as LAION's checkpoints have) and `SiglipModel` fixtures made
+//! by `scripts/make_tower_fixtures.py`: embeddings from pixel values and token ids to 1e-5 (tight
+//! enough that the wrong GELU fails), the tokenizer's ids exactly, and embeddings from the JPEG
+//! files through each checkpoint's own preprocessing to cosine 0.999.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use align::data::eval_reader::{EvalSource, FileSample, Needs};
+use align::eval::embed::embed_source;
+use align::io::load::load_model;
+use align::io::tensors::read_tensors;
+use candle_core::{DType, Device, Tensor};
+
+fn towers() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/towers")
+}
+
+fn expected() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(towers().join("expected.json")).unwrap()).unwrap()
+}
+
+fn io(name: &str) -> HashMap<String, Tensor> {
+    read_tensors(&towers().join(format!("{name}-io.safetensors")), &Device::Cpu).unwrap()
+}
+
+fn u32s(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::U32).unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let n = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (n(a) * n(b))
+}
+
+/// Embeddings of the fixture's pixel values and token ids, its captions' ids as align's
+/// tokenizer makes them, and the JPEGs through the checkpoint's processor.
+fn check_clip(name: &str) {
+    let m = load_model(&towers().join(name), &Device::Cpu).unwrap();
+    let io = io(name);
+    let img = m.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    let d = max_diff(&img, &io["image_embeds_normalised"]);
+    assert!(d <= 1e-5, "{name}: image embeddings differ by {d}");
+    let txt = m.model.text_embeddings(&u32s(&io["input_ids"]), &u32s(&io["attention_mask"])).unwrap();
+    let d = max_diff(&txt, &io["text_embeds_normalised"]);
+    assert!(d <= 1e-5, "{name}: text embeddings differ by {d}");
+    let scale = m.model.logit_scale().unwrap().to_scalar::<f32>().unwrap();
+    let want = io["logit_scale"].flatten_all().unwrap().to_vec1::<f32>().unwrap()[0].exp();
+    assert!((scale - want).abs() < 1e-4 * want, "{name}: logit scale {scale} vs {want}");
+
+    let e = &expected()["models"][name];
+    let captions: Vec<String> = e["captions"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
+    let batch = m.tokenizer.encode_batch(&captions).unwrap();
+    let want_ids = io["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    let want_mask = io["attention_mask"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    let width = want_ids[0].len();
+    assert_eq!(batch.max_len, width, "{name}: model_max_length");
+    for (i, c) in captions.iter().enumerate() {
+        assert_eq!(&batch.ids[i * width..(i + 1) * width], &want_ids[i][..], "{name}: ids of {c:?}");
+        assert_eq!(&batch.mask[i * width..(i + 1) * width], &want_mask[i][..], "{name}: mask of {c:?}");
+    }
+
+    let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+    let files = images.iter().map(|n| FileSample { path: towers().join("images").join(n), label: None, captions: vec![] }).collect();
+    let needs = Needs { image: true, captions: false, label: false };
+    let got = embed_source(&m.model, EvalSource::Files(files), &m.config.data.image, needs, 4, &Device::Cpu, true).unwrap();
+    let reference = io["jpeg_image_embeds"].to_vec2::<f32>().unwrap();
+    let dim = got.embeddings.dim;
+    for (i, n) in images.iter().enumerate() {
+        let c = cosine(&got.embeddings.data[i * dim..(i + 1) * dim], &reference[i]);
+        assert!(c >= 0.999, "{name}: {n}: cosine {c} with transformers' embedding of the file");
+    }
+}
+
+#[test]
+fn clip_with_quick_gelu_matches_transformers() {
+    check_clip("clip-tiny");
+}
+
+#[test]
+fn clip_with_exact_gelu_matches_transformers() {
+    check_clip("clip-tiny-gelu");
+}
+
+/// The two CLIP fixtures differ only in the activation (and the end-of-text rule), so each
+/// checkpoint's weights under the other's activation must miss by far more than the tolerance.
+#[test]
+fn the_wrong_activation_is_caught() {
+    let m = load_model(&towers().join("clip-tiny"), &Device::Cpu).unwrap();
+    let mut spec = m.model.spec.clone();
+    if let align::model::dual_encoder::ImageSpec::Clip(v) = &mut spec.image {
+        v.encoder.act = align::model::prenorm::Act::Gelu;
+    }
+    let vb = candle_nn::VarBuilder::from_varmap(&m.varmap, DType::F32, &Device::Cpu);
+    let wrong = align::model::dual_encoder::DualEncoder::new(&spec, vb).unwrap();
+    let io = io("clip-tiny");
+    let img = wrong.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    let d = max_diff(&img, &io["image_embeds_normalised"]);
+    assert!(d > 1e-3, "exact GELU in place of quick-GELU moved the embeddings by only {d}");
+}
+
+#[test]
+fn siglip_towers_match_transformers() {
+    let dir = towers().join("siglip-tiny");
+    let (model, _vm) = align::io::hf::clip::hf_model(&dir, &Device::Cpu).unwrap();
+    let io = io("siglip-tiny");
+    let img = model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    let d = max_diff(&img, &io["image_embeds_normalised"]);
+    assert!(d <= 1e-5, "image embeddings differ by {d}");
+    let ids = u32s(&io["input_ids"]);
+    // SigLIP is used without a mask: the padding takes part in attention.
+    let txt = model.text_embeddings(&ids, &Tensor::ones_like(&ids).unwrap()).unwrap();
+    let d = max_diff(&txt, &io["text_embeds_normalised"]);
+    assert!(d <= 1e-5, "text embeddings differ by {d}");
+    let scale = model.logit_scale().unwrap().to_scalar::<f32>().unwrap();
+    let bias = model.logit_bias().unwrap().unwrap().to_scalar::<f32>().unwrap();
+    let want = |k: &str| io[k].flatten_all().unwrap().to_vec1::<f32>().unwrap()[0];
+    assert!((scale - want("logit_scale").exp()).abs() < 1e-4 && (bias - want("logit_bias")).abs() < 1e-6, "{scale} {bias}");
+    // The logits as SiglipModel computes them: t̂·îᵀ·exp(s) + b.
+    let logits = (txt.matmul(&img.t().unwrap()).unwrap() * scale as f64).unwrap().affine(1.0, bias as f64).unwrap();
+    let d = max_diff(&logits.t().unwrap(), &io["logits_per_image"]);
+    assert!(d <= 1e-4, "logits differ by {d}");
+}
+
+/// Fine-tuning starts from the CLIPModel: its weights and tokenizer (a zero learning rate keeps
+/// the weights), and the align checkpoint it writes embeds as transformers does.
+#[test]
+fn training_starts_from_a_clip_model() {
+    use align::train::trainer::{train, TrainOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let opts = TrainOptions { resume: false, quiet: true, device: Device::Cpu, stop_after: None, nproc: 1, allow_change: Vec::new() };
+    let overrides = |max_len: usize| -> Vec<String> {
+        vec![
+            format!("data.train={}", data.train),
+            format!("run.out_dir={}", dir.path().join("runs").display()),
+            format!("model.init={}", towers().join("clip-tiny").display()),
+            format!("text.max_len={max_len}"),
+            "data.image.image_size=32".into(),
+            "data.image.resize=36".into(),
+            "data.workers=1".into(),
+            "train.batch_size=8".into(),
+            "train.steps=2".into(),
+            "train.lr=1e-30".into(),
+            "train.warmup_steps=0".into(),
+        ]
+    };
+    let too_long = align::config::Config::from_str_with_overrides("", "clip", &overrides(64)).unwrap();
+    let e = train(&too_long, &opts).err().unwrap().to_string();
+    assert!(e.contains("text.max_len 64") && e.contains("16 positions"), "{e}");
+    let cfg = align::config::Config::from_str_with_overrides("", "clip", &overrides(16)).unwrap();
+    let s = train(&cfg, &opts).unwrap();
+    let m = load_model(&s.checkpoint, &Device::Cpu).unwrap();
+    let io = io("clip-tiny");
+    let txt = m.model.text_embeddings(&u32s(&io["input_ids"]), &u32s(&io["attention_mask"])).unwrap();
+    let d = max_diff(&txt, &io["text_embeds_normalised"]);
+    assert!(d <= 1e-5, "text embeddings of the fine-tuned checkpoint differ by {d}");
+    let img = m.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    let d = max_diff(&img, &io["image_embeds_normalised"]);
+    assert!(d <= 1e-5, "image embeddings of the fine-tuned checkpoint differ by {d}");
+    let ids = m.tokenizer.encode_batch(&["a photo of a cat"]).unwrap().ids;
+    assert_eq!(&ids[..10], &[812, 320, 79, 606, 531, 539, 320, 66, 536, 813], "the checkpoint keeps CLIP's tokenizer");
+}
