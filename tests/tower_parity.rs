@@ -110,7 +110,8 @@ fn the_wrong_activation_is_caught() {
 #[test]
 fn siglip_towers_match_transformers() {
     let dir = towers().join("siglip-tiny");
-    let (model, _vm) = align::io::hf::clip::hf_model(&dir, &Device::Cpu).unwrap();
+    let m = load_model(&dir, &Device::Cpu).unwrap();
+    let model = &m.model;
     let io = io("siglip-tiny");
     let img = model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
     let d = max_diff(&img, &io["image_embeds_normalised"]);
@@ -128,6 +129,35 @@ fn siglip_towers_match_transformers() {
     let logits = (txt.matmul(&img.t().unwrap()).unwrap() * scale as f64).unwrap().affine(1.0, bias as f64).unwrap();
     let d = max_diff(&logits.t().unwrap(), &io["logits_per_image"]);
     assert!(d <= 1e-4, "logits differ by {d}");
+    // The SentencePiece model with SigLIP's canonicalisation gives SiglipTokenizer's ids.
+    let e = &expected()["models"]["siglip-tiny"];
+    let captions: Vec<String> = e["captions"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
+    let batch = m.tokenizer.encode_batch(&captions).unwrap();
+    let want = io["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    assert_eq!(batch.max_len, 64);
+    for (i, c) in captions.iter().enumerate() {
+        assert_eq!(&batch.ids[i * 64..(i + 1) * 64], &want[i][..], "ids of {c:?}");
+    }
+    // Saved as a tokenizer.json (an align checkpoint's), the pipeline keeps all of it.
+    let dir = tempfile::tempdir().unwrap();
+    m.tokenizer.save(&dir.path().join("tokenizer.json")).unwrap();
+    let reread = align::data::tokenizer::TextTokenizer::from_file(&dir.path().join("tokenizer.json"), 64).unwrap();
+    assert_eq!(reread.encode_batch(&captions).unwrap(), batch);
+    for (text, want) in [("Hello,   WORLD!!", "hello world"), ("(a) [b] {c}", "a b c")] {
+        let a = m.tokenizer.encode_batch(&[text]).unwrap().ids;
+        assert_eq!(a, m.tokenizer.encode_batch(&[want]).unwrap().ids, "{text:?} canonicalises to {want:?}");
+    }
+    // From the JPEG files through SigLIP's processor (a square resize, x/127.5 − 1).
+    let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+    let files = images.iter().map(|n| FileSample { path: towers().join("images").join(n), label: None, captions: vec![] }).collect();
+    let needs = Needs { image: true, captions: false, label: false };
+    let got = embed_source(model, EvalSource::Files(files), &m.config.data.image, needs, 4, &Device::Cpu, true).unwrap();
+    let reference = io["jpeg_image_embeds"].to_vec2::<f32>().unwrap();
+    let dim = got.embeddings.dim;
+    for (i, n) in images.iter().enumerate() {
+        let c = cosine(&got.embeddings.data[i * dim..(i + 1) * dim], &reference[i]);
+        assert!(c >= 0.999, "{n}: cosine {c} with transformers' embedding of the file");
+    }
 }
 
 /// Fine-tuning starts from the CLIPModel: its weights and tokenizer (a zero learning rate keeps
@@ -168,4 +198,45 @@ fn training_starts_from_a_clip_model() {
     assert!(d <= 1e-5, "image embeddings of the fine-tuned checkpoint differ by {d}");
     let ids = m.tokenizer.encode_batch(&["a photo of a cat"]).unwrap().ids;
     assert_eq!(&ids[..10], &[812, 320, 79, 606, 531, 539, 320, 66, 536, 813], "the checkpoint keeps CLIP's tokenizer");
+}
+
+/// SigLIP fine-tuned with its own loss starts from its weights, scale and bias, and its
+/// SentencePiece tokenizer travels with the checkpoint.
+#[test]
+fn training_starts_from_a_siglip_model_with_the_sigmoid_loss() {
+    use align::train::trainer::{train, TrainOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let opts = TrainOptions { resume: false, quiet: true, device: Device::Cpu, stop_after: None, nproc: 1, allow_change: Vec::new() };
+    let cfg = align::config::Config::from_str_with_overrides(
+        "",
+        "siglip",
+        &[
+            format!("data.train={}", data.train),
+            format!("run.out_dir={}", dir.path().join("runs").display()),
+            format!("model.init={}", towers().join("siglip-tiny").display()),
+            "loss.kind=\"sigmoid\"".into(),
+            "data.image.image_size=32".into(),
+            "data.image.resize=36".into(),
+            "data.workers=1".into(),
+            "train.batch_size=8".into(),
+            "train.steps=2".into(),
+            "train.lr=1e-30".into(),
+            "train.warmup_steps=0".into(),
+        ],
+    )
+    .unwrap();
+    let s = train(&cfg, &opts).unwrap();
+    let m = load_model(&s.checkpoint, &Device::Cpu).unwrap();
+    let io = io("siglip-tiny");
+    let img = m.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    let d = max_diff(&img, &io["image_embeds_normalised"]);
+    assert!(d <= 1e-5, "image embeddings of the fine-tuned checkpoint differ by {d}");
+    let bias = m.model.logit_bias().unwrap().unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(bias, io["logit_bias"].flatten_all().unwrap().to_vec1::<f32>().unwrap()[0]);
+    let e = &expected()["models"]["siglip-tiny"];
+    let first = e["captions"][0].as_str().unwrap();
+    let ids = m.tokenizer.encode_batch(&[first]).unwrap().ids;
+    let want = io["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    assert_eq!(ids, want[0], "the checkpoint keeps SigLIP's tokenizer");
 }

@@ -8,6 +8,7 @@ pub mod folders;
 pub mod loader;
 pub mod reader_thread;
 pub mod sample;
+pub mod sentencepiece;
 pub mod shard_writer;
 pub mod shuffle;
 pub mod skips;

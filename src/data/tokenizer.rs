@@ -20,6 +20,8 @@ pub const SEP: &str = "[SEP]";
 pub const MASK: &str = "[MASK]";
 /// CLIP's end-of-text token, which its tokenizers also pad with.
 pub const CLIP_END: &str = "<|endoftext|>";
+/// The end of a SentencePiece text (SigLIP, T5), which SigLIP also pads with.
+pub const SENTENCE_END: &str = "</s>";
 /// CC12M replaces person names by this hypernym; it must never be split into `<`, `person`, `>`.
 pub const PERSON: &str = "<PERSON>";
 
@@ -44,13 +46,15 @@ impl TextTokenizer {
         Self::new(inner, max_len).with_context(|| format!("tokenizer {}", path.display()))
     }
 
-    /// A BERT vocabulary (it has `[PAD]`), or a CLIP one padded with its end-of-text token.
+    /// A BERT vocabulary (it has `[PAD]`), or a CLIP or SigLIP one padded with its end token.
     pub fn new(mut inner: Tokenizer, max_len: usize) -> Result<Self> {
         if max_len < 2 {
             bail!("max_len {max_len} leaves no room for [CLS] and [SEP]");
         }
-        if inner.token_to_id(PAD).is_none() && inner.token_to_id(CLIP_END).is_some() {
-            return Self::with_pad_token(inner, max_len, CLIP_END);
+        if inner.token_to_id(PAD).is_none() {
+            if let Some(end) = [CLIP_END, SENTENCE_END].into_iter().find(|t| inner.token_to_id(t).is_some()) {
+                return Self::with_pad_token(inner, max_len, end);
+            }
         }
         let pad_id = inner.token_to_id(PAD).ok_or_else(|| anyhow!("vocabulary has no {PAD} token"))?;
         for t in [CLS, SEP] {

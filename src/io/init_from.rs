@@ -15,7 +15,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 
-use super::hf::clip::clip_spec_from_hf;
+use super::hf::clip::{hf_spec, read_hf_tokenizer};
 use super::hf::files::{is_hf_model, load_prefixed, read_json, read_tokenizer, read_weights};
 use super::hf::hub::resolve_location;
 use super::hf::layout::{align_spec_from_hf, bert_from_hf, vit_from_hf};
@@ -44,6 +44,10 @@ pub fn tokenizer(cfg: &Config) -> Result<Option<TextTokenizer>> {
     }
     let max_len = cfg.text.max_len;
     if let Some(dir) = located(&cfg.model.init)? {
+        // Before any tokenizer.json: SigLIP's own is its SentencePiece model.
+        if is_hf_model(&dir, "clip") || is_hf_model(&dir, "siglip") {
+            return read_hf_tokenizer(&dir, max_len).map(Some);
+        }
         if dir.join(TOKENIZER_FILE).is_file() {
             return TextTokenizer::from_file(&dir.join(TOKENIZER_FILE), max_len).map(Some);
         }
@@ -79,10 +83,10 @@ fn towers(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
                 .with_context(|| format!("parsing {}", dir.join(SPEC_FILE).display()))?
         } else if is_hf_model(&dir, "align") {
             align_spec_from_hf(&read_json(&dir.join("config.json"))?).map_err(|e| anyhow!("{}: {e}", dir.display()))?
-        } else if is_hf_model(&dir, "clip") {
-            clip_spec_from_hf(&read_json(&dir.join("config.json"))?).map_err(|e| anyhow!("{}: {e}", dir.display()))?
+        } else if is_hf_model(&dir, "clip") || is_hf_model(&dir, "siglip") {
+            hf_spec(&dir)?
         } else {
-            bail!("model.init {}: neither an align checkpoint nor a Hugging Face AlignModel or CLIPModel", cfg.model.init);
+            bail!("model.init {}: neither an align checkpoint nor a Hugging Face AlignModel, CLIPModel or SiglipModel", cfg.model.init);
         };
         if let ImageSpec::EfficientNet(e) = &mut spec.image {
             let o = &cfg.model.efficientnet;

@@ -168,41 +168,78 @@ fn pad_token(dir: &Path) -> Option<String> {
     })
 }
 
-/// The model of a `CLIPModel` or `SiglipModel` directory with its weights, without its
-/// tokenizer and preprocessing.
-pub fn hf_model(dir: &Path, device: &Device) -> Result<(DualEncoder, VarMap)> {
+/// The tokenizer of a `CLIPModel` or `SiglipModel` directory, cutting texts at `max_len` tokens.
+pub fn read_hf_tokenizer(dir: &Path, max_len: usize) -> Result<TextTokenizer> {
+    tokenizer(dir, &hf_spec(dir)?.text, Some(max_len))
+}
+
+/// The sizes of a `CLIPModel` or `SiglipModel` directory.
+pub fn hf_spec(dir: &Path) -> Result<ModelSpec> {
     let config_path = dir.join("config.json");
     let config = read_json(&config_path)?;
-    let spec = match config.get("model_type").and_then(Value::as_str) {
+    match config.get("model_type").and_then(Value::as_str) {
         Some("clip") => clip_spec_from_hf(&config),
         Some("siglip") => siglip_spec_from_hf(&config),
         other => Err(format!("model_type {other:?} is neither \"clip\" nor \"siglip\"")),
     }
-    .map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
+    .map_err(|e| anyhow!("{}: {e}", config_path.display()))
+}
+
+/// The model of a `CLIPModel` or `SiglipModel` directory with its weights, without its
+/// tokenizer and preprocessing.
+pub fn hf_model(dir: &Path, device: &Device) -> Result<(DualEncoder, VarMap)> {
+    let spec = hf_spec(dir)?;
     let varmap = VarMap::new();
     let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, 0, device))?;
     load_prefixed(&varmap, &read_weights(dir, device)?, "", "", &dir.display().to_string())?;
     Ok((model, varmap))
 }
 
-/// Loads a Hugging Face `CLIPModel` directory as an align model: its weights, its
-/// `tokenizer.json` (padded as its tokenizer config says, to `model_max_length`) and its
-/// `preprocessor_config.json`.
+/// The checkpoint's tokenizer, padded as its tokenizer config says to `model_max_length`: CLIP's
+/// `tokenizer.json`, or SigLIP's SentencePiece `spiece.model` with SigLIP's text canonicalisation
+/// (lowercase, ASCII punctuation deleted) and `</s>` appended.
+fn tokenizer(dir: &Path, text: &TextSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
+    let tokenizer_config = read_json(&dir.join("tokenizer_config.json")).ok();
+    let (positions, default_pad) = match text {
+        TextSpec::Clip(t) => (t.max_position, crate::data::tokenizer::CLIP_END),
+        TextSpec::Siglip(t) => (t.max_position, crate::data::tokenizer::SENTENCE_END),
+        TextSpec::Bert(_) => bail!("{}: a BERT text tower in a CLIP or SigLIP directory", dir.display()),
+    };
+    let max_len = max_len.unwrap_or_else(|| {
+        tokenizer_config
+            .as_ref()
+            .and_then(|c| c.get("model_max_length").and_then(Value::as_u64))
+            .map_or(positions, |m| (m as usize).min(positions))
+    });
+    let pad = pad_token(dir).unwrap_or_else(|| default_pad.to_string());
+    let (inner, from) = match text {
+        TextSpec::Siglip(_) => {
+            let path = dir.join("spiece.model");
+            if !path.is_file() {
+                bail!("{} has no spiece.model: SigLIP checkpoints ship their SentencePiece model, which align reads", dir.display());
+            }
+            let lowercase = tokenizer_config.as_ref().and_then(|c| c.get("do_lower_case").and_then(Value::as_bool)).unwrap_or(true);
+            let canonical = crate::data::sentencepiece::Canonical { lowercase, strip_punctuation: true };
+            (crate::data::sentencepiece::read_unigram(&path, canonical, crate::data::tokenizer::SENTENCE_END)?, path)
+        }
+        _ => {
+            let path = dir.join("tokenizer.json");
+            if !path.is_file() {
+                bail!("{} has no tokenizer.json (CLIP checkpoints ship one; align reads the fast tokenizer's file)", dir.display());
+            }
+            (tokenizers::Tokenizer::from_file(&path).map_err(|e| anyhow!("loading {}: {e}", path.display()))?, path)
+        }
+    };
+    TextTokenizer::with_pad_token(inner, max_len, &pad).map_err(|e| anyhow!("{}: {e}", from.display()))
+}
+
+/// Loads a Hugging Face `CLIPModel` or `SiglipModel` directory as an align model: its weights,
+/// its tokenizer and its `preprocessor_config.json`.
 pub fn load_hf_clip(dir: &Path, device: &Device) -> Result<LoadedModel> {
     let (model, varmap) = hf_model(dir, device)?;
     let spec = &model.spec;
-    let TextSpec::Clip(text) = &spec.text else { bail!("{}: not a CLIPModel", dir.display()) };
-    let max_len = read_json(&dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|c| c.get("model_max_length").and_then(Value::as_u64))
-        .map_or(text.max_position, |m| (m as usize).min(text.max_position));
-    let tokenizer_path = dir.join("tokenizer.json");
-    if !tokenizer_path.is_file() {
-        bail!("{} has no tokenizer.json (CLIP checkpoints ship one; align reads the fast tokenizer's file)", dir.display());
-    }
-    let inner = tokenizers::Tokenizer::from_file(&tokenizer_path).map_err(|e| anyhow!("loading {}: {e}", tokenizer_path.display()))?;
-    let pad = pad_token(dir).unwrap_or_else(|| crate::data::tokenizer::CLIP_END.to_string());
-    let tokenizer = TextTokenizer::with_pad_token(inner, max_len, &pad).map_err(|e| anyhow!("{}: {e}", tokenizer_path.display()))?;
+    let tokenizer = tokenizer(dir, &spec.text, None)?;
+    let max_len = tokenizer.max_len();
     let processor = dir.join("preprocessor_config.json");
     if !processor.is_file() {
         bail!("{} has no preprocessor_config.json: align takes a checkpoint's image preprocessing from it", dir.display());
