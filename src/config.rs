@@ -144,6 +144,33 @@ pub struct ModelConfig {
     pub init_text: String,
     /// Image tower from a `ViTModel` checkpoint (directory or `hf:ID`).
     pub init_image: String,
+    /// LiT (Zhai et al. 2022): freeze the image tower and its projection, all but its last
+    /// `lock_image_unlocked_groups` groups (embeddings, each layer or block, the projection).
+    /// open_clip's `--lock-image`.
+    pub lock_image: bool,
+    pub lock_image_unlocked_groups: usize,
+    /// A locked EfficientNet normalises with its running statistics and never updates them.
+    pub lock_image_freeze_bn_stats: bool,
+    /// Freeze the text tower and its projection, all but its last `lock_text_unlocked_layers`
+    /// groups. open_clip's `--lock-text`.
+    pub lock_text: bool,
+    pub lock_text_unlocked_layers: usize,
+    /// Also freeze the LayerNorms of the text groups left trainable.
+    pub lock_text_freeze_layer_norm: bool,
+}
+
+impl ModelConfig {
+    /// The locking settings.
+    pub fn lock(&self) -> crate::model::lock::LockConfig {
+        crate::model::lock::LockConfig {
+            lock_image: self.lock_image,
+            lock_image_unlocked_groups: self.lock_image_unlocked_groups,
+            lock_image_freeze_bn_stats: self.lock_image_freeze_bn_stats,
+            lock_text: self.lock_text,
+            lock_text_unlocked_layers: self.lock_text_unlocked_layers,
+            lock_text_freeze_layer_norm: self.lock_text_freeze_layer_norm,
+        }
+    }
 }
 
 impl Default for ModelConfig {
@@ -162,6 +189,12 @@ impl Default for ModelConfig {
             init: String::new(),
             init_text: String::new(),
             init_image: String::new(),
+            lock_image: false,
+            lock_image_unlocked_groups: 0,
+            lock_image_freeze_bn_stats: false,
+            lock_text: false,
+            lock_text_unlocked_layers: 0,
+            lock_text_freeze_layer_norm: false,
         }
     }
 }
@@ -478,6 +511,13 @@ impl Config {
         }
         if t.ema_eval && t.ema_decay == 0.0 {
             bail!("train.ema_eval evaluates the weight average, but train.ema_decay is 0 (no average)");
+        }
+        let m = &self.model;
+        if (m.lock_image_unlocked_groups > 0 || m.lock_image_freeze_bn_stats) && !m.lock_image {
+            bail!("model.lock_image_unlocked_groups and model.lock_image_freeze_bn_stats apply to a locked image tower: set model.lock_image = true");
+        }
+        if (m.lock_text_unlocked_layers > 0 || m.lock_text_freeze_layer_norm) && !m.lock_text {
+            bail!("model.lock_text_unlocked_layers and model.lock_text_freeze_layer_norm apply to a locked text tower: set model.lock_text = true");
         }
         if t.unmasked_tuning_steps > t.steps {
             bail!("train.unmasked_tuning_steps {} exceeds train.steps {}", t.unmasked_tuning_steps, t.steps);

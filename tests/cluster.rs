@@ -121,12 +121,16 @@ fn a_second_trainer_on_a_run_directory_is_refused_and_a_killed_holder_does_not_b
     assert!(err.contains("in use by") && err.contains(&format!("pid {}", first.id())), "{err}");
     assert!(started.elapsed() < Duration::from_secs(30), "the second trainer waited instead of refusing");
     assert!(logged_step(&run) >= 2, "the refused trainer disturbed the first one's log");
+    // A checkpoint to resume from first: killed while writing its first one, the trainer would
+    // leave none.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while run_dir::latest(&run).unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the first trainer saved no checkpoint in 120 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // kill -9 leaves the lock file behind, but no lock.
     first.kill().unwrap();
     first.wait().unwrap();
-    while run_dir::latest(&run).unwrap().is_none() {
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let out = align(&["train", "--config", path.to_str().unwrap(), "--quiet", "--json", "--resume", "--stop-after", "1"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
 }

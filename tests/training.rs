@@ -301,3 +301,50 @@ fn bf16_towers_follow_the_f32_run_over_the_first_steps() {
     }
     assert!(full.iter().zip(&half).any(|(a, b)| a != b));
 }
+
+/// LiT: a text tower trained against a locked pretrained image tower. The image tower and its
+/// projection come out byte for byte as they went in, get no optimizer state, and the text tower
+/// learns; with the last group unlocked only the projection moves.
+#[test]
+fn a_locked_image_tower_stays_byte_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let pretrained = train(&common::tiny_config(&data, &tok, &dir.path().join("pre"), &["train.steps=2"]), &opts(false, None)).unwrap();
+    let init = format!("model.init={}", pretrained.checkpoint.display());
+    let before = weights(&pretrained.checkpoint);
+    let is_image = |k: &str| k.starts_with("vision_model.") || k.starts_with("visual_projection.");
+    for (unlocked, out) in [(0usize, "lit"), (1, "lit1")] {
+        let groups = format!("model.lock_image_unlocked_groups={unlocked}");
+        let cfg = common::tiny_config(
+            &data,
+            &tok,
+            &dir.path().join(out),
+            &[init.as_str(), "model.lock_image=true", groups.as_str(), "train.steps=4"],
+        );
+        let s = train(&cfg, &opts(false, None)).unwrap();
+        let after = weights(&s.checkpoint);
+        let same = |k: &str| {
+            let (a, b) =
+                (before[k].flatten_all().unwrap().to_vec1::<f32>().unwrap(), after[k].flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits())
+        };
+        for k in before.keys() {
+            let frozen = is_image(k) && !(unlocked == 1 && k.starts_with("visual_projection."));
+            if frozen {
+                assert!(same(k), "unlocked {unlocked}: {k} changed");
+            }
+        }
+        assert!(!same("text_model.encoder.layer.0.attention.self.query.weight"), "the text tower did not train");
+        assert_eq!(!same("visual_projection.weight"), unlocked == 1, "unlocked {unlocked}: the projection");
+        let moments = tensors::read_tensors(&s.checkpoint.join(run_dir::OPTIMIZER_FILE), &Device::Cpu).unwrap();
+        let locked_moments: Vec<&String> = moments
+            .keys()
+            .filter(|k| {
+                k.starts_with("exp_avg") && is_image(k.split_once('.').unwrap().1) && !(unlocked == 1 && k.contains("visual_projection"))
+            })
+            .collect();
+        assert!(locked_moments.is_empty(), "optimizer state for locked weights: {locked_moments:?}");
+        assert!(moments.keys().any(|k| k.contains("text_model.")));
+    }
+}

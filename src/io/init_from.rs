@@ -63,6 +63,12 @@ pub fn tokenizer(cfg: &Config) -> Result<Option<TextTokenizer>> {
 /// dropout on a ViT image tower (a training setting, so it applies to a pretrained tower too).
 pub fn spec(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
     let mut spec = towers(cfg, vocab)?;
+    if cfg.model.lock_image && cfg.model.lock_image_freeze_bn_stats {
+        match &mut spec.image {
+            ImageSpec::EfficientNet(e) => e.bn_frozen = true,
+            _ => bail!("model.lock_image_freeze_bn_stats freezes BatchNorm statistics, which only an EfficientNet image tower has"),
+        }
+    }
     if let Some(rate) = cfg.model.vit.patch_dropout {
         match &mut spec.image {
             ImageSpec::Vit(v) => v.patch_dropout = rate,

@@ -13,6 +13,7 @@ use super::clip::{ClipText, ClipTextConfig, ClipVision, ClipVisionConfig};
 use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
 use super::layers::{l2_normalize, linear, Linear};
+use super::lock::ImageGraph;
 use super::presets::{BertConfig, TemperatureKind, TextPooling, VitConfig};
 use super::recompute::{Checkpointing, GradSink};
 use super::siglip::{SiglipText, SiglipTextConfig, SiglipVision, SiglipVisionConfig};
@@ -208,6 +209,8 @@ pub struct DualEncoder {
     logit_bias: Option<Tensor>,
     pub spec: ModelSpec,
     checkpoint_grads: Option<Arc<GradSink>>,
+    /// Where a locked image side's graph starts (LiT).
+    image_graph: ImageGraph,
 }
 
 impl DualEncoder {
@@ -249,6 +252,7 @@ impl DualEncoder {
             logit_bias,
             spec: spec.clone(),
             checkpoint_grads: None,
+            image_graph: ImageGraph::Whole,
         })
     }
 
@@ -277,6 +281,13 @@ impl DualEncoder {
         self
     }
 
+    /// Detaches the frozen part of a locked image side (LiT): no activations kept, no backward
+    /// pass through it.
+    pub fn with_image_graph(mut self, graph: ImageGraph) -> Self {
+        self.image_graph = graph;
+        self
+    }
+
     /// The gradient stores of the blocks recomputed since the last call (empty when
     /// checkpointing is off).
     pub fn take_checkpoint_grads(&self) -> Vec<GradStore> {
@@ -293,10 +304,12 @@ impl DualEncoder {
     pub fn image_embeddings(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let _profile = crate::util::profile::region("forward/image");
         let pooled = self.image.pooled(&images.to_dtype(self.compute_dtype())?, ctx)?;
+        let pooled = if self.image_graph == ImageGraph::FromProjection { pooled.detach() } else { pooled };
         let x = match &self.visual_projection {
             Some(p) => p.forward(&pooled)?,
             None => pooled,
         };
+        let x = if self.image_graph == ImageGraph::None { x.detach() } else { x };
         l2_normalize(&widen(&x)?)
     }
 

@@ -8,6 +8,7 @@ pub mod dual_encoder;
 pub mod efficientnet;
 pub mod init;
 pub mod layers;
+pub mod lock;
 pub mod prenorm;
 pub mod presets;
 pub mod recompute;

@@ -157,7 +157,7 @@ impl Bench {
         let device = crate::cli::default_device();
         let vm = candle_nn::VarMap::new();
         let model = Self::build(&cfg, &spec, SeededVars::builder(&vm, 0, &device))?;
-        let vars = align::model::batch_norm::trainable_vars(&vm);
+        let (vars, _) = align::model::lock::split(align::model::batch_norm::trainable_vars(&vm), &spec, &cfg.model.lock());
         let parameters = vars.iter().map(|(_, v)| v.elem_count()).sum();
         let opt = align::train::optim::Optimizer::new(vars, cfg.optimizer.clone())?;
         let images = Tensor::randn(0f32, 1.0, (a.batch, 3, a.image_size, a.image_size), &device)?;
@@ -172,7 +172,10 @@ impl Bench {
         spec: &align::model::dual_encoder::ModelSpec,
         vb: candle_nn::VarBuilder,
     ) -> Result<align::model::dual_encoder::DualEncoder> {
-        Ok(align::model::dual_encoder::DualEncoder::new(spec, vb)?.with_grad_checkpointing(cfg.train.grad_checkpointing))
+        let graph = align::model::lock::image_graph(spec, &cfg.model.lock());
+        Ok(align::model::dual_encoder::DualEncoder::new(spec, vb)?
+            .with_grad_checkpointing(cfg.train.grad_checkpointing)
+            .with_image_graph(graph))
     }
 
     /// Warm-up and timed steps; the most GPU memory seen after any phase.

@@ -73,8 +73,16 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
             }
         }
     }
-    // BatchNorm running statistics are model state, not parameters.
-    let mut opt = Optimizer::new(trainable_vars(&varmap), cfg.optimizer.clone())?;
+    // BatchNorm running statistics are model state, not parameters; locked towers are neither.
+    let (vars, frozen) = crate::model::lock::split(trainable_vars(&varmap), &spec, &cfg.model.lock());
+    if frozen > 0 && !opts.quiet {
+        log::info(format!(
+            "{:.1}M parameters locked: no gradient, optimizer moments or all-reduce for them ({:.0} MiB of f32 gradient and moments not kept)",
+            frozen as f64 / 1e6,
+            frozen as f64 * 12.0 / (1 << 20) as f64
+        ));
+    }
+    let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
     if let Some(dir) = &resumed_from {
         restore(dir, &varmap, &mut opt, &start, &device, opts.quiet)?;
     }
@@ -97,7 +105,8 @@ fn lock_run_dir(run_dir: &Path) -> Result<RunLock> {
 
 /// The towers for `spec` on the variables of `vb` (f32 master weights, or a bf16 view of them).
 pub(super) fn build_model(cfg: &Config, spec: &ModelSpec, vb: VarBuilder) -> Result<DualEncoder> {
-    Ok(DualEncoder::new(spec, vb)?.with_grad_checkpointing(cfg.train.grad_checkpointing))
+    let graph = crate::model::lock::image_graph(spec, &cfg.model.lock());
+    Ok(DualEncoder::new(spec, vb)?.with_grad_checkpointing(cfg.train.grad_checkpointing).with_image_graph(graph))
 }
 
 /// A bf16 view of the f32 variables: its casts carry the gradients back to the master weights.
