@@ -120,8 +120,16 @@ fn an_exported_model_loads_back_with_the_same_embeddings() {
     let m = load_model(&fixture("align-tiny"), &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("export");
-    export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &out).unwrap();
+    export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
     let back = load_model(&out, &Device::Cpu).unwrap();
+    // The processor and tokenizer configs transformers' AutoProcessor needs.
+    assert_eq!(back.config.data.image, m.config.data.image);
+    let tc = read_json(&out.join("tokenizer_config.json")).unwrap();
+    assert_eq!(
+        (tc["tokenizer_class"].as_str(), tc["model_max_length"].as_u64()),
+        (Some("BertTokenizer"), Some(m.tokenizer.max_len() as u64))
+    );
+    assert_eq!(read_json(&out.join("preprocessor_config.json")).unwrap()["processor_class"], "AlignProcessor");
     let io = io("align-tiny");
     let a = m.model.image_embeddings(&io["pixel_values"], &Ctx::EVAL).unwrap();
     let b = back.model.image_embeddings(&io["pixel_values"], &Ctx::EVAL).unwrap();

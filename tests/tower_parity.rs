@@ -240,3 +240,22 @@ fn training_starts_from_a_siglip_model_with_the_sigmoid_loss() {
     let want = io["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
     assert_eq!(ids, want[0], "the checkpoint keeps SigLIP's tokenizer");
 }
+
+/// `align export` of a CLIP model writes a CLIPModel directory that loads back with the same
+/// embeddings, tokenizer and preprocessing (`scripts/make_tower_fixtures.py --check DIR --like
+/// clip-tiny` loads it in transformers, pipeline included).
+#[test]
+fn an_exported_clip_model_loads_back_the_same() {
+    let m = load_model(&towers().join("clip-tiny"), &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("clip");
+    align::io::hf::clip::export_hf_clip(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
+    let back = load_model(&out, &Device::Cpu).unwrap();
+    assert_eq!(back.model.spec, m.model.spec);
+    assert_eq!(back.config.data.image, m.config.data.image);
+    let io = io("clip-tiny");
+    let img = back.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    assert!(max_diff(&img, &io["image_embeds_normalised"]) <= 1e-5);
+    let captions = ["a photo of a cat", "Two DOGS & a café!"];
+    assert_eq!(back.tokenizer.encode_batch(&captions).unwrap(), m.tokenizer.encode_batch(&captions).unwrap());
+}

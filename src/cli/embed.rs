@@ -248,14 +248,50 @@ pub struct ExportArgs {
     /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
     #[arg(long)]
     pub ema: bool,
-    /// Output directory in Hugging Face's `AlignModel` layout.
+    /// Output directory in the Hugging Face layout of the model's towers: `AlignModel`
+    /// (EfficientNet + BERT) or `CLIPModel` (CLIP's towers).
     #[arg(long)]
     pub out: PathBuf,
 }
 
 pub fn export(a: &ExportArgs) -> Result<()> {
     let m = load_model_with(&a.checkpoint, &Device::Cpu, a.ema)?;
-    align::io::hf::align::export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &a.out)?;
-    println!("wrote {} (load it with transformers.AlignModel.from_pretrained)", a.out.display());
+    use align::model::dual_encoder::{ImageSpec, TextSpec};
+    let (class, image) = (&m.model.spec, &m.config.data.image);
+    let class = match (&class.image, &class.text) {
+        (ImageSpec::EfficientNet(_), TextSpec::Bert(_)) => {
+            align::io::hf::align::export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
+            "AlignModel"
+        }
+        (ImageSpec::Clip(_), TextSpec::Clip(_)) => {
+            align::io::hf::clip::export_hf_clip(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
+            "CLIPModel"
+        }
+        (i, t) => bail!(
+            "no Hugging Face layout for a {} image tower with a {} text tower: align exports EfficientNet + BERT (AlignModel) and CLIP's towers (CLIPModel)",
+            image_kind(i),
+            text_kind(t)
+        ),
+    };
+    println!("wrote {} (load it with transformers.{class}.from_pretrained and AutoProcessor.from_pretrained)", a.out.display());
     Ok(())
+}
+
+fn image_kind(i: &align::model::dual_encoder::ImageSpec) -> &'static str {
+    use align::model::dual_encoder::ImageSpec;
+    match i {
+        ImageSpec::Vit(_) => "ViT",
+        ImageSpec::EfficientNet(_) => "EfficientNet",
+        ImageSpec::Clip(_) => "CLIP",
+        ImageSpec::Siglip(_) => "SigLIP",
+    }
+}
+
+fn text_kind(t: &align::model::dual_encoder::TextSpec) -> &'static str {
+    use align::model::dual_encoder::TextSpec;
+    match t {
+        TextSpec::Bert(_) => "BERT",
+        TextSpec::Clip(_) => "CLIP",
+        TextSpec::Siglip(_) => "SigLIP",
+    }
 }

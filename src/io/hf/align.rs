@@ -8,11 +8,12 @@ use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
-use super::files::{load_prefixed, read_json, read_tokenizer, read_weights};
+use super::files::{load_prefixed, read_json, read_tokenizer, read_weights, write_tokenizer_files};
 use super::hub::WEIGHTS;
 use super::layout::{align_spec_from_hf, align_spec_to_hf};
 use crate::config::Config;
 use crate::data::tokenizer::TextTokenizer;
+use crate::data::transform::ImageConfig;
 use crate::io::load::LoadedModel;
 use crate::model::dual_encoder::{DualEncoder, ModelSpec};
 use crate::model::init::SeededVars;
@@ -47,8 +48,9 @@ pub fn load_hf_align(dir: &Path, device: &Device) -> Result<LoadedModel> {
 
 /// Writes an ALIGN-architecture model as a Hugging Face `AlignModel` directory: `config.json`,
 /// `model.safetensors` (with zero BatchNorm batch counters and an unused zero BERT pooler, which
-/// transformers expects) and the tokenizer.
-pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, out: &Path) -> Result<()> {
+/// transformers expects), the tokenizer files and the `preprocessor_config.json` of `image`, so
+/// that `AlignProcessor` and the zero-shot pipeline load it.
+pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, image: &ImageConfig, out: &Path) -> Result<()> {
     let config = align_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
@@ -65,6 +67,17 @@ pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer,
     tensors.insert("text_model.pooler.dense.bias".into(), Tensor::zeros(h, DType::F32, &Device::Cpu)?);
     crate::io::tensors::write_tensors(&tensors, &out.join(WEIGHTS))?;
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
-    tokenizer.save(&out.join("tokenizer.json"))?;
+    let specials =
+        [("cls_token", "[CLS]"), ("sep_token", "[SEP]"), ("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("mask_token", "[MASK]")];
+    write_tokenizer_files(tokenizer, out, "BertTokenizer", &specials)?;
+    write_processor(image, "EfficientNetImageProcessor", "AlignProcessor", out)
+}
+
+/// `preprocessor_config.json` (the image processor, with the processor class that pairs it with
+/// the tokenizer), the file `AutoProcessor` reads.
+pub(super) fn write_processor(image: &ImageConfig, kind: &str, processor: &str, out: &Path) -> Result<()> {
+    let mut j = super::preprocess::processor_json(image, kind);
+    j["processor_class"] = serde_json::Value::String(processor.into());
+    std::fs::write(out.join("preprocessor_config.json"), serde_json::to_string_pretty(&j)?)?;
     Ok(())
 }

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 use serde_json::Value;
@@ -257,6 +257,73 @@ pub fn load_hf_clip(dir: &Path, device: &Device) -> Result<LoadedModel> {
     config.text.max_len = max_len;
     config.model.embed_dim = spec.embed_dim;
     Ok(LoadedModel { model, varmap, tokenizer, config, dir: dir.to_path_buf() })
+}
+
+/// A `CLIPConfig` JSON for a model with CLIP's towers, projections and temperature.
+pub fn clip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
+    let (ImageSpec::Clip(v), TextSpec::Clip(t)) = (&spec.image, &spec.text) else {
+        return Err("CLIPModel has CLIP's vision and text towers; this model does not".into());
+    };
+    if !spec.image_projection || spec.text_projection_bias || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_some() {
+        return Err("CLIPModel projects both towers without a bias and scales by exp(logit_scale): this model differs".into());
+    }
+    let encoder = |e: &EncoderConfig| {
+        serde_json::json!({"hidden_size": e.width, "num_hidden_layers": e.layers, "num_attention_heads": e.heads,
+            "intermediate_size": e.mlp_dim, "layer_norm_eps": e.layer_norm_eps, "hidden_act": e.act.hf_name()})
+    };
+    let mut text = encoder(&t.encoder);
+    text["model_type"] = "clip_text_model".into();
+    text["vocab_size"] = t.vocab_size.into();
+    text["max_position_embeddings"] = t.max_position.into();
+    text["eos_token_id"] = t.eos_token_id.into();
+    text["projection_dim"] = spec.embed_dim.into();
+    let mut vision = encoder(&v.encoder);
+    vision["model_type"] = "clip_vision_model".into();
+    vision["image_size"] = v.image_size.into();
+    vision["patch_size"] = v.patch_size.into();
+    vision["num_channels"] = 3.into();
+    vision["projection_dim"] = spec.embed_dim.into();
+    Ok(serde_json::json!({
+        "architectures": ["CLIPModel"],
+        "model_type": "clip",
+        "projection_dim": spec.embed_dim,
+        "logit_scale_init_value": (1.0 / spec.temperature_init).ln(),
+        "text_config": text,
+        "vision_config": vision,
+    }))
+}
+
+/// Writes a model with CLIP's architecture as a Hugging Face `CLIPModel` directory: config,
+/// weights, the tokenizer files and the processor config, for `CLIPModel.from_pretrained`,
+/// `AutoProcessor` and the zero-shot pipeline.
+pub fn export_hf_clip(
+    spec: &ModelSpec,
+    vm: &VarMap,
+    tokenizer: &TextTokenizer,
+    image: &crate::data::transform::ImageConfig,
+    out: &Path,
+) -> Result<()> {
+    let mut config = clip_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
+    // The special tokens' ids, which transformers checks against the vocabulary.
+    let id = |t: &str| tokenizer.inner().token_to_id(t);
+    if let (Some(bos), Some(end)) = (id("<|startoftext|>"), id(crate::data::tokenizer::CLIP_END)) {
+        config["text_config"]["bos_token_id"] = bos.into();
+        config["text_config"]["pad_token_id"] = end.into();
+    }
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let tensors: std::collections::HashMap<String, candle_core::Tensor> = vm
+        .data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, var)| Ok((name.clone(), var.as_tensor().to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?)))
+        .collect::<Result<_>>()?;
+    crate::io::tensors::write_tensors(&tensors, &out.join(super::hub::WEIGHTS))?;
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let end = crate::data::tokenizer::CLIP_END;
+    let specials = [("bos_token", "<|startoftext|>"), ("eos_token", end), ("pad_token", end), ("unk_token", end)];
+    super::files::write_tokenizer_files(tokenizer, out, "CLIPTokenizer", &specials)?;
+    super::align::write_processor(image, "CLIPImageProcessor", "CLIPProcessor", out)
 }
 
 #[cfg(test)]

@@ -106,3 +106,23 @@ pub fn load_prefixed(vm: &VarMap, checkpoint: &HashMap<String, Tensor>, from: &s
     }
     Ok(loaded)
 }
+
+/// A checkpoint's tokenizer files as transformers' `AutoTokenizer` reads them: `tokenizer.json`
+/// (without align's truncation, which transformers sets from the config), `tokenizer_config.json`
+/// with the class and `model_max_length`, and `special_tokens_map.json`. `specials` are
+/// (role, token) pairs such as `("pad_token", "[PAD]")`.
+pub fn write_tokenizer_files(tokenizer: &TextTokenizer, out: &Path, class: &str, specials: &[(&str, &str)]) -> Result<()> {
+    let mut inner = tokenizer.inner().clone();
+    inner.with_truncation(None).map_err(|e| anyhow::anyhow!("{e}"))?;
+    inner.with_padding(None);
+    inner.save(out.join("tokenizer.json"), true).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.join("tokenizer.json").display()))?;
+    let mut config = serde_json::json!({"tokenizer_class": class, "model_max_length": tokenizer.max_len()});
+    let mut map = serde_json::Map::new();
+    for (role, token) in specials {
+        config[*role] = Value::String(token.to_string());
+        map.insert(role.to_string(), Value::String(token.to_string()));
+    }
+    std::fs::write(out.join("tokenizer_config.json"), serde_json::to_string_pretty(&config)?)?;
+    std::fs::write(out.join("special_tokens_map.json"), serde_json::to_string_pretty(&Value::Object(map))?)?;
+    Ok(())
+}

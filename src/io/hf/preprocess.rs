@@ -130,6 +130,44 @@ fn parse(json: &Value) -> Result<Processor> {
     Ok(Processor { kind, resize, crop, resample, rescale_factor, rescale_offset: flag("rescale_offset", false), normalize })
 }
 
+/// The `preprocessor_config.json` of an image processor of class `kind`
+/// (`EfficientNetImageProcessor`, `CLIPImageProcessor`, `SiglipImageProcessor`,
+/// `ViTImageProcessor`) that preprocesses as `c` evaluates: the resize, the centre crop, the
+/// resampling filter and (x/255 − mean)/std.
+pub fn processor_json(c: &ImageConfig, kind: &str) -> Value {
+    let resample = match c.interpolation {
+        Interpolation::Nearest => 0,
+        Interpolation::Lanczos => 1,
+        Interpolation::Bilinear => 2,
+        Interpolation::Bicubic => 3,
+    };
+    let size = match c.resize_mode {
+        ResizeMode::Square => serde_json::json!({"height": c.resize, "width": c.resize}),
+        ResizeMode::Shorter => serde_json::json!({"shortest_edge": c.resize}),
+    };
+    let three = |v: [f32; 3]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let mut j = serde_json::json!({
+        "image_processor_type": kind,
+        "do_resize": true,
+        "size": size,
+        "resample": resample,
+        "do_center_crop": c.resize != c.image_size || c.resize_mode == ResizeMode::Shorter,
+        "crop_size": {"height": c.image_size, "width": c.image_size},
+        "do_rescale": true,
+        "rescale_factor": 1.0 / 255.0,
+        "do_normalize": true,
+        "image_mean": three(c.mean),
+        "image_std": three(c.std),
+        "do_convert_rgb": true,
+    });
+    if kind == "EfficientNetImageProcessor" {
+        // Its defaults offset the rescale and add a second normalisation for the classifier.
+        j["rescale_offset"] = Value::Bool(false);
+        j["include_top"] = Value::Bool(false);
+    }
+    j
+}
+
 fn as_size(v: Option<u64>, what: &str) -> Result<usize> {
     match v {
         Some(n) if n > 0 => Ok(n as usize),
@@ -181,6 +219,31 @@ mod tests {
         let c = image_config(&j).unwrap();
         assert_eq!((c.resize, c.image_size, c.resize_mode), (224, 224, ResizeMode::Square));
         agrees(&j, |x, _| (x / 255.0 - 0.5) / 0.5);
+    }
+
+    /// What align writes for a checkpoint reads back as the same preprocessing.
+    #[test]
+    fn written_processor_configs_read_back_unchanged() {
+        let clip = ImageConfig {
+            image_size: 224,
+            resize: 224,
+            resize_mode: ResizeMode::Shorter,
+            interpolation: Interpolation::Bicubic,
+            mean: [0.48145466, 0.4578275, 0.40821073],
+            std: [0.268_629_5, 0.261_302_6, 0.275_777_1],
+            ..Default::default()
+        };
+        for (c, kind) in [(ImageConfig::default(), "EfficientNetImageProcessor"), (clip, "CLIPImageProcessor")] {
+            let back = image_config(&processor_json(&c, kind)).unwrap();
+            assert_eq!(
+                (back.image_size, back.resize, back.resize_mode, back.interpolation),
+                (c.image_size, c.resize, c.resize_mode, c.interpolation),
+                "{kind}"
+            );
+            for ch in 0..3 {
+                assert!((back.mean[ch] - c.mean[ch]).abs() < 1e-6 && (back.std[ch] - c.std[ch]).abs() < 1e-6, "{kind}");
+            }
+        }
     }
 
     #[test]
