@@ -401,11 +401,25 @@ pub struct OptimizerConfig {
     pub weight_decay: f64,
     /// Clip gradients to this global L2 norm (0 disables).
     pub grad_clip: f64,
+    /// Layer-wise learning-rate decay of the image tower (BEiT, timm's `--layer-decay`): a group
+    /// k groups before the tower's last (its projection) trains at lr·decayᵏ; 1 = none.
+    pub layer_decay_image: f64,
+    /// The same for the text tower.
+    pub layer_decay_text: f64,
 }
 
 impl Default for OptimizerConfig {
     fn default() -> Self {
-        OptimizerConfig { kind: OptimizerKind::Lamb, beta1: 0.9, beta2: 0.999, eps: 1e-6, weight_decay: 1e-5, grad_clip: 0.0 }
+        OptimizerConfig {
+            kind: OptimizerKind::Lamb,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-6,
+            weight_decay: 1e-5,
+            grad_clip: 0.0,
+            layer_decay_image: 1.0,
+            layer_decay_text: 1.0,
+        }
     }
 }
 
@@ -416,6 +430,11 @@ impl OptimizerConfig {
         }
         if self.eps <= 0.0 || self.weight_decay < 0.0 || self.grad_clip < 0.0 {
             return Err("eps must be positive; weight_decay and grad_clip non-negative".into());
+        }
+        for (name, d) in [("layer_decay_image", self.layer_decay_image), ("layer_decay_text", self.layer_decay_text)] {
+            if !(d > 0.0 && d <= 1.0) {
+                return Err(format!("{name} {d} must be in (0, 1] (1 = no decay)"));
+            }
         }
         Ok(())
     }

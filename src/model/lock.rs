@@ -98,6 +98,18 @@ pub fn trains(name: &str, spec: &ModelSpec, lock: &LockConfig) -> bool {
     }
 }
 
+/// The learning-rate factor of `name` under layer-wise decay: `decay^k` for a variable k groups
+/// before its tower's last; 1 outside the towers.
+pub fn layer_lr_scale(name: &str, spec: &ModelSpec, image_decay: f64, text_decay: f64) -> f64 {
+    match group_of(name, spec) {
+        None => 1.0,
+        Some((tower, g, total)) => {
+            let decay = if tower == Tower::Image { image_decay } else { text_decay };
+            decay.powi((total - 1 - g) as i32)
+        }
+    }
+}
+
 /// Where the image side's graph can start: a frozen tower's output needs none, so training keeps
 /// no activations for it and runs no backward pass through it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -156,6 +168,14 @@ mod tests {
         assert!(trains("vision_model.layernorm.weight", &spec, &lock(2)));
         assert!(trains("text_model.embeddings.word_embeddings.weight", &spec, &lock(0)));
         assert!(trains("temperature", &spec, &lock(0)));
+
+        // Layer-wise decay 0.5: the projection at 1, the last layer 0.5, the embeddings 0.5⁴.
+        let scale = |n: &str| layer_lr_scale(n, &spec, 0.5, 0.75);
+        assert_eq!(
+            [scale("visual_projection.weight"), scale("vision_model.layernorm.bias"), scale("vision_model.embeddings.cls_token")],
+            [1.0, 0.5, 0.0625]
+        );
+        assert_eq!([scale("text_model.embeddings.word_embeddings.weight"), scale("temperature")], [0.5625, 1.0]);
 
         let text = LockConfig { lock_text: true, lock_text_unlocked_layers: 2, lock_text_freeze_layer_norm: true, ..Default::default() };
         assert!(!trains("text_model.embeddings.word_embeddings.weight", &spec, &text));

@@ -77,6 +77,8 @@ pub struct Param {
     pub name: String,
     pub var: Var,
     pub decay: bool,
+    /// The factor on the learning rate (layer-wise decay); 1 for most.
+    pub lr_scale: f64,
 }
 
 /// One parameter's Adam moments. On the CPU they live in plain host buffers that the update
@@ -229,7 +231,8 @@ impl Optimizer {
     /// `vars` are (name, variable); order is made deterministic by sorting on the name.
     pub fn new(mut vars: Vec<(String, Var)>, cfg: OptimizerConfig) -> Result<Self> {
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let params: Vec<Param> = vars.into_iter().map(|(name, var)| Param { decay: decays(&name, var.rank()), name, var }).collect();
+        let params: Vec<Param> =
+            vars.into_iter().map(|(name, var)| Param { decay: decays(&name, var.rank()), name, var, lr_scale: 1.0 }).collect();
         let moments = params
             .iter()
             .map(|p| {
@@ -280,6 +283,13 @@ impl Optimizer {
         Grads(self.params.iter().map(|p| store.get(p.var.as_tensor()).cloned()).collect())
     }
 
+    /// Sets each parameter's learning-rate factor from its name.
+    pub fn set_lr_scales(&mut self, scale: impl Fn(&str) -> f64) {
+        for p in &mut self.params {
+            p.lr_scale = scale(&p.name);
+        }
+    }
+
     pub fn step(&mut self, grads: &Grads, lr: f64) -> Result<StepStats> {
         let _profile = crate::util::profile::region("optimizer");
         let grad_norm = grads.norm()?;
@@ -290,7 +300,7 @@ impl Optimizer {
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = &grads.0[i] else { continue };
             let c = Coefficients {
-                lr,
+                lr: lr * p.lr_scale,
                 clip,
                 b1,
                 b2,
@@ -547,11 +557,33 @@ mod tests {
     }
 
     #[test]
+    fn a_learning_rate_scale_scales_the_step() {
+        let dev = Device::Cpu;
+        let (a, b) = (Var::new(&[1.0f32], &dev).unwrap(), Var::new(&[1.0f32], &dev).unwrap());
+        let cfg = OptimizerConfig { kind: OptimizerKind::Adamw, weight_decay: 0.0, eps: 1e-12, ..Default::default() };
+        let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], cfg).unwrap();
+        opt.set_lr_scales(|n| if n == "b" { 0.25 } else { 1.0 });
+        let loss = (a.as_tensor() + b.as_tensor()).unwrap().sum_all().unwrap();
+        let gathered = opt.gather(&loss.backward().unwrap());
+        opt.step(&gathered, 0.1).unwrap();
+        let (ga, gb) = (a.as_tensor().to_vec1::<f32>().unwrap()[0], b.as_tensor().to_vec1::<f32>().unwrap()[0]);
+        assert!((ga - 0.9).abs() < 1e-6 && (gb - 0.975).abs() < 1e-6, "{ga} {gb}");
+    }
+
+    #[test]
     fn clipping_scales_gradients_to_the_global_norm() {
         let dev = Device::Cpu;
         let a = Var::new(&[3.0f32], &dev).unwrap();
         let b = Var::new(&[[4.0f32]], &dev).unwrap();
-        let cfg = OptimizerConfig { kind: OptimizerKind::Adamw, weight_decay: 0.0, grad_clip: 1.0, beta1: 0.0, beta2: 0.0, eps: 1e-12 };
+        let cfg = OptimizerConfig {
+            kind: OptimizerKind::Adamw,
+            weight_decay: 0.0,
+            grad_clip: 1.0,
+            beta1: 0.0,
+            beta2: 0.0,
+            eps: 1e-12,
+            ..Default::default()
+        };
         let mut opt = Optimizer::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())], cfg).unwrap();
         // Gradients (3, 4): norm 5.
         let loss =

@@ -83,6 +83,10 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
         ));
     }
     let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
+    let (image_decay, text_decay) = (cfg.optimizer.layer_decay_image, cfg.optimizer.layer_decay_text);
+    if image_decay < 1.0 || text_decay < 1.0 {
+        opt.set_lr_scales(|name| crate::model::lock::layer_lr_scale(name, &spec, image_decay, text_decay));
+    }
     if let Some(dir) = &resumed_from {
         restore(dir, &varmap, &mut opt, &start, &device, opts.quiet)?;
     }
