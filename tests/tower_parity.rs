@@ -259,3 +259,25 @@ fn an_exported_clip_model_loads_back_the_same() {
     let captions = ["a photo of a cat", "Two DOGS & a café!"];
     assert_eq!(back.tokenizer.encode_batch(&captions).unwrap(), m.tokenizer.encode_batch(&captions).unwrap());
 }
+
+/// `align export` of a SigLIP model: a SiglipModel directory (scale and bias as `[1]`, a
+/// tokenizer that returns no mask) that loads back the same (`scripts/make_tower_fixtures.py
+/// --check DIR --like siglip-tiny` loads it in transformers, pipeline included).
+#[test]
+fn an_exported_siglip_model_loads_back_the_same() {
+    let m = load_model(&towers().join("siglip-tiny"), &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("siglip");
+    align::io::hf::clip::export_hf_siglip(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
+    let w = read_tensors(&out.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert_eq!((w["logit_scale"].dims(), w["logit_bias"].dims()), (&[1usize][..], &[1usize][..]));
+    let tc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert_eq!(tc["model_input_names"], serde_json::json!(["input_ids"]));
+    let back = load_model(&out, &Device::Cpu).unwrap();
+    assert_eq!(back.model.spec, m.model.spec);
+    let io = io("siglip-tiny");
+    let img = back.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    assert!(max_diff(&img, &io["image_embeds_normalised"]) <= 1e-5);
+    let captions = ["a photo of a cat", "Two DOGS & a café!"];
+    assert_eq!(back.tokenizer.encode_batch(&captions).unwrap(), m.tokenizer.encode_batch(&captions).unwrap());
+}

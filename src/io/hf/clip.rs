@@ -213,10 +213,12 @@ fn tokenizer(dir: &Path, text: &TextSpec, max_len: Option<usize>) -> Result<Text
     });
     let pad = pad_token(dir).unwrap_or_else(|| default_pad.to_string());
     let (inner, from) = match text {
-        TextSpec::Siglip(_) => {
+        // SigLIP's own tokenizer is its SentencePiece model; a tokenizer.json alone (as align
+        // exports SigLIP) carries the whole pipeline, canonicalisation included.
+        TextSpec::Siglip(_) if dir.join("spiece.model").is_file() || !dir.join("tokenizer.json").is_file() => {
             let path = dir.join("spiece.model");
             if !path.is_file() {
-                bail!("{} has no spiece.model: SigLIP checkpoints ship their SentencePiece model, which align reads", dir.display());
+                bail!("{} has neither spiece.model nor tokenizer.json: SigLIP checkpoints ship their SentencePiece model", dir.display());
             }
             let lowercase = tokenizer_config.as_ref().and_then(|c| c.get("do_lower_case").and_then(Value::as_bool)).unwrap_or(true);
             let canonical = crate::data::sentencepiece::Canonical { lowercase, strip_punctuation: true };
@@ -293,6 +295,81 @@ pub fn clip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     }))
 }
 
+/// A `SiglipConfig` JSON for a model with SigLIP's towers, scale and bias.
+pub fn siglip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
+    let (ImageSpec::Siglip(v), TextSpec::Siglip(t)) = (&spec.image, &spec.text) else {
+        return Err("SiglipModel has SigLIP's vision and text towers; this model does not".into());
+    };
+    if spec.image_projection || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_none() {
+        return Err("SiglipModel has no image projection and scales by exp(logit_scale) plus a bias: this model differs".into());
+    }
+    let encoder = |e: &EncoderConfig| {
+        serde_json::json!({"hidden_size": e.width, "num_hidden_layers": e.layers, "num_attention_heads": e.heads,
+            "intermediate_size": e.mlp_dim, "layer_norm_eps": e.layer_norm_eps, "hidden_act": e.act.hf_name()})
+    };
+    let mut text = encoder(&t.encoder);
+    text["model_type"] = "siglip_text_model".into();
+    text["vocab_size"] = t.vocab_size.into();
+    text["max_position_embeddings"] = t.max_position.into();
+    text["projection_size"] = t.projection.into();
+    let mut vision = encoder(&v.encoder);
+    vision["model_type"] = "siglip_vision_model".into();
+    vision["image_size"] = v.image_size.into();
+    vision["patch_size"] = v.patch_size.into();
+    vision["num_channels"] = 3.into();
+    vision["vision_use_head"] = true.into();
+    Ok(serde_json::json!({"architectures": ["SiglipModel"], "model_type": "siglip", "text_config": text, "vision_config": vision}))
+}
+
+/// Writes a model with SigLIP's architecture as a Hugging Face `SiglipModel` directory. The
+/// tokenizer goes as a `tokenizer.json` (the SentencePiece pipeline with SigLIP's
+/// canonicalisation) for `PreTrainedTokenizerFast`: align keeps no `spiece.model` in its
+/// checkpoints, so `SiglipTokenizer` itself cannot be written.
+pub fn export_hf_siglip(
+    spec: &ModelSpec,
+    vm: &VarMap,
+    tokenizer: &TextTokenizer,
+    image: &crate::data::transform::ImageConfig,
+    out: &Path,
+) -> Result<()> {
+    let mut config = siglip_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
+    if let Some(end) = tokenizer.inner().token_to_id(crate::data::tokenizer::SENTENCE_END) {
+        config["text_config"]["eos_token_id"] = end.into();
+        config["text_config"]["pad_token_id"] = end.into();
+    }
+    config["text_config"]["bos_token_id"] = Value::Null;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let mut tensors = f32_tensors(vm)?;
+    // SiglipModel keeps its scale and bias as [1] tensors.
+    for name in ["logit_scale", "logit_bias"] {
+        if let Some(t) = tensors.get(name) {
+            let one = t.reshape(1)?;
+            tensors.insert(name.to_string(), one);
+        }
+    }
+    crate::io::tensors::write_tensors(&tensors, &out.join(super::hub::WEIGHTS))?;
+    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
+    let end = crate::data::tokenizer::SENTENCE_END;
+    let specials = [("eos_token", end), ("pad_token", end), ("unk_token", "<unk>")];
+    super::files::write_tokenizer_files(tokenizer, out, "PreTrainedTokenizerFast", &specials)?;
+    // SigLIP was trained attending to its padding: the tokenizer must return no mask.
+    let path = out.join("tokenizer_config.json");
+    let mut tc = read_json(&path)?;
+    tc["model_input_names"] = serde_json::json!(["input_ids"]);
+    std::fs::write(&path, serde_json::to_string_pretty(&tc)?)?;
+    super::align::write_processor(image, "SiglipImageProcessor", "SiglipProcessor", out)
+}
+
+/// Every variable as an f32 CPU tensor, for a safetensors file.
+fn f32_tensors(vm: &VarMap) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
+    vm.data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, var)| Ok((name.clone(), var.as_tensor().to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?)))
+        .collect()
+}
+
 /// Writes a model with CLIP's architecture as a Hugging Face `CLIPModel` directory: config,
 /// weights, the tokenizer files and the processor config, for `CLIPModel.from_pretrained`,
 /// `AutoProcessor` and the zero-shot pipeline.
@@ -311,14 +388,7 @@ pub fn export_hf_clip(
         config["text_config"]["pad_token_id"] = end.into();
     }
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let tensors: std::collections::HashMap<String, candle_core::Tensor> = vm
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(name, var)| Ok((name.clone(), var.as_tensor().to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?)))
-        .collect::<Result<_>>()?;
-    crate::io::tensors::write_tensors(&tensors, &out.join(super::hub::WEIGHTS))?;
+    crate::io::tensors::write_tensors(&f32_tensors(vm)?, &out.join(super::hub::WEIGHTS))?;
     std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     let end = crate::data::tokenizer::CLIP_END;
     let specials = [("bos_token", "<|startoftext|>"), ("eos_token", end), ("pad_token", end), ("unk_token", end)];
