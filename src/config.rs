@@ -127,7 +127,11 @@ pub struct ModelConfig {
     /// towers narrower or wider than B7. Off requires the tower's width to equal `embed_dim`.
     pub image_projection: bool,
     /// ALIGN §4.1: BERT's [CLS] state, then a linear layer to `embed_dim` (always present).
+    /// `pooler` applies BERT's pooler first, as `VisionTextDualEncoderModel` does.
     pub text_pooling: TextPooling,
+    /// The text projection's bias. ALIGN's has one; CLIP's and `VisionTextDualEncoderModel`'s
+    /// do not.
+    pub text_projection_bias: bool,
     /// ALIGN §4.1: logits are cosine similarities divided by a learned σ, one σ for both
     /// directions.
     pub temperature: TemperatureKind,
@@ -181,6 +185,7 @@ impl Default for ModelConfig {
             embed_dim: 640,
             image_projection: false,
             text_pooling: TextPooling::Cls,
+            text_projection_bias: true,
             temperature: TemperatureKind::Align,
             temperature_init: 1.0,
             vit: VitOverrides::default(),
@@ -580,7 +585,7 @@ impl Config {
         Ok(ModelSpec {
             image,
             text: TextSpec::Bert(bert),
-            text_projection_bias: true,
+            text_projection_bias: m.text_projection_bias,
             embed_dim: m.embed_dim,
             image_projection: m.image_projection,
             text_pooling: m.text_pooling,

@@ -68,6 +68,12 @@ fn check_clip(name: &str) {
         assert_eq!(&batch.mask[i * width..(i + 1) * width], &want_mask[i][..], "{name}: mask of {c:?}");
     }
 
+    assert_files_embed_as_in_transformers(&m, &io, name);
+}
+
+/// The JPEG files through the checkpoint's own preprocessing give transformers' embeddings of
+/// them (its processor on the same files) to cosine 0.999.
+fn assert_files_embed_as_in_transformers(m: &align::io::load::LoadedModel, io: &HashMap<String, Tensor>, name: &str) {
     let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
     let files = images.iter().map(|n| FileSample { path: towers().join("images").join(n), label: None, captions: vec![] }).collect();
     let needs = Needs { image: true, captions: false, label: false };
@@ -148,16 +154,7 @@ fn siglip_towers_match_transformers() {
         assert_eq!(a, m.tokenizer.encode_batch(&[want]).unwrap().ids, "{text:?} canonicalises to {want:?}");
     }
     // From the JPEG files through SigLIP's processor (a square resize, x/127.5 − 1).
-    let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
-    let files = images.iter().map(|n| FileSample { path: towers().join("images").join(n), label: None, captions: vec![] }).collect();
-    let needs = Needs { image: true, captions: false, label: false };
-    let got = embed_source(model, EvalSource::Files(files), &m.config.data.image, needs, 4, &Device::Cpu, true).unwrap();
-    let reference = io["jpeg_image_embeds"].to_vec2::<f32>().unwrap();
-    let dim = got.embeddings.dim;
-    for (i, n) in images.iter().enumerate() {
-        let c = cosine(&got.embeddings.data[i * dim..(i + 1) * dim], &reference[i]);
-        assert!(c >= 0.999, "{n}: cosine {c} with transformers' embedding of the file");
-    }
+    assert_files_embed_as_in_transformers(&m, &io, "siglip-tiny");
 }
 
 /// Fine-tuning starts from the CLIPModel: its weights and tokenizer (a zero learning rate keeps
@@ -280,4 +277,40 @@ fn an_exported_siglip_model_loads_back_the_same() {
     assert!(max_diff(&img, &io["image_embeds_normalised"]) <= 1e-5);
     let captions = ["a photo of a cat", "Two DOGS & a café!"];
     assert_eq!(back.tokenizer.encode_batch(&captions).unwrap(), m.tokenizer.encode_batch(&captions).unwrap());
+}
+
+/// A `VisionTextDualEncoderModel` (ViT + BERT, each pooled by its tanh pooler) loads with
+/// transformers' embeddings, tokenizer and preprocessing, and exports back to one.
+#[test]
+fn vision_text_dual_encoder_matches_transformers_and_exports_back() {
+    let m = load_model(&towers().join("vtde-tiny"), &Device::Cpu).unwrap();
+    let io = io("vtde-tiny");
+    let img = m.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    let d = max_diff(&img, &io["image_embeds_normalised"]);
+    assert!(d <= 1e-5, "image embeddings differ by {d}");
+    let txt = m.model.text_embeddings(&u32s(&io["input_ids"]), &u32s(&io["attention_mask"])).unwrap();
+    let d = max_diff(&txt, &io["text_embeds_normalised"]);
+    assert!(d <= 1e-5, "text embeddings differ by {d}");
+    assert_files_embed_as_in_transformers(&m, &io, "vtde-tiny");
+    let e = &expected()["models"]["vtde-tiny"];
+    let captions: Vec<String> = e["captions"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
+    let batch = m.tokenizer.encode_batch(&captions).unwrap();
+    let want = io["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
+    let width = want[0].len();
+    for (i, c) in captions.iter().enumerate() {
+        assert_eq!(&batch.ids[i * batch.max_len..i * batch.max_len + width], &want[i][..], "ids of {c:?}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("vtde");
+    align::io::hf::vtde::export_hf_vtde(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
+    let back = load_model(&out, &Device::Cpu).unwrap();
+    assert_eq!(back.model.spec, m.model.spec);
+    assert_eq!(back.config.data.image, m.config.data.image);
+    let again = back.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    assert_eq!(max_diff(&again, &img), 0.0);
+    // An ALIGN-style ViT + BERT (raw [CLS] states, a biased text projection) has no such layout.
+    let mut spec = m.model.spec.clone();
+    spec.text_pooling = align::model::presets::TextPooling::Cls;
+    let e = align::io::hf::vtde::vtde_spec_to_hf(&spec).unwrap_err();
+    assert!(e.contains("model.text_pooling = \"pooler\""), "{e}");
 }

@@ -249,7 +249,8 @@ pub struct ExportArgs {
     #[arg(long)]
     pub ema: bool,
     /// Output directory in the Hugging Face layout of the model's towers: `AlignModel`
-    /// (EfficientNet + BERT), `CLIPModel` or `SiglipModel`.
+    /// (EfficientNet + BERT), `VisionTextDualEncoderModel` (ViT + BERT), `CLIPModel` or
+    /// `SiglipModel`.
     #[arg(long)]
     pub out: PathBuf,
 }
@@ -267,12 +268,16 @@ pub fn export(a: &ExportArgs) -> Result<()> {
             align::io::hf::clip::export_hf_clip(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
             "CLIPModel"
         }
+        (ImageSpec::Vit(_), TextSpec::Bert(_)) => {
+            align::io::hf::vtde::export_hf_vtde(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
+            "VisionTextDualEncoderModel"
+        }
         (ImageSpec::Siglip(_), TextSpec::Siglip(_)) => {
             align::io::hf::clip::export_hf_siglip(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
             "SiglipModel"
         }
         (i, t) => bail!(
-            "no Hugging Face layout for a {} image tower with a {} text tower: align exports EfficientNet + BERT (AlignModel), CLIP's towers (CLIPModel) and SigLIP's (SiglipModel)",
+            "no Hugging Face layout for a {} image tower with a {} text tower: align exports EfficientNet + BERT (AlignModel), ViT + BERT (VisionTextDualEncoderModel), CLIP's towers (CLIPModel) and SigLIP's (SiglipModel)",
             image_kind(i),
             text_kind(t)
         ),

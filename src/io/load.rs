@@ -46,8 +46,9 @@ pub fn load_model_with(path: &Path, device: &Device, ema: bool) -> Result<Loaded
         return match model_type.as_str() {
             "align" => super::hf::align::load_hf_align(&located, device),
             "clip" | "siglip" => super::hf::clip::load_hf_clip(&located, device),
+            "vision-text-dual-encoder" => super::hf::vtde::load_hf_vtde(&located, device),
             other => anyhow::bail!(
-                "{} is a Hugging Face {other:?} model; align loads its own checkpoints and run directories and Hugging Face \"align\" (AlignModel), \"clip\" (CLIPModel) and \"siglip\" (SiglipModel) directories",
+                "{} is a Hugging Face {other:?} model; align loads its own checkpoints and run directories and Hugging Face \"align\" (AlignModel), \"clip\" (CLIPModel), \"siglip\" (SiglipModel) and \"vision-text-dual-encoder\" (ViT + BERT) directories",
                 path.display()
             ),
         };

@@ -53,6 +53,8 @@ pub struct Bert {
     token_type: Embedding,
     emb_norm: LayerNorm,
     layers: Vec<Arc<Layer>>,
+    /// `pooler.dense`, for `TextPooling::Pooler`.
+    pooler: Option<Linear>,
     pub config: BertConfig,
     /// Each layer a checkpointed segment when on.
     pub checkpointing: Checkpointing,
@@ -71,6 +73,7 @@ impl Bert {
             token_type: emb(c.type_vocab, "token_type_embeddings")?,
             emb_norm: LayerNorm::new(c.hidden, c.layer_norm_eps, e.pp("LayerNorm"))?,
             layers,
+            pooler: None,
             config: c.clone(),
             checkpointing: Checkpointing::default(),
         })
@@ -95,10 +98,21 @@ impl Bert {
         Ok(x)
     }
 
+    /// Adds BERT's pooler (`pooler.dense` under `vb`), which `TextPooling::Pooler` applies.
+    pub fn with_pooler(mut self, vb: VarBuilder) -> Result<Self> {
+        let h = self.config.hidden;
+        self.pooler = Some(linear(h, h, true, scaled_normal(h), vb.pp("pooler").pp("dense"))?);
+        Ok(self)
+    }
+
     pub fn pooled(&self, ids: &Tensor, mask: &Tensor, pooling: TextPooling) -> Result<Tensor> {
         let h = self.hidden_states(ids, mask)?;
         match pooling {
             TextPooling::Cls => h.narrow(1, 0, 1)?.squeeze(1),
+            TextPooling::Pooler => match &self.pooler {
+                Some(p) => p.forward(&h.narrow(1, 0, 1)?.squeeze(1)?)?.tanh(),
+                None => candle_core::bail!("BERT pooled by its pooler has no pooler weights"),
+            },
             TextPooling::Mean => {
                 let m = mask.to_dtype(h.dtype())?.unsqueeze(D::Minus1)?;
                 let sum = h.broadcast_mul(&m)?.sum(1)?;

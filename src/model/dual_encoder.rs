@@ -168,8 +168,9 @@ pub enum TextTower {
 }
 
 impl TextTower {
-    fn new(spec: &TextSpec, vb: VarBuilder) -> Result<Self> {
+    fn new(spec: &TextSpec, pooling: TextPooling, vb: VarBuilder) -> Result<Self> {
         Ok(match spec {
+            TextSpec::Bert(c) if pooling == TextPooling::Pooler => TextTower::Bert(Bert::new(c, vb.clone())?.with_pooler(vb)?),
             TextSpec::Bert(c) => TextTower::Bert(Bert::new(c, vb)?),
             TextSpec::Clip(c) => TextTower::Clip(ClipText::new(c, vb)?),
             TextSpec::Siglip(c) => TextTower::Siglip(SiglipText::new(c, vb)?),
@@ -221,7 +222,7 @@ impl DualEncoder {
             ImageSpec::Clip(c) => ImageTower::Clip(ClipVision::new(c, vb.pp("vision_model"))?),
             ImageSpec::Siglip(c) => ImageTower::Siglip(SiglipVision::new(c, vb.pp("vision_model"))?),
         };
-        let text = TextTower::new(&spec.text, vb.pp("text_model"))?;
+        let text = TextTower::new(&spec.text, spec.text_pooling, vb.pp("text_model"))?;
         let width = spec.image.width();
         let visual_projection = if spec.image_projection {
             Some(linear(width, spec.embed_dim, false, LINEAR_DEFAULT, vb.pp("visual_projection"))?)

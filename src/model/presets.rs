@@ -9,6 +9,9 @@ pub enum TextPooling {
     Cls,
     /// The mean over non-padding tokens (CC12M's text encoder).
     Mean,
+    /// BERT's pooler, `tanh(dense([CLS] state))` (`text_model.pooler.dense`), as
+    /// `VisionTextDualEncoderModel` embeds texts.
+    Pooler,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -18,6 +21,9 @@ pub enum ImagePooling {
     Cls,
     /// Global average of the patch tokens.
     Gap,
+    /// ViT's pooler, `tanh(dense(class token))` (`vision_model.pooler.dense`), as
+    /// `VisionTextDualEncoderModel` embeds images.
+    Pooler,
 }
 
 /// How the learnable temperature is parameterised.

@@ -58,6 +58,8 @@ pub struct Vit {
     pos: Tensor,
     blocks: Vec<Arc<Block>>,
     norm: LayerNorm,
+    /// With `ImagePooling::Pooler`.
+    pooler: Option<Linear>,
     pub config: VitConfig,
     /// Each block a checkpointed segment when on.
     pub checkpointing: Checkpointing,
@@ -75,6 +77,10 @@ impl Vit {
             pos: e.get_with_hints((1, c.num_patches() + 1, c.width), "position_embeddings", scaled_normal(c.width))?,
             blocks: (0..c.depth).map(|i| Ok(Arc::new(Block::new(c, vb.pp("encoder").pp("layer").pp(i))?))).collect::<Result<_>>()?,
             norm: LayerNorm::new(c.width, c.layer_norm_eps, vb.pp("layernorm"))?,
+            pooler: match c.pool {
+                ImagePooling::Pooler => Some(linear(c.width, c.width, true, scaled_normal(c.width), vb.pp("pooler").pp("dense"))?),
+                _ => None,
+            },
             config: c.clone(),
             checkpointing: Checkpointing::default(),
         })
@@ -146,6 +152,10 @@ impl Vit {
         match self.config.pool {
             ImagePooling::Cls => x.narrow(1, 0, 1)?.squeeze(1),
             ImagePooling::Gap => x.narrow(1, 1, x.dim(1)? - 1)?.mean(1),
+            ImagePooling::Pooler => match &self.pooler {
+                Some(p) => p.forward(&x.narrow(1, 0, 1)?.squeeze(1)?)?.tanh(),
+                None => candle_core::bail!("a ViT pooled by its pooler has no pooler weights"),
+            },
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Hugging Face layouts: configurations and parameter names (`layout`), `hf:` hub locations
 //! (`hub`), the files of a model directory (`files`), image processors' settings (`preprocess`),
-//! `AlignModel` directories in and out (`align`), and `CLIPModel` / `SiglipModel` ones in (`clip`).
+//! `AlignModel` directories in and out (`align`), `CLIPModel` / `SiglipModel` ones (`clip`), and `VisionTextDualEncoderModel` ones (`vtde`).
 
 pub mod align;
 pub mod clip;
@@ -8,3 +8,4 @@ pub mod files;
 pub mod hub;
 pub mod layout;
 pub mod preprocess;
+pub mod vtde;

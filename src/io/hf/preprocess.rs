@@ -74,7 +74,9 @@ fn parse(json: &Value) -> Result<Processor> {
     let flag = |key: &str, default: bool| json.get(key).and_then(Value::as_bool).unwrap_or(default);
     let (default_crop, default_resample) = match kind.as_str() {
         "EfficientNetImageProcessor" => (false, 0),
-        "CLIPImageProcessor" | "ViTImageProcessor" | "BitImageProcessor" => (true, 3),
+        "CLIPImageProcessor" | "BitImageProcessor" => (true, 3),
+        // ViT's processor resizes to its square (bilinear) and crops nothing.
+        "ViTImageProcessor" => (false, 2),
         "SiglipImageProcessor" => (false, 3),
         _ => (true, 3),
     };
