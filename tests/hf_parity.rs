@@ -143,10 +143,10 @@ mod common;
 
 #[test]
 fn training_starts_from_a_hugging_face_align_model_or_pretrained_towers() {
-    use align::train::trainer::{train, TrainOptions};
+    use align::train::trainer::train;
     let dir = tempfile::tempdir().unwrap();
     let data = common::tiny_data(&dir.path().join("data"));
-    let opts = TrainOptions { resume: false, quiet: true, device: Device::Cpu, stop_after: None, nproc: 1, allow_change: Vec::new() };
+    let opts = common::cpu_options();
     let tensor_equal = |a: &Tensor, b: &Tensor| max_diff(a, b) == 0.0;
     // A whole AlignModel, its tokenizer (vocab.txt) included; a zero learning rate keeps the weights.
     let whole = align::config::Config::from_str_with_overrides(

@@ -157,34 +157,37 @@ fn siglip_towers_match_transformers() {
     assert_files_embed_as_in_transformers(&m, &io, "siglip-tiny");
 }
 
+/// Two steps of fine-tuning from the fixture `name` on tiny data, at a learning rate that keeps
+/// the weights, with `extra` settings; the run's summary or its error.
+fn fine_tune(name: &str, extra: &[&str]) -> (tempfile::TempDir, anyhow::Result<align::train::trainer::TrainSummary>) {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let mut overrides = vec![
+        format!("data.train={}", data.train),
+        format!("run.out_dir={}", dir.path().join("runs").display()),
+        format!("model.init={}", towers().join(name).display()),
+        "data.image.image_size=32".into(),
+        "data.image.resize=36".into(),
+        "data.workers=1".into(),
+        "train.batch_size=8".into(),
+        "train.steps=2".into(),
+        "train.lr=1e-30".into(),
+        "train.warmup_steps=0".into(),
+    ];
+    overrides.extend(extra.iter().map(|s| s.to_string()));
+    let cfg = align::config::Config::from_str_with_overrides("", name, &overrides).unwrap();
+    let summary = align::train::trainer::train(&cfg, &common::cpu_options());
+    (dir, summary)
+}
+
 /// Fine-tuning starts from the CLIPModel: its weights and tokenizer (a zero learning rate keeps
 /// the weights), and the align checkpoint it writes embeds as transformers does.
 #[test]
 fn training_starts_from_a_clip_model() {
-    use align::train::trainer::{train, TrainOptions};
-    let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let opts = TrainOptions { resume: false, quiet: true, device: Device::Cpu, stop_after: None, nproc: 1, allow_change: Vec::new() };
-    let overrides = |max_len: usize| -> Vec<String> {
-        vec![
-            format!("data.train={}", data.train),
-            format!("run.out_dir={}", dir.path().join("runs").display()),
-            format!("model.init={}", towers().join("clip-tiny").display()),
-            format!("text.max_len={max_len}"),
-            "data.image.image_size=32".into(),
-            "data.image.resize=36".into(),
-            "data.workers=1".into(),
-            "train.batch_size=8".into(),
-            "train.steps=2".into(),
-            "train.lr=1e-30".into(),
-            "train.warmup_steps=0".into(),
-        ]
-    };
-    let too_long = align::config::Config::from_str_with_overrides("", "clip", &overrides(64)).unwrap();
-    let e = train(&too_long, &opts).err().unwrap().to_string();
+    let e = fine_tune("clip-tiny", &["text.max_len=64"]).1.err().unwrap().to_string();
     assert!(e.contains("text.max_len 64") && e.contains("16 positions"), "{e}");
-    let cfg = align::config::Config::from_str_with_overrides("", "clip", &overrides(16)).unwrap();
-    let s = train(&cfg, &opts).unwrap();
+    let (_dir, s) = fine_tune("clip-tiny", &["text.max_len=16"]);
+    let s = s.unwrap();
     let m = load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let io = io("clip-tiny");
     let txt = m.model.text_embeddings(&u32s(&io["input_ids"]), &u32s(&io["attention_mask"])).unwrap();
@@ -201,29 +204,8 @@ fn training_starts_from_a_clip_model() {
 /// SentencePiece tokenizer travels with the checkpoint.
 #[test]
 fn training_starts_from_a_siglip_model_with_the_sigmoid_loss() {
-    use align::train::trainer::{train, TrainOptions};
-    let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let opts = TrainOptions { resume: false, quiet: true, device: Device::Cpu, stop_after: None, nproc: 1, allow_change: Vec::new() };
-    let cfg = align::config::Config::from_str_with_overrides(
-        "",
-        "siglip",
-        &[
-            format!("data.train={}", data.train),
-            format!("run.out_dir={}", dir.path().join("runs").display()),
-            format!("model.init={}", towers().join("siglip-tiny").display()),
-            "loss.kind=\"sigmoid\"".into(),
-            "data.image.image_size=32".into(),
-            "data.image.resize=36".into(),
-            "data.workers=1".into(),
-            "train.batch_size=8".into(),
-            "train.steps=2".into(),
-            "train.lr=1e-30".into(),
-            "train.warmup_steps=0".into(),
-        ],
-    )
-    .unwrap();
-    let s = train(&cfg, &opts).unwrap();
+    let (_dir, s) = fine_tune("siglip-tiny", &["loss.kind=\"sigmoid\""]);
+    let s = s.unwrap();
     let m = load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let io = io("siglip-tiny");
     let img = m.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();

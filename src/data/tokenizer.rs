@@ -56,8 +56,7 @@ impl TextTokenizer {
                 return Self::with_pad_token(inner, max_len, end);
             }
         }
-        let pad_id = inner.token_to_id(PAD).ok_or_else(|| anyhow!("vocabulary has no {PAD} token"))?;
-        for t in [CLS, SEP] {
+        for t in [PAD, CLS, SEP] {
             inner.token_to_id(t).ok_or_else(|| anyhow!("vocabulary has no {t} token"))?;
         }
         if inner.get_post_processor().is_none() {
@@ -65,16 +64,7 @@ impl TextTokenizer {
             // [CLS] pooling; attach BERT's template.
             attach_bert_template(&mut inner)?;
         }
-        inner
-            .with_truncation(Some(TruncationParams {
-                max_length: max_len,
-                strategy: TruncationStrategy::LongestFirst,
-                stride: 0,
-                direction: TruncationDirection::Right,
-            }))
-            .map_err(|e| anyhow!("{e}"))?;
-        inner.with_padding(None);
-        Ok(Self { inner, max_len, pad_id })
+        Self::with_pad_token(inner, max_len, PAD)
     }
 
     /// Any `tokenizer.json` whose own post-processor adds the special tokens (CLIP's

@@ -18,7 +18,7 @@ pub struct LockConfig {
     pub lock_text_freeze_layer_norm: bool,
 }
 
-/// A tower's layer count and whether it has a projection after it.
+/// The number of layers (or MBConv blocks) of each tower.
 fn image_layers(spec: &ModelSpec) -> usize {
     match &spec.image {
         ImageSpec::Vit(c) => c.depth,

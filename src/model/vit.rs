@@ -102,19 +102,20 @@ impl Vit {
         let weight = self.patch_weight.reshape((width, ()))?;
         let patches = self.patchify(images)?;
         let (np, pd) = (patches.dim(1)?, patches.dim(2)?);
-        let mut patches = patches.reshape((b * np, pd))?;
-        let mut patch_pos = self.pos.narrow(1, 1, np)?.squeeze(0)?.repeat((b, 1))?;
-        let mut tokens_per_image = np;
-        // Dropped patches are left out before the embedding: they cost nothing at all.
-        if let (true, Some(m)) = (ctx.train && self.config.patch_dropout > 0.0, ctx.masking) {
-            let kept = self.kept_rows(b, m, patches.device())?;
-            patches = patches.index_select(&kept, 0)?;
-            patch_pos = patch_pos.index_select(&kept, 0)?;
-            tokens_per_image = self.config.kept_patches();
-        }
+        let patches = patches.reshape((b * np, pd))?;
+        let patch_pos = self.pos.narrow(1, 1, np)?.squeeze(0)?;
         // One 2-D product over all patches of the batch (a broadcast weight would get one
         // gradient per image, summed on one thread); the pixels get no gradient.
-        let tokens = (linear_bias(&patches, &weight, &self.patch_bias)? + patch_pos)?.reshape((b, tokens_per_image, width))?;
+        let embed = |p: &Tensor| linear_bias(p, &weight, &self.patch_bias);
+        let tokens = match (ctx.train && self.config.patch_dropout > 0.0, ctx.masking) {
+            // Dropped patches are left out before the embedding: they cost nothing at all.
+            (true, Some(m)) => {
+                let (rows, positions) = self.kept_rows(b, m, patches.device())?;
+                let kept = embed(&patches.index_select(&rows, 0)?)? + patch_pos.index_select(&positions, 0)?;
+                kept?.reshape((b, self.config.kept_patches(), width))?
+            }
+            _ => embed(&patches)?.reshape((b, np, width))?.broadcast_add(&patch_pos)?,
+        };
         let cls = self.cls_token.broadcast_add(&self.pos.narrow(1, 0, 1)?)?.broadcast_as((b, 1, width))?;
         let mut x = Tensor::cat(&[&cls, &tokens], 1)?;
         for block in &self.blocks {
@@ -124,13 +125,14 @@ impl Vit {
         self.norm.forward(&x)
     }
 
-    /// The rows of the flattened `[b · patches]` patch matrix that patch dropout keeps: for each
-    /// image, `kept_patches` distinct patches drawn from its own stream (a partial Fisher-Yates
-    /// shuffle), in ascending order.
-    fn kept_rows(&self, b: usize, m: Masking, device: &candle_core::Device) -> Result<Tensor> {
+    /// The rows of the flattened `[b · patches]` patch matrix that patch dropout keeps, and each
+    /// one's patch position: for each image, `kept_patches` distinct patches drawn from its own
+    /// stream (a partial Fisher-Yates shuffle), in ascending order.
+    fn kept_rows(&self, b: usize, m: Masking, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
         let np = self.config.num_patches();
         let keep = self.config.kept_patches();
         let mut rows = Vec::with_capacity(b * keep);
+        let mut positions = Vec::with_capacity(b * keep);
         let mut order: Vec<u32> = Vec::with_capacity(np);
         for i in 0..b {
             let mut rng = Rng::derived(m.seed, &[PATCH_DROPOUT_STREAM, m.first_row + i as u64]);
@@ -143,8 +145,9 @@ impl Vit {
             let kept = &mut order[..keep];
             kept.sort_unstable();
             rows.extend(kept.iter().map(|&p| (i * np) as u32 + p));
+            positions.extend_from_slice(kept);
         }
-        Tensor::from_vec(rows, b * keep, device)
+        Ok((Tensor::from_vec(rows, b * keep, device)?, Tensor::from_vec(positions, b * keep, device)?))
     }
 
     pub fn pooled(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
@@ -222,7 +225,7 @@ mod tests {
     }
 
     fn rows_of(vit: &Vit, b: usize, ctx: Ctx) -> Vec<Vec<u32>> {
-        let rows = vit.kept_rows(b, ctx.masking.unwrap(), &Device::Cpu).unwrap().to_vec1::<u32>().unwrap();
+        let rows = vit.kept_rows(b, ctx.masking.unwrap(), &Device::Cpu).unwrap().0.to_vec1::<u32>().unwrap();
         rows.chunks(vit.config.kept_patches()).enumerate().map(|(i, c)| c.iter().map(|r| r - 16 * i as u32).collect()).collect()
     }
 

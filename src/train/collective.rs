@@ -304,6 +304,17 @@ impl DistEnv {
     }
 }
 
+/// `f(rank, group)` on `world` thread ranks at once; each rank's result, in rank order.
+#[cfg(test)]
+pub(crate) fn on_thread_ranks<T: Send>(world: usize, f: impl Fn(usize, Arc<dyn Collective>) -> T + Sync) -> Vec<T> {
+    let groups = ThreadGroup::new(world, std::time::Duration::from_secs(30));
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = groups.into_iter().map(|g| s.spawn(move || f(g.rank(), Arc::new(g)))).collect();
+        handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

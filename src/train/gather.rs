@@ -154,9 +154,8 @@ pub fn logits_bytes(global_batch: usize, world: usize, local_loss: bool) -> usiz
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::train::collective::ThreadGroup;
+    use crate::train::collective::on_thread_ranks;
     use candle_core::{Device, Var};
-    use std::time::Duration;
 
     /// `rows` random unit vectors of `dim`, from `seed`.
     pub(crate) fn normalised(rows: usize, dim: usize, seed: u64) -> Vec<Vec<f64>> {
@@ -192,35 +191,25 @@ pub(crate) mod tests {
                 GatherOptions { gather_with_grad: true, local_loss: false },
                 GatherOptions { gather_with_grad: false, local_loss: false },
             ] {
-                let groups = ThreadGroup::new(world, Duration::from_secs(20));
-                let handles: Vec<_> = groups
-                    .into_iter()
-                    .map(|grp| {
-                        let (img, txt) = (img.clone(), txt.clone());
-                        std::thread::spawn(move || {
-                            let r = grp.rank();
-                            let group: Arc<dyn Collective> = Arc::new(grp);
-                            let dev = Device::Cpu;
-                            let iv = Var::new(img[r * b..(r + 1) * b].to_vec(), &dev).unwrap();
-                            let tv = Var::new(txt[r * b..(r + 1) * b].to_vec(), &dev).unwrap();
-                            let scale = Tensor::new(4.0f64, &dev).unwrap();
-                            let parts = distributed_loss(iv.as_tensor(), tv.as_tensor(), &scale, 0.1, &group, opts).unwrap();
-                            let loss = group.all_reduce_mean(&parts.total).unwrap().to_scalar::<f64>().unwrap();
-                            let grads = parts.total.backward().unwrap();
-                            // Parameter gradients are Σ_r h_r·∂e_r/∂θ scaled by f, so data-parallel
-                            // training is exact iff f·h_r equals the single-batch gradient of the
-                            // rows e_r, for every rank r.
-                            let f = gradient_scale(opts, group.world_size());
-                            let gi = (grads.get(iv.as_tensor()).unwrap() * f).unwrap();
-                            let gt = (grads.get(tv.as_tensor()).unwrap() * f).unwrap();
-                            let all_gi = group.all_gather(&gi).unwrap().to_vec2::<f64>().unwrap();
-                            let all_gt = group.all_gather(&gt).unwrap().to_vec2::<f64>().unwrap();
-                            (loss, all_gi, all_gt)
-                        })
-                    })
-                    .collect();
-                for h in handles {
-                    let (loss, gi, gt) = h.join().unwrap();
+                let results = on_thread_ranks(world, |r, group| {
+                    let dev = Device::Cpu;
+                    let iv = Var::new(img[r * b..(r + 1) * b].to_vec(), &dev).unwrap();
+                    let tv = Var::new(txt[r * b..(r + 1) * b].to_vec(), &dev).unwrap();
+                    let scale = Tensor::new(4.0f64, &dev).unwrap();
+                    let parts = distributed_loss(iv.as_tensor(), tv.as_tensor(), &scale, 0.1, &group, opts).unwrap();
+                    let loss = group.all_reduce_mean(&parts.total).unwrap().to_scalar::<f64>().unwrap();
+                    let grads = parts.total.backward().unwrap();
+                    // Parameter gradients are Σ_r h_r·∂e_r/∂θ scaled by f, so data-parallel
+                    // training is exact iff f·h_r equals the single-batch gradient of the rows
+                    // e_r, for every rank r.
+                    let f = gradient_scale(opts, group.world_size());
+                    let gi = (grads.get(iv.as_tensor()).unwrap() * f).unwrap();
+                    let gt = (grads.get(tv.as_tensor()).unwrap() * f).unwrap();
+                    let all_gi = group.all_gather(&gi).unwrap().to_vec2::<f64>().unwrap();
+                    let all_gt = group.all_gather(&gt).unwrap().to_vec2::<f64>().unwrap();
+                    (loss, all_gi, all_gt)
+                });
+                for (loss, gi, gt) in results {
                     assert!((loss - want_loss).abs() < 1e-12 * want_loss.abs().max(1.0), "W={world} {opts:?}: loss {loss} vs {want_loss}");
                     for (got, want) in [(gi, &want_gi), (gt, &want_gt)] {
                         for (rg, rw) in got.iter().zip(want.iter()) {

@@ -139,10 +139,9 @@ pub fn logits_bytes(global_batch: usize, world: usize, exchange: Exchange) -> us
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::collective::{SingleProcess, ThreadGroup};
+    use crate::train::collective::{on_thread_ranks, SingleProcess};
     use crate::train::gather::tests::normalised;
     use candle_core::{Device, Var};
-    use std::time::Duration;
 
     /// Plain f64: the loss of all pairs divided by the batch, from the definition.
     fn reference(img: &[Vec<f64>], txt: &[Vec<f64>], t: f64, b: f64) -> f64 {
@@ -234,33 +233,19 @@ mod tests {
             let (img, txt) = (normalised(world * b, 6, 10 + world as u64), normalised(world * b, 6, 20 + world as u64));
             let (want, want_gi, want_gt, want_gs, want_gb) = single(&inputs(&img, &txt, 1.7, -3.0));
             for exchange in [Exchange::Shift, Exchange::Gather] {
-                let groups = ThreadGroup::new(world, Duration::from_secs(20));
-                let handles: Vec<_> = groups
-                    .into_iter()
-                    .map(|grp| {
-                        let (img, txt) = (img.clone(), txt.clone());
-                        std::thread::spawn(move || {
-                            let r = grp.rank();
-                            let group: Arc<dyn Collective> = Arc::new(grp);
-                            let v = inputs(&img[r * b..(r + 1) * b], &txt[r * b..(r + 1) * b], 1.7, -3.0);
-                            let scale = v.s.as_tensor().exp().unwrap();
-                            let parts =
-                                sigmoid_loss(v.img.as_tensor(), v.txt.as_tensor(), &scale, v.b.as_tensor(), &group, exchange).unwrap();
-                            let loss = group.all_reduce_mean(&parts.total).unwrap().to_scalar::<f64>().unwrap();
-                            let g = parts.total.backward().unwrap();
-                            let f = 1.0 / world as f64;
-                            let rows = |x: &Var| {
-                                group.all_gather(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_vec2::<f64>().unwrap()
-                            };
-                            let sum = |x: &Var| {
-                                group.all_reduce_sum(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_scalar::<f64>().unwrap()
-                            };
-                            (loss, rows(&v.img), rows(&v.txt), sum(&v.s), sum(&v.b))
-                        })
-                    })
-                    .collect();
-                for h in handles {
-                    let (loss, gi, gt, gs, gb) = h.join().unwrap();
+                let results = on_thread_ranks(world, |r, group| {
+                    let v = inputs(&img[r * b..(r + 1) * b], &txt[r * b..(r + 1) * b], 1.7, -3.0);
+                    let scale = v.s.as_tensor().exp().unwrap();
+                    let parts = sigmoid_loss(v.img.as_tensor(), v.txt.as_tensor(), &scale, v.b.as_tensor(), &group, exchange).unwrap();
+                    let loss = group.all_reduce_mean(&parts.total).unwrap().to_scalar::<f64>().unwrap();
+                    let g = parts.total.backward().unwrap();
+                    let f = 1.0 / world as f64;
+                    let rows = |x: &Var| group.all_gather(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_vec2::<f64>().unwrap();
+                    let sum =
+                        |x: &Var| group.all_reduce_sum(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_scalar::<f64>().unwrap();
+                    (loss, rows(&v.img), rows(&v.txt), sum(&v.s), sum(&v.b))
+                });
+                for (loss, gi, gt, gs, gb) in results {
                     let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1.0);
                     assert!(close(loss, want), "W={world} {exchange:?}: loss {loss} vs {want}");
                     assert!(close(gs, want_gs) && close(gb, want_gb), "W={world} {exchange:?}: {gs} {gb} vs {want_gs} {want_gb}");

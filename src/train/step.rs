@@ -217,10 +217,9 @@ mod tests {
     use super::*;
     use crate::model::dual_encoder::tests::tiny_spec;
     use crate::model::init::SeededVars;
-    use crate::train::collective::{SingleProcess, ThreadGroup};
+    use crate::train::collective::{on_thread_ranks, SingleProcess};
     use crate::train::optim::OptimizerConfig;
     use candle_core::Device;
-    use std::time::Duration;
 
     const SOFTMAX: StepLoss = StepLoss::Softmax { opts: GatherOptions { gather_with_grad: true, local_loss: true }, smoothing: 0.1 };
     const SIGMOID: StepLoss = StepLoss::Sigmoid { exchange: Exchange::Shift };
@@ -299,22 +298,14 @@ mod tests {
         let (model, opt) = model_dropping(1, loss, patch_dropout);
         let all: Vec<MicroBatch> = (0..world).map(|r| batch(per_rank, per_rank * r)).collect();
         let want = compute(&model, &opt, &[concat(&all)], &single, loss, 9, true).unwrap();
-        let handles: Vec<_> = ThreadGroup::new(world, Duration::from_secs(30))
-            .into_iter()
-            .map(|g| {
-                std::thread::spawn(move || {
-                    let r = g.rank();
-                    let group: Arc<dyn Collective> = Arc::new(g);
-                    let (model, opt) = model_dropping(1, loss, patch_dropout);
-                    let n = per_rank / split;
-                    let micro: Vec<MicroBatch> = (0..split).map(|k| batch(n, per_rank * r + n * k)).collect();
-                    let out = compute(&model, &opt, &micro, &group, loss, 9, true).unwrap();
-                    (out.loss, out.grads)
-                })
-            })
-            .collect();
-        for h in handles {
-            let (got, grads) = h.join().unwrap();
+        let results = on_thread_ranks(world, |r, group| {
+            let (model, opt) = model_dropping(1, loss, patch_dropout);
+            let n = per_rank / split;
+            let micro: Vec<MicroBatch> = (0..split).map(|k| batch(n, per_rank * r + n * k)).collect();
+            let out = compute(&model, &opt, &micro, &group, loss, 9, true).unwrap();
+            (out.loss, out.grads)
+        });
+        for (got, grads) in results {
             assert!((got - want.loss).abs() < 1e-5 * want.loss, "W={world} {loss:?}: {got} vs {}", want.loss);
             assert_grads_close(&grads, &want.grads, &format!("W={world} {loss:?}"));
         }

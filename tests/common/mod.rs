@@ -62,3 +62,15 @@ pub fn tiny_run(dir: &Path, extra: &[&str]) -> (SynthOutput, Config, PathBuf) {
     std::fs::write(&path, cfg.to_toml().unwrap()).unwrap();
     (data, cfg, path)
 }
+
+/// One quiet rank on the CPU, from scratch.
+pub fn cpu_options() -> align::train::trainer::TrainOptions {
+    align::train::trainer::TrainOptions {
+        resume: false,
+        quiet: true,
+        device: candle_core::Device::Cpu,
+        stop_after: None,
+        nproc: 1,
+        allow_change: Vec::new(),
+    }
+}

@@ -1,15 +1,15 @@
 //! Hugging Face `AlignModel` directories: loading one as an align model, and writing align's
 //! EfficientNet + BERT models as one that `transformers.AlignModel.from_pretrained` loads.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
-use super::files::{load_prefixed, read_json, read_tokenizer, read_weights, write_tokenizer_files};
-use super::hub::WEIGHTS;
+use serde_json::Value;
+
+use super::files::{f32_tensors, load_prefixed, read_json, read_tokenizer, read_weights, HfDir, BERT_SPECIALS};
 use super::layout::{align_spec_from_hf, align_spec_to_hf};
 use crate::config::Config;
 use crate::data::tokenizer::TextTokenizer;
@@ -52,32 +52,25 @@ pub fn load_hf_align(dir: &Path, device: &Device) -> Result<LoadedModel> {
 /// that `AlignProcessor` and the zero-shot pipeline load it.
 pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, image: &ImageConfig, out: &Path) -> Result<()> {
     let config = align_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let mut tensors: HashMap<String, Tensor> = HashMap::new();
-    for (name, var) in vm.data().lock().unwrap().iter() {
-        tensors.insert(name.clone(), var.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?);
-        if let Some(prefix) = name.strip_suffix("running_mean") {
-            tensors.insert(format!("{prefix}num_batches_tracked"), Tensor::zeros((), DType::I64, &Device::Cpu)?);
-        }
+    let mut tensors = f32_tensors(vm)?;
+    let counters: Vec<String> =
+        tensors.keys().filter_map(|n| n.strip_suffix("running_mean")).map(|p| format!("{p}num_batches_tracked")).collect();
+    for name in counters {
+        tensors.insert(name, Tensor::zeros((), DType::I64, &Device::Cpu)?);
     }
     // AlignTextModel carries BERT's pooler, which ALIGN never uses; zeros keep transformers from
     // reporting it as missing.
     let h = spec.text.width();
     tensors.insert("text_model.pooler.dense.weight".into(), Tensor::zeros((h, h), DType::F32, &Device::Cpu)?);
     tensors.insert("text_model.pooler.dense.bias".into(), Tensor::zeros(h, DType::F32, &Device::Cpu)?);
-    crate::io::tensors::write_tensors(&tensors, &out.join(WEIGHTS))?;
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
-    let specials =
-        [("cls_token", "[CLS]"), ("sep_token", "[SEP]"), ("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("mask_token", "[MASK]")];
-    write_tokenizer_files(tokenizer, out, "BertTokenizer", &specials)?;
-    write_processor(image, "EfficientNetImageProcessor", "AlignProcessor", out)
-}
-
-/// `preprocessor_config.json` (the image processor, with the processor class that pairs it with
-/// the tokenizer), the file `AutoProcessor` reads.
-pub(super) fn write_processor(image: &ImageConfig, kind: &str, processor: &str, out: &Path) -> Result<()> {
-    let mut j = super::preprocess::processor_json(image, kind);
-    j["processor_class"] = serde_json::Value::String(processor.into());
-    std::fs::write(out.join("preprocessor_config.json"), serde_json::to_string_pretty(&j)?)?;
-    Ok(())
+    HfDir {
+        config,
+        tensors,
+        tokenizer_class: "BertTokenizer",
+        specials: &BERT_SPECIALS,
+        tokenizer_extra: Value::Null,
+        image_processor: "EfficientNetImageProcessor",
+        processor: "AlignProcessor",
+    }
+    .write(tokenizer, image, out)
 }

@@ -6,12 +6,12 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 use serde_json::Value;
 
-use super::files::{load_prefixed, read_json, read_weights};
+use super::files::{f32_tensors, load_prefixed, read_json, read_weights, HfDir};
 use crate::config::Config;
 use crate::data::tokenizer::TextTokenizer;
 use crate::io::load::LoadedModel;
@@ -261,6 +261,16 @@ pub fn load_hf_clip(dir: &Path, device: &Device) -> Result<LoadedModel> {
     Ok(LoadedModel { model, varmap, tokenizer, config, dir: dir.to_path_buf() })
 }
 
+/// A tower's sub-config: the encoder's sizes and activation, with the tower's own `fields`.
+fn tower_to_hf(e: &EncoderConfig, fields: Value) -> Value {
+    let mut j = serde_json::json!({"hidden_size": e.width, "num_hidden_layers": e.layers, "num_attention_heads": e.heads,
+        "intermediate_size": e.mlp_dim, "layer_norm_eps": e.layer_norm_eps, "hidden_act": e.act.hf_name()});
+    if let (Some(j), Value::Object(fields)) = (j.as_object_mut(), fields) {
+        j.extend(fields);
+    }
+    j
+}
+
 /// A `CLIPConfig` JSON for a model with CLIP's towers, projections and temperature.
 pub fn clip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     let (ImageSpec::Clip(v), TextSpec::Clip(t)) = (&spec.image, &spec.text) else {
@@ -269,22 +279,16 @@ pub fn clip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     if !spec.image_projection || spec.text_projection_bias || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_some() {
         return Err("CLIPModel projects both towers without a bias and scales by exp(logit_scale): this model differs".into());
     }
-    let encoder = |e: &EncoderConfig| {
-        serde_json::json!({"hidden_size": e.width, "num_hidden_layers": e.layers, "num_attention_heads": e.heads,
-            "intermediate_size": e.mlp_dim, "layer_norm_eps": e.layer_norm_eps, "hidden_act": e.act.hf_name()})
-    };
-    let mut text = encoder(&t.encoder);
-    text["model_type"] = "clip_text_model".into();
-    text["vocab_size"] = t.vocab_size.into();
-    text["max_position_embeddings"] = t.max_position.into();
-    text["eos_token_id"] = t.eos_token_id.into();
-    text["projection_dim"] = spec.embed_dim.into();
-    let mut vision = encoder(&v.encoder);
-    vision["model_type"] = "clip_vision_model".into();
-    vision["image_size"] = v.image_size.into();
-    vision["patch_size"] = v.patch_size.into();
-    vision["num_channels"] = 3.into();
-    vision["projection_dim"] = spec.embed_dim.into();
+    let text = tower_to_hf(
+        &t.encoder,
+        serde_json::json!({"model_type": "clip_text_model", "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position,
+            "eos_token_id": t.eos_token_id, "projection_dim": spec.embed_dim}),
+    );
+    let vision = tower_to_hf(
+        &v.encoder,
+        serde_json::json!({"model_type": "clip_vision_model", "image_size": v.image_size, "patch_size": v.patch_size,
+            "num_channels": 3, "projection_dim": spec.embed_dim}),
+    );
     Ok(serde_json::json!({
         "architectures": ["CLIPModel"],
         "model_type": "clip",
@@ -303,21 +307,16 @@ pub fn siglip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     if spec.image_projection || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_none() {
         return Err("SiglipModel has no image projection and scales by exp(logit_scale) plus a bias: this model differs".into());
     }
-    let encoder = |e: &EncoderConfig| {
-        serde_json::json!({"hidden_size": e.width, "num_hidden_layers": e.layers, "num_attention_heads": e.heads,
-            "intermediate_size": e.mlp_dim, "layer_norm_eps": e.layer_norm_eps, "hidden_act": e.act.hf_name()})
-    };
-    let mut text = encoder(&t.encoder);
-    text["model_type"] = "siglip_text_model".into();
-    text["vocab_size"] = t.vocab_size.into();
-    text["max_position_embeddings"] = t.max_position.into();
-    text["projection_size"] = t.projection.into();
-    let mut vision = encoder(&v.encoder);
-    vision["model_type"] = "siglip_vision_model".into();
-    vision["image_size"] = v.image_size.into();
-    vision["patch_size"] = v.patch_size.into();
-    vision["num_channels"] = 3.into();
-    vision["vision_use_head"] = true.into();
+    let text = tower_to_hf(
+        &t.encoder,
+        serde_json::json!({"model_type": "siglip_text_model", "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position,
+            "projection_size": t.projection}),
+    );
+    let vision = tower_to_hf(
+        &v.encoder,
+        serde_json::json!({"model_type": "siglip_vision_model", "image_size": v.image_size, "patch_size": v.patch_size,
+            "num_channels": 3, "vision_use_head": true}),
+    );
     Ok(serde_json::json!({"architectures": ["SiglipModel"], "model_type": "siglip", "text_config": text, "vision_config": vision}))
 }
 
@@ -338,7 +337,6 @@ pub fn export_hf_siglip(
         config["text_config"]["pad_token_id"] = end.into();
     }
     config["text_config"]["bos_token_id"] = Value::Null;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let mut tensors = f32_tensors(vm)?;
     // SiglipModel keeps its scale and bias as [1] tensors.
     for name in ["logit_scale", "logit_bias"] {
@@ -347,27 +345,18 @@ pub fn export_hf_siglip(
             tensors.insert(name.to_string(), one);
         }
     }
-    crate::io::tensors::write_tensors(&tensors, &out.join(super::hub::WEIGHTS))?;
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     let end = crate::data::tokenizer::SENTENCE_END;
-    let specials = [("eos_token", end), ("pad_token", end), ("unk_token", "<unk>")];
-    super::files::write_tokenizer_files(tokenizer, out, "PreTrainedTokenizerFast", &specials)?;
-    // SigLIP was trained attending to its padding: the tokenizer must return no mask.
-    let path = out.join("tokenizer_config.json");
-    let mut tc = read_json(&path)?;
-    tc["model_input_names"] = serde_json::json!(["input_ids"]);
-    std::fs::write(&path, serde_json::to_string_pretty(&tc)?)?;
-    super::align::write_processor(image, "SiglipImageProcessor", "SiglipProcessor", out)
-}
-
-/// Every variable as an f32 CPU tensor, for a safetensors file.
-fn f32_tensors(vm: &VarMap) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
-    vm.data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(name, var)| Ok((name.clone(), var.as_tensor().to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?)))
-        .collect()
+    HfDir {
+        config,
+        tensors,
+        tokenizer_class: "PreTrainedTokenizerFast",
+        specials: &[("eos_token", end), ("pad_token", end), ("unk_token", "<unk>")],
+        // SigLIP was trained attending to its padding: the tokenizer must return no mask.
+        tokenizer_extra: serde_json::json!({"model_input_names": ["input_ids"]}),
+        image_processor: "SiglipImageProcessor",
+        processor: "SiglipProcessor",
+    }
+    .write(tokenizer, image, out)
 }
 
 /// Writes a model with CLIP's architecture as a Hugging Face `CLIPModel` directory: config,
@@ -387,13 +376,17 @@ pub fn export_hf_clip(
         config["text_config"]["bos_token_id"] = bos.into();
         config["text_config"]["pad_token_id"] = end.into();
     }
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    crate::io::tensors::write_tensors(&f32_tensors(vm)?, &out.join(super::hub::WEIGHTS))?;
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
     let end = crate::data::tokenizer::CLIP_END;
-    let specials = [("bos_token", "<|startoftext|>"), ("eos_token", end), ("pad_token", end), ("unk_token", end)];
-    super::files::write_tokenizer_files(tokenizer, out, "CLIPTokenizer", &specials)?;
-    super::align::write_processor(image, "CLIPImageProcessor", "CLIPProcessor", out)
+    HfDir {
+        config,
+        tensors: f32_tensors(vm)?,
+        tokenizer_class: "CLIPTokenizer",
+        specials: &[("bos_token", "<|startoftext|>"), ("eos_token", end), ("pad_token", end), ("unk_token", end)],
+        tokenizer_extra: Value::Null,
+        image_processor: "CLIPImageProcessor",
+        processor: "CLIPProcessor",
+    }
+    .write(tokenizer, image, out)
 }
 
 #[cfg(test)]

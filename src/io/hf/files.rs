@@ -5,13 +5,14 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use serde_json::Value;
 
 use super::hub::{shard_files, WEIGHTS, WEIGHTS_INDEX};
 use super::layout::is_unused_hf_tensor;
 use crate::data::tokenizer::TextTokenizer;
+use crate::data::transform::ImageConfig;
 use crate::io::tensors::read_tensors;
 use crate::util::log;
 
@@ -107,22 +108,63 @@ pub fn load_prefixed(vm: &VarMap, checkpoint: &HashMap<String, Tensor>, from: &s
     Ok(loaded)
 }
 
-/// A checkpoint's tokenizer files as transformers' `AutoTokenizer` reads them: `tokenizer.json`
-/// (without align's truncation, which transformers sets from the config), `tokenizer_config.json`
-/// with the class and `model_max_length`, and `special_tokens_map.json`. `specials` are
-/// (role, token) pairs such as `("pad_token", "[PAD]")`.
-pub fn write_tokenizer_files(tokenizer: &TextTokenizer, out: &Path, class: &str, specials: &[(&str, &str)]) -> Result<()> {
-    let mut inner = tokenizer.inner().clone();
-    inner.with_truncation(None).map_err(|e| anyhow::anyhow!("{e}"))?;
-    inner.with_padding(None);
-    inner.save(out.join("tokenizer.json"), true).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.join("tokenizer.json").display()))?;
-    let mut config = serde_json::json!({"tokenizer_class": class, "model_max_length": tokenizer.max_len()});
-    let mut map = serde_json::Map::new();
-    for (role, token) in specials {
-        config[*role] = Value::String(token.to_string());
-        map.insert(role.to_string(), Value::String(token.to_string()));
-    }
-    std::fs::write(out.join("tokenizer_config.json"), serde_json::to_string_pretty(&config)?)?;
-    std::fs::write(out.join("special_tokens_map.json"), serde_json::to_string_pretty(&Value::Object(map))?)?;
-    Ok(())
+/// An exported model directory: what `AutoModel`, `AutoTokenizer` and `AutoProcessor` read.
+pub struct HfDir<'a> {
+    pub config: Value,
+    /// Weights under their Hugging Face names.
+    pub tensors: HashMap<String, Tensor>,
+    /// `tokenizer_class`, the special tokens as (role, token) pairs such as
+    /// `("pad_token", "[PAD]")`, and any further `tokenizer_config.json` entries.
+    pub tokenizer_class: &'a str,
+    pub specials: &'a [(&'a str, &'a str)],
+    pub tokenizer_extra: Value,
+    /// The image processor's class and the processor's, which pairs it with the tokenizer.
+    pub image_processor: &'a str,
+    pub processor: &'a str,
 }
+
+impl HfDir<'_> {
+    /// Writes `config.json`, `model.safetensors`, `tokenizer.json` (without align's truncation,
+    /// which transformers sets from `model_max_length`), `tokenizer_config.json`,
+    /// `special_tokens_map.json` and `preprocessor_config.json` (preprocessing as `image`).
+    pub fn write(self, tokenizer: &TextTokenizer, image: &ImageConfig, out: &Path) -> Result<()> {
+        std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+        crate::io::tensors::write_tensors(&self.tensors, &out.join(WEIGHTS))?;
+        std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&self.config)?)?;
+        let mut inner = tokenizer.inner().clone();
+        inner.with_truncation(None).map_err(|e| anyhow::anyhow!("{e}"))?;
+        inner.with_padding(None);
+        inner
+            .save(out.join("tokenizer.json"), true)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", out.join("tokenizer.json").display()))?;
+        let mut config = serde_json::json!({"tokenizer_class": self.tokenizer_class, "model_max_length": tokenizer.max_len()});
+        let mut map = serde_json::Map::new();
+        for (role, token) in self.specials {
+            config[*role] = Value::String(token.to_string());
+            map.insert(role.to_string(), Value::String(token.to_string()));
+        }
+        if let (Some(c), Value::Object(extra)) = (config.as_object_mut(), self.tokenizer_extra) {
+            c.extend(extra);
+        }
+        std::fs::write(out.join("tokenizer_config.json"), serde_json::to_string_pretty(&config)?)?;
+        std::fs::write(out.join("special_tokens_map.json"), serde_json::to_string_pretty(&Value::Object(map))?)?;
+        let mut processor = super::preprocess::processor_json(image, self.image_processor);
+        processor["processor_class"] = Value::String(self.processor.into());
+        std::fs::write(out.join("preprocessor_config.json"), serde_json::to_string_pretty(&processor)?)?;
+        Ok(())
+    }
+}
+
+/// Every variable as an f32 CPU tensor, for an exported `model.safetensors`.
+pub fn f32_tensors(vm: &VarMap) -> Result<HashMap<String, Tensor>> {
+    vm.data()
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, var)| Ok((name.clone(), var.as_tensor().to_dtype(DType::F32)?.to_device(&Device::Cpu)?)))
+        .collect()
+}
+
+/// BERT's special tokens as its tokenizer config names them.
+pub const BERT_SPECIALS: [(&str, &str); 5] =
+    [("cls_token", "[CLS]"), ("sep_token", "[SEP]"), ("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("mask_token", "[MASK]")];

@@ -6,12 +6,12 @@
 
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use candle_core::Device;
 use candle_nn::VarMap;
 use serde_json::{json, Value};
 
-use super::files::{load_prefixed, read_json, read_tokenizer, read_weights, write_tokenizer_files};
+use super::files::{f32_tensors, load_prefixed, read_json, read_tokenizer, read_weights, HfDir, BERT_SPECIALS};
 use super::layout::{bert_from_hf, bert_to_hf, vit_from_hf};
 use crate::config::Config;
 use crate::data::tokenizer::TextTokenizer;
@@ -114,18 +114,14 @@ pub fn load_hf_vtde(dir: &Path, device: &Device) -> Result<LoadedModel> {
 /// files and `preprocessor_config.json`.
 pub fn export_hf_vtde(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, image: &ImageConfig, out: &Path) -> Result<()> {
     let config = vtde_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let tensors: std::collections::HashMap<String, candle_core::Tensor> = vm
-        .data()
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(name, var)| Ok((name.clone(), var.as_tensor().to_dtype(candle_core::DType::F32)?.to_device(&Device::Cpu)?)))
-        .collect::<Result<_>>()?;
-    crate::io::tensors::write_tensors(&tensors, &out.join(super::hub::WEIGHTS))?;
-    std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&config)?)?;
-    let specials =
-        [("cls_token", "[CLS]"), ("sep_token", "[SEP]"), ("pad_token", "[PAD]"), ("unk_token", "[UNK]"), ("mask_token", "[MASK]")];
-    write_tokenizer_files(tokenizer, out, "BertTokenizer", &specials)?;
-    super::align::write_processor(image, "ViTImageProcessor", "VisionTextDualEncoderProcessor", out)
+    HfDir {
+        config,
+        tensors: f32_tensors(vm)?,
+        tokenizer_class: "BertTokenizer",
+        specials: &BERT_SPECIALS,
+        tokenizer_extra: Value::Null,
+        image_processor: "ViTImageProcessor",
+        processor: "VisionTextDualEncoderProcessor",
+    }
+    .write(tokenizer, image, out)
 }
