@@ -27,6 +27,34 @@ pub struct Config {
     pub optimizer: OptimizerConfig,
     pub train: TrainConfig,
     pub eval: EvalConfig,
+    /// Which fields the file and the `--set` overrides named (not part of the config itself).
+    #[serde(skip)]
+    pub explicit: Explicit,
+}
+
+/// The fields a config's file and overrides set, as dotted paths (`data.image.image_size`); for a
+/// config built in code, `None`: a field then counts as set when it differs from its default.
+/// Where a field's value came from does not make two configs differ.
+#[derive(Debug, Clone, Default)]
+pub struct Explicit(pub Option<std::collections::BTreeSet<String>>);
+
+impl PartialEq for Explicit {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+/// Every leaf of a TOML table as a dotted path.
+fn leaf_paths(table: &toml::Table, prefix: &str, out: &mut std::collections::BTreeSet<String>) {
+    for (k, v) in table {
+        let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+        match v {
+            toml::Value::Table(t) => leaf_paths(t, &path, out),
+            _ => {
+                out.insert(path);
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -473,9 +501,24 @@ impl Config {
         for o in overrides {
             apply_override(&mut table, o)?;
         }
-        let cfg: Config = toml::Table::try_into(table).with_context(|| format!("config {origin}"))?;
+        let mut explicit = std::collections::BTreeSet::new();
+        leaf_paths(&table, "", &mut explicit);
+        let mut cfg: Config = toml::Table::try_into(table).with_context(|| format!("config {origin}"))?;
+        cfg.explicit = Explicit(Some(explicit));
         cfg.validate().with_context(|| format!("config {origin}"))?;
         Ok(cfg)
+    }
+
+    /// Whether the user set the field at `path` (`data.image.mean`): named in the file or an
+    /// override, or, for a config built in code, different from the default.
+    pub fn is_explicit(&self, path: &str) -> bool {
+        match &self.explicit.0 {
+            Some(set) => set.iter().any(|p| p == path || p.starts_with(&format!("{path}."))),
+            None => {
+                let field = |c: &Config| toml::Value::try_from(c).ok().and_then(|v| path.split('.').try_fold(v, |v, k| v.get(k).cloned()));
+                field(self) != field(&Config::default())
+            }
+        }
     }
 
     pub fn validate(&self) -> Result<()> {

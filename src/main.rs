@@ -76,8 +76,11 @@ enum Command {
     Embed(cli::embed::EmbedArgs),
     /// Query an index with a text, an image, or an image plus / minus a text.
     Search(cli::embed::SearchArgs),
-    /// Write an ALIGN-architecture model as a Hugging Face AlignModel directory.
+    /// Write a model in the Hugging Face layout of its towers, or in open_clip's format.
     Export(cli::embed::ExportArgs),
+    /// Show what align understood of a checkpoint: format, towers, sizes, tokenizer,
+    /// preprocessing, logit scale and bias.
+    Inspect(cli::inspect::InspectArgs),
     /// Measure throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -175,6 +178,7 @@ fn run() -> Result<()> {
         Command::Plot(a) => cli::plot::run(&a),
         Command::Search(a) => cli::embed::search(&a),
         Command::Export(a) => cli::embed::export(&a),
+        Command::Inspect(a) => cli::inspect::run(&a),
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),

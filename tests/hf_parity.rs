@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use align::io::hf::align::export_hf_align;
 use align::io::hf::files::{load_prefixed, read_json, read_weights};
 use align::io::hf::layout::{bert_from_hf, vit_from_hf};
 use align::io::load::load_model;
@@ -120,10 +119,11 @@ fn an_exported_model_loads_back_with_the_same_embeddings() {
     let m = load_model(&fixture("align-tiny"), &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("export");
-    export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
+    let format = align::io::format::named("AlignModel").unwrap();
+    align::io::format::export::export(&m.files().unwrap(), format, &out, false).unwrap();
     let back = load_model(&out, &Device::Cpu).unwrap();
     // The processor and tokenizer configs transformers' AutoProcessor needs.
-    assert_eq!(back.config.data.image, m.config.data.image);
+    assert_eq!(back.usage.image, m.usage.image);
     let tc = read_json(&out.join("tokenizer_config.json")).unwrap();
     assert_eq!(
         (tc["tokenizer_class"].as_str(), tc["model_max_length"].as_u64()),

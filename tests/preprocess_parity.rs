@@ -36,7 +36,7 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 #[test]
 fn checkpoint_processor_config_gives_transformers_pipeline() {
     let m = load_model(&model_dir(), &Device::Cpu).unwrap();
-    let c = &m.config.data.image;
+    let c = &m.usage.image;
     assert_eq!((c.resize, c.image_size), (346, 289), "the processor's size and crop, not the model config's 32 px");
 }
 
@@ -58,7 +58,7 @@ fn cosines(m: &LoadedModel, cfg: &ImageConfig) -> Vec<(String, f64)> {
 #[test]
 fn image_files_embed_as_transformers_embeds_them() {
     let m = load_model(&model_dir(), &Device::Cpu).unwrap();
-    let got = cosines(&m, &m.config.data.image);
+    let got = cosines(&m, &m.usage.image);
     let report: Vec<String> = got.iter().map(|(n, c)| format!("{n}: cosine {c:.6}")).collect();
     println!("{}", report.join("\n"));
     for (name, cos) in &got {
@@ -70,7 +70,7 @@ fn image_files_embed_as_transformers_embeds_them() {
 #[test]
 fn a_near_miss_of_the_pipeline_falls_below_the_threshold() {
     let m = load_model(&model_dir(), &Device::Cpu).unwrap();
-    let base = m.config.data.image.clone();
+    let base = m.usage.image.clone();
     let misses = [
         ("bicubic instead of bilinear", ImageConfig { interpolation: Interpolation::Bicubic, ..base.clone() }),
         ("resize to 320 instead of 346", ImageConfig { resize: 320, ..base.clone() }),
@@ -90,7 +90,7 @@ const LEVEL: f32 = 1.0 / 127.5;
 fn preprocessed_pixels_match_transformers_on_a_grid() {
     use align::data::transform::{decode, eval_transform, FULL_RESOLUTION};
     let m = load_model(&model_dir(), &Device::Cpu).unwrap();
-    let cfg = &m.config.data.image;
+    let cfg = &m.usage.image;
     let expected = read_tensors(&fixtures().join("preprocess/expected.safetensors"), &Device::Cpu).unwrap();
     let grid = expected["pixel_grid"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let idx: Vec<usize> = expected["grid_index"].to_vec1::<i64>().unwrap().iter().map(|&i| i as usize).collect();

@@ -77,7 +77,7 @@ fn assert_files_embed_as_in_transformers(m: &align::io::load::LoadedModel, io: &
     let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
     let files = images.iter().map(|n| FileSample { path: towers().join("images").join(n), label: None, captions: vec![] }).collect();
     let needs = Needs { image: true, captions: false, label: false };
-    let got = embed_source(&m.model, EvalSource::Files(files), &m.config.data.image, needs, 4, &Device::Cpu, true).unwrap();
+    let got = embed_source(&m.model, EvalSource::Files(files), &m.usage.image, needs, 4, &Device::Cpu, true).unwrap();
     let reference = io["jpeg_image_embeds"].to_vec2::<f32>().unwrap();
     let dim = got.embeddings.dim;
     for (i, n) in images.iter().enumerate() {
@@ -105,7 +105,7 @@ fn the_wrong_activation_is_caught() {
     if let align::model::dual_encoder::ImageSpec::Clip(v) = &mut spec.image {
         v.encoder.act = align::model::prenorm::Act::Gelu;
     }
-    let vb = candle_nn::VarBuilder::from_varmap(&m.varmap, DType::F32, &Device::Cpu);
+    let vb = candle_nn::VarBuilder::from_tensors(m.weights.clone(), DType::F32, &Device::Cpu);
     let wrong = align::model::dual_encoder::DualEncoder::new(&spec, vb).unwrap();
     let io = io("clip-tiny");
     let img = wrong.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
@@ -228,10 +228,10 @@ fn an_exported_clip_model_loads_back_the_same() {
     let m = load_model(&towers().join("clip-tiny"), &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("clip");
-    align::io::hf::clip::export_hf_clip(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
+    align::io::format::export::export(&m.files().unwrap(), align::io::format::named("CLIPModel").unwrap(), &out, false).unwrap();
     let back = load_model(&out, &Device::Cpu).unwrap();
     assert_eq!(back.model.spec, m.model.spec);
-    assert_eq!(back.config.data.image, m.config.data.image);
+    assert_eq!(back.usage.image, m.usage.image);
     let io = io("clip-tiny");
     let img = back.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
     assert!(max_diff(&img, &io["image_embeds_normalised"]) <= 1e-5);
@@ -247,7 +247,7 @@ fn an_exported_siglip_model_loads_back_the_same() {
     let m = load_model(&towers().join("siglip-tiny"), &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("siglip");
-    align::io::hf::clip::export_hf_siglip(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
+    align::io::format::export::export(&m.files().unwrap(), align::io::format::named("SiglipModel").unwrap(), &out, false).unwrap();
     let w = read_tensors(&out.join("model.safetensors"), &Device::Cpu).unwrap();
     assert_eq!((w["logit_scale"].dims(), w["logit_bias"].dims()), (&[1usize][..], &[1usize][..]));
     let tc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap()).unwrap();
@@ -284,10 +284,11 @@ fn vision_text_dual_encoder_matches_transformers_and_exports_back() {
     }
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("vtde");
-    align::io::hf::vtde::export_hf_vtde(&m.model.spec, &m.varmap, &m.tokenizer, &m.config.data.image, &out).unwrap();
+    align::io::format::export::export(&m.files().unwrap(), align::io::format::named("VisionTextDualEncoderModel").unwrap(), &out, false)
+        .unwrap();
     let back = load_model(&out, &Device::Cpu).unwrap();
     assert_eq!(back.model.spec, m.model.spec);
-    assert_eq!(back.config.data.image, m.config.data.image);
+    assert_eq!(back.usage.image, m.usage.image);
     let again = back.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
     assert_eq!(max_diff(&again, &img), 0.0);
     // An ALIGN-style ViT + BERT (raw [CLS] states, a biased text projection) has no such layout.

@@ -65,7 +65,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
             let images = embed_source(
                 &m.model,
                 EvalSource::Shards(spec::expand(d)?),
-                &m.config.data.image,
+                &m.usage.image,
                 Needs { image: true, captions: false, label: false },
                 a.batch,
                 &device,
@@ -187,7 +187,7 @@ pub fn search(a: &SearchArgs) -> Result<()> {
     let query = match (&a.text, &a.image) {
         (Some(t), None) => text_vec(t)?,
         (None, Some(path)) => {
-            let cfg = &m.config.data.image;
+            let cfg = &m.usage.image;
             let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
             let img = decode(&bytes, align::data::transform::FULL_RESOLUTION, cfg.max_pixels)
                 .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.detail))?;
@@ -242,47 +242,63 @@ mod tests {
 
 #[derive(Args)]
 pub struct ExportArgs {
-    /// An align checkpoint or run directory (or anything `--checkpoint` accepts).
+    /// The model to export: an align checkpoint or run directory, or anything `--checkpoint`
+    /// reads (a Hugging Face or open_clip folder, `hf:ORG/NAME`).
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
     #[arg(long)]
     pub ema: bool,
-    /// Output directory in the Hugging Face layout of the model's towers: `AlignModel`
-    /// (EfficientNet + BERT), `VisionTextDualEncoderModel` (ViT + BERT), `CLIPModel` or
-    /// `SiglipModel`.
+    /// A new (or empty) directory to write. It is written beside itself and renamed into place
+    /// when complete.
     #[arg(long)]
     pub out: PathBuf,
+    /// `hf`: the Hugging Face layout of the model's towers (`AlignModel` for EfficientNet + BERT,
+    /// `VisionTextDualEncoderModel` for ViT + BERT, `CLIPModel`, `SiglipModel`); `open_clip`:
+    /// open_clip's `open_clip_config.json` + `open_clip_model.safetensors` (CLIP towers), for
+    /// `open_clip.create_model_and_transforms("local-dir:DIR")` and CLIP_benchmark.
+    #[arg(long, default_value = "hf")]
+    pub format: String,
+    /// Replace a non-empty `--out` whole (never a mix of old and new files).
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// The Hugging Face format of a model's towers.
+fn hf_format_of(spec: &align::model::dual_encoder::ModelSpec) -> Result<&'static dyn align::io::format::Format> {
+    let names = ["AlignModel", "CLIPModel", "SiglipModel", "VisionTextDualEncoderModel"];
+    let mut why = Vec::new();
+    for name in names {
+        let f = align::io::format::named(name).expect("a registered format");
+        match f.can_write(spec) {
+            Ok(()) => return Ok(f),
+            Err(e) => why.push(format!("{name}: {e}")),
+        }
+    }
+    bail!(
+        "no Hugging Face layout fits a {} image tower with a {} text tower ({})",
+        image_kind(&spec.image),
+        text_kind(&spec.text),
+        why.join("; ")
+    )
 }
 
 pub fn export(a: &ExportArgs) -> Result<()> {
     let m = load_model_with(&a.checkpoint, &Device::Cpu, a.ema)?;
-    use align::model::dual_encoder::{ImageSpec, TextSpec};
-    let (class, image) = (&m.model.spec, &m.config.data.image);
-    let class = match (&class.image, &class.text) {
-        (ImageSpec::EfficientNet(_), TextSpec::Bert(_)) => {
-            align::io::hf::align::export_hf_align(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
-            "AlignModel"
-        }
-        (ImageSpec::Clip(_), TextSpec::Clip(_)) => {
-            align::io::hf::clip::export_hf_clip(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
-            "CLIPModel"
-        }
-        (ImageSpec::Vit(_), TextSpec::Bert(_)) => {
-            align::io::hf::vtde::export_hf_vtde(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
-            "VisionTextDualEncoderModel"
-        }
-        (ImageSpec::Siglip(_), TextSpec::Siglip(_)) => {
-            align::io::hf::clip::export_hf_siglip(&m.model.spec, &m.varmap, &m.tokenizer, image, &a.out)?;
-            "SiglipModel"
-        }
-        (i, t) => bail!(
-            "no Hugging Face layout for a {} image tower with a {} text tower: align exports EfficientNet + BERT (AlignModel), ViT + BERT (VisionTextDualEncoderModel), CLIP's towers (CLIPModel) and SigLIP's (SiglipModel)",
-            image_kind(i),
-            text_kind(t)
-        ),
+    let format = match a.format.as_str() {
+        "hf" => hf_format_of(m.spec())?,
+        name => match align::io::format::named(name) {
+            Some(f) if f.name() != "align" => f,
+            _ => bail!("--format {name:?} is not a format align writes (hf, open_clip, AlignModel, CLIPModel, SiglipModel, VisionTextDualEncoderModel)"),
+        },
     };
-    println!("wrote {} (load it with transformers.{class}.from_pretrained and AutoProcessor.from_pretrained)", a.out.display());
+    align::io::format::export::export(&m.files()?, format, &a.out, a.force)?;
+    let how = if format.name() == "open_clip" {
+        format!("open_clip.create_model_and_transforms(\"local-dir:{}\")", a.out.display())
+    } else {
+        format!("transformers.{}.from_pretrained and AutoProcessor.from_pretrained", format.name())
+    };
+    println!("wrote {} as {} (load it with {how})", a.out.display(), format.name());
     Ok(())
 }
 

@@ -104,7 +104,7 @@ pub fn evaluate_retrieval(
     device: &candle_core::Device,
     quiet: bool,
 ) -> Result<Evaluated> {
-    let run = ret::run(&m.model, &m.tokenizer, source, &m.config.data.image, batch, device, quiet)
+    let run = ret::run(&m.model, &m.tokenizer, source, &m.usage.image, batch, device, quiet)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
     let mut rec = EvalRecord::new(&m.dir, what, "zeroshot_retrieval", run.report.images, &run.skipped);
     rec.texts = Some(run.report.texts);
@@ -219,7 +219,7 @@ impl ZeroShotData {
 
 /// Zero-shot classification of `m` with a prompt ensemble: acc@1, acc@5, mean per-class recall.
 pub fn evaluate_zeroshot(m: &LoadedModel, d: ZeroShotData, batch: usize, device: &candle_core::Device, quiet: bool) -> Result<Evaluated> {
-    let run = zs::run(&m.model, &m.tokenizer, d.source, &d.classes, &d.templates, &m.config.data.image, batch, device, quiet)
+    let run = zs::run(&m.model, &m.tokenizer, d.source, &d.classes, &d.templates, &m.usage.image, batch, device, quiet)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
     let mut rec = EvalRecord::new(&m.dir, &d.what, "zeroshot_classification", run.report.images, &run.skipped);
     rec.classes = Some(run.report.classes);
@@ -294,7 +294,7 @@ fn embed_labelled(
     use align::data::eval_reader::Needs;
     use align::eval::embed::embed_source;
     let needs = Needs { image: true, captions: false, label: true };
-    let cfg = &m.config.data.image;
+    let cfg = &m.usage.image;
     let evaluating = || format!("evaluating {}", m.dir.display());
     let first = embed_source(&m.model, first, cfg, needs, batch, device, quiet).with_context(evaluating)?;
     let second = embed_source(&m.model, second, cfg, needs, batch, device, quiet).with_context(evaluating)?;

@@ -7,6 +7,7 @@ pub mod embed;
 pub mod eval;
 pub mod eval_record;
 pub mod eval_suite;
+pub mod inspect;
 pub mod launch;
 pub mod plot;
 pub mod table;

@@ -2,6 +2,7 @@
 
 pub mod batch;
 pub mod build;
+pub mod clip_bpe;
 pub mod distribute;
 pub mod eval_reader;
 pub mod folders;

@@ -40,9 +40,21 @@ pub struct TextTokenizer {
     pad_id: u32,
 }
 
+/// A `tokenizer.json`, read without a panic whatever the file holds: a damaged file is an error
+/// naming it (the `tokenizers` crate panics on some malformed vocabularies instead of failing).
+pub fn read_tokenizer_json(path: &Path) -> Result<Tokenizer> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading tokenizer {}", path.display()))?;
+    let parsed = std::panic::catch_unwind(|| text.parse::<Tokenizer>());
+    match parsed {
+        Ok(Ok(t)) => Ok(t),
+        Ok(Err(e)) => bail!("tokenizer {} is damaged or not a tokenizer.json: {e}", path.display()),
+        Err(_) => bail!("tokenizer {} is damaged: the tokenizers library could not read it", path.display()),
+    }
+}
+
 impl TextTokenizer {
     pub fn from_file(path: &Path, max_len: usize) -> Result<Self> {
-        let inner = Tokenizer::from_file(path).map_err(|e| anyhow!("loading tokenizer {}: {e}", path.display()))?;
+        let inner = read_tokenizer_json(path)?;
         Self::new(inner, max_len).with_context(|| format!("tokenizer {}", path.display()))
     }
 
@@ -50,6 +62,12 @@ impl TextTokenizer {
     pub fn new(mut inner: Tokenizer, max_len: usize) -> Result<Self> {
         if max_len < 2 {
             bail!("max_len {max_len} leaves no room for [CLS] and [SEP]");
+        }
+        // A padding token the file records (align saves its own) is the one to pad with.
+        if let Some(pad) = inner.get_padding().map(|p| p.pad_token.clone()) {
+            if inner.token_to_id(&pad).is_some() && inner.get_post_processor().is_some() {
+                return Self::with_pad_token(inner, max_len, &pad);
+            }
         }
         if inner.token_to_id(PAD).is_none() {
             if let Some(end) = [CLIP_END, SENTENCE_END].into_iter().find(|t| inner.token_to_id(t).is_some()) {
@@ -108,8 +126,24 @@ impl TextTokenizer {
         &self.inner
     }
 
+    /// Writes the tokenizer as a `tokenizer.json` that records its padding token, so that it
+    /// reads back padding the same way (open_clip pads CLIP's ids with 0, transformers with
+    /// `<|endoftext|>`; a text tower that attends to its padding tells them apart).
     pub fn save(&self, path: &Path) -> Result<()> {
-        self.inner.save(path, true).map_err(|e| anyhow!("saving tokenizer {}: {e}", path.display()))
+        let mut t = self.inner.clone();
+        let pad_token = t.id_to_token(self.pad_id).ok_or_else(|| anyhow!("the padding id {} has no token", self.pad_id))?;
+        t.with_padding(Some(tokenizers::PaddingParams {
+            strategy: tokenizers::PaddingStrategy::Fixed(self.max_len),
+            pad_id: self.pad_id,
+            pad_token,
+            ..Default::default()
+        }));
+        t.save(path, true).map_err(|e| anyhow!("saving tokenizer {}: {e}", path.display()))
+    }
+
+    /// The id texts are padded with.
+    pub fn pad_id(&self) -> u32 {
+        self.pad_id
     }
 
     /// Tokenises one text into `ids`/`mask` rows of length `max_len` (appended to the vectors).

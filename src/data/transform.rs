@@ -20,6 +20,21 @@ pub enum ResizeMode {
     Square,
     /// Resize so the shorter side is `resize`, keeping the aspect ratio (CLIP, torchvision).
     Shorter,
+    /// Resize so the longer side is `resize`, keeping the aspect ratio, then pad to a square
+    /// with black (open_clip's `resize_mode = "longest"`).
+    Longer,
+}
+
+/// Where a centre crop starts when the margin is odd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum CropOffset {
+    /// `(size − crop) // 2`, as transformers' processors place it.
+    #[default]
+    Floor,
+    /// `round((size − crop) / 2)` with ties to even, as torchvision's `CenterCrop` (open_clip)
+    /// places it.
+    Round,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -73,6 +88,8 @@ pub struct ImageConfig {
     pub mean: [f32; 3],
     pub std: [f32; 3],
     pub interpolation: Interpolation,
+    /// Where the evaluation's centre crop starts when the margin is odd.
+    pub crop_offset: CropOffset,
     /// Images whose header claims more pixels than this are skipped unread (decompression bombs).
     pub max_pixels: u64,
 }
@@ -91,6 +108,7 @@ impl Default for ImageConfig {
             mean: [0.5, 0.5, 0.5],
             std: [0.5, 0.5, 0.5],
             interpolation: Interpolation::Bilinear,
+            crop_offset: CropOffset::Floor,
             // PIL's default MAX_IMAGE_PIXELS.
             max_pixels: 89_478_485,
         }
@@ -102,8 +120,21 @@ impl ImageConfig {
         if self.image_size == 0 {
             return Err("image_size must be positive".into());
         }
-        if self.resize < self.image_size {
+        if self.resize < self.image_size && self.resize_mode != ResizeMode::Longer {
             return Err(format!("resize ({}) must be at least image_size ({})", self.resize, self.image_size));
+        }
+        if self.resize_mode == ResizeMode::Longer && self.resize != self.image_size {
+            return Err(format!(
+                "resize_mode \"longer\" pads to the resized square: resize ({}) must equal image_size ({})",
+                self.resize, self.image_size
+            ));
+        }
+        if self.resize_mode == ResizeMode::Longer && self.train_crop == TrainCrop::RandomCrop {
+            return Err("resize_mode \"longer\" trains with train_crop = \"random_resized_crop\"".into());
+        }
+        let bound = MAX_SIDE;
+        if self.image_size > bound || self.resize > bound {
+            return Err(format!("image_size {} and resize {} must be at most {bound} px", self.image_size, self.resize));
         }
         if !(0.0 < self.rrc_scale[0] && self.rrc_scale[0] <= self.rrc_scale[1] && self.rrc_scale[1] <= 1.0) {
             return Err(format!("rrc_scale {:?} must satisfy 0 < lo <= hi <= 1", self.rrc_scale));
@@ -214,9 +245,18 @@ pub struct Rect {
     pub h: u32,
 }
 
+/// The largest side an image is resized or cropped to: far beyond any model's input, and small
+/// enough that a damaged config cannot ask for gigabytes per image.
+pub const MAX_SIDE: usize = 8192;
+
 fn resized_dims(w: u32, h: u32, cfg: &ImageConfig) -> (u32, u32) {
     let r = cfg.resize as u32;
     match cfg.resize_mode {
+        ResizeMode::Longer => {
+            // open_clip's ResizeKeepRatio: both sides divided by the larger ratio, rounded.
+            let ratio = (w as f64 / r as f64).max(h as f64 / r as f64);
+            (((w as f64 / ratio).round() as u32).max(1), ((h as f64 / ratio).round() as u32).max(1))
+        }
         ResizeMode::Square => (r, r),
         ResizeMode::Shorter => {
             // torchvision: the shorter side becomes r, the longer one int(r * long / short).
@@ -231,7 +271,24 @@ fn resized_dims(w: u32, h: u32, cfg: &ImageConfig) -> (u32, u32) {
 
 /// The center crop of an image of `w`×`h`, as Hugging Face's `center_crop` places it.
 pub fn center_crop(w: u32, h: u32, size: u32) -> Rect {
-    Rect { x: w.saturating_sub(size) / 2, y: h.saturating_sub(size) / 2, w: size.min(w), h: size.min(h) }
+    center_crop_at(w, h, size, CropOffset::Floor)
+}
+
+/// The center crop of an image of `w`×`h`, its odd margin placed as `offset` says.
+pub fn center_crop_at(w: u32, h: u32, size: u32, offset: CropOffset) -> Rect {
+    let start = |margin: u32| match offset {
+        CropOffset::Floor => margin / 2,
+        // Half a margin, ties to even: margin 5 starts at 2, margin 7 at 4.
+        CropOffset::Round => {
+            let half = margin / 2;
+            if margin % 2 == 1 && half % 2 == 1 {
+                half + 1
+            } else {
+                half
+            }
+        }
+    };
+    Rect { x: start(w.saturating_sub(size)), y: start(h.saturating_sub(size)), w: size.min(w), h: size.min(h) }
 }
 
 /// A uniformly placed crop, every valid offset equally likely.
@@ -351,12 +408,22 @@ pub fn train_transform(img: &RgbImage, cfg: &ImageConfig, rng: &mut Rng, out: &m
     }
 }
 
-/// Evaluation transform: deterministic resize and center crop.
+/// Evaluation transform: deterministic resize and center crop (or, resizing the longer side,
+/// centred padding with black).
 pub fn eval_transform(img: &RgbImage, cfg: &ImageConfig, out: &mut [f32]) {
     let s = cfg.image_size as u32;
     let (rw, rh) = resized_dims(img.width(), img.height(), cfg);
+    if cfg.resize_mode == ResizeMode::Longer {
+        let resized = resize(img, rw.min(s), rh.min(s), cfg.interpolation);
+        let mut padded = RgbImage::new(s, s);
+        // open_clip's CenterCropOrPad: the odd pixel of padding goes right and below.
+        let (x, y) = ((s - resized.width()) / 2, (s - resized.height()) / 2);
+        image::imageops::replace(&mut padded, &resized, x as i64, y as i64);
+        write_chw(&padded, Rect { x: 0, y: 0, w: s, h: s }, false, cfg.mean, cfg.std, out);
+        return;
+    }
     let resized = resize(img, rw.max(s), rh.max(s), cfg.interpolation);
-    let rect = center_crop(resized.width(), resized.height(), s);
+    let rect = center_crop_at(resized.width(), resized.height(), s, cfg.crop_offset);
     write_chw(&resized, rect, false, cfg.mean, cfg.std, out);
 }
 
@@ -430,6 +497,27 @@ mod tests {
     fn center_crop_places_the_odd_pixel_like_hugging_face() {
         assert_eq!(center_crop(346, 346, 289), Rect { x: 28, y: 28, w: 289, h: 289 });
         assert_eq!(center_crop(300, 289, 289), Rect { x: 5, y: 0, w: 289, h: 289 });
+    }
+
+    #[test]
+    fn torchvision_centre_crops_round_half_margins_to_even() {
+        // torchvision: int(round((h - c) / 2.0)); Python rounds 2.5 to 2 and 3.5 to 4.
+        for (margin, start) in [(0, 0), (1, 0), (2, 1), (3, 2), (5, 2), (7, 4), (9, 4), (11, 6)] {
+            assert_eq!(center_crop_at(10 + margin, 10, 10, CropOffset::Round).x, start, "margin {margin}");
+        }
+        assert_eq!(center_crop_at(15, 10, 10, CropOffset::Floor).x, 2);
+    }
+
+    #[test]
+    fn the_longer_side_mode_pads_a_tall_image_with_black() {
+        let img = RgbImage::from_pixel(10, 40, image::Rgb([255, 255, 255]));
+        let cfg =
+            ImageConfig { image_size: 8, resize: 8, resize_mode: ResizeMode::Longer, mean: [0.0; 3], std: [1.0; 3], ..Default::default() };
+        let mut out = vec![0.0; cfg.numel()];
+        eval_transform(&img, &cfg, &mut out);
+        // 10x40 becomes 2x8, placed at columns 3..5 of the black 8x8 square.
+        let row: Vec<f32> = out[..8].to_vec();
+        assert_eq!(row, vec![0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]);
     }
 
     #[test]

@@ -1,36 +1,50 @@
-//! Loading a model to use it: an align checkpoint or run directory, a Hugging Face `AlignModel`
-//! directory, or `hf:ID[@REVISION]`.
+//! Loading a model to use it (evaluate, embed, search, score, export) from any location
+//! [`crate::io::format::locate`] resolves, in any format align reads.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
-use candle_core::Device;
-use candle_nn::VarMap;
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
 
-use super::run_dir::{resolve, CONFIG_FILE, EMA_FILE, MODEL_FILE, SPEC_FILE, TOKENIZER_FILE};
-use super::tensors::{load_strict, read_tensors};
+use super::format::{locate, Format, ModelFiles, Usage};
+use crate::data::tokenizer::TextTokenizer;
+use crate::model::dual_encoder::{DualEncoder, ModelSpec};
+use crate::model::init::FixedVars;
 
-/// The `model_type` of a Hugging Face model directory (one with a `config.json` and no align
-/// checkpoint files).
-fn hf_model_type(dir: &Path) -> Option<String> {
-    if dir.join(SPEC_FILE).is_file() {
-        return None;
-    }
-    let config = super::hf::files::read_json(&dir.join("config.json")).ok()?;
-    config.get("model_type")?.as_str().map(str::to_string)
-}
-
-/// A model restored from a checkpoint directory, with what is needed to use it.
+/// A model restored from a checkpoint, with what is needed to use it. Its weights are plain
+/// tensors, not variables: a forward pass records no graph.
 pub struct LoadedModel {
-    pub model: crate::model::dual_encoder::DualEncoder,
-    pub varmap: VarMap,
-    pub tokenizer: crate::data::tokenizer::TextTokenizer,
-    pub config: crate::config::Config,
+    pub model: DualEncoder,
+    /// The weights under align's names, as read (f32).
+    pub weights: HashMap<String, Tensor>,
+    pub tokenizer: TextTokenizer,
+    /// The checkpoint's own preprocessing, text length and loss family.
+    pub usage: Usage,
     pub dir: PathBuf,
+    pub format: &'static dyn Format,
+    /// The training step, for checkpoints that record one.
+    pub step: Option<u64>,
 }
 
-/// Loads a model onto `device` from an align checkpoint, a run directory (its latest checkpoint),
-/// a Hugging Face `AlignModel` directory, or `hf:ID[@REVISION]`.
+impl LoadedModel {
+    pub fn spec(&self) -> &ModelSpec {
+        &self.model.spec
+    }
+
+    /// The model as a format writes it: f32 weights on the CPU.
+    pub fn files(&self) -> Result<ModelFiles<'_>> {
+        let tensors = self
+            .weights
+            .iter()
+            .map(|(k, t)| Ok((k.clone(), t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        Ok(ModelFiles { spec: &self.model.spec, tensors, tokenizer: &self.tokenizer, usage: &self.usage })
+    }
+}
+
+/// Loads a model onto `device` from a checkpoint, a run directory (its latest checkpoint), a
+/// Hugging Face or open_clip directory, or `hf:ID[@REVISION]`.
 pub fn load_model(path: &Path, device: &Device) -> Result<LoadedModel> {
     load_model_with(path, device, false)
 }
@@ -38,34 +52,58 @@ pub fn load_model(path: &Path, device: &Device) -> Result<LoadedModel> {
 /// [`load_model`], with the weights' moving average in place of the weights when `ema` is set
 /// (`--ema`; an align checkpoint of a run with `train.ema_decay`).
 pub fn load_model_with(path: &Path, device: &Device, ema: bool) -> Result<LoadedModel> {
-    let located = super::hf::hub::resolve_location(&path.to_string_lossy())?;
-    if let Some(model_type) = hf_model_type(&located) {
-        if ema {
-            anyhow::bail!("--ema: {} is a Hugging Face model, which holds one set of weights and no moving average", path.display());
+    let located = locate(&path.to_string_lossy())?;
+    let (dir, format) = (located.dir.clone(), located.format);
+    let spec = format.spec(&dir)?;
+    let origin = dir.display().to_string();
+    super::limits::check_against_weights(&spec, &format.weight_shapes(&dir)?, &origin)?;
+    let weights = if ema {
+        match format.ema_weights(&dir, device)? {
+            Some(w) => w,
+            None if format.name() == "align" => {
+                bail!(
+                    "--ema: {} has no ema.safetensors: its run kept no moving average of the weights (train.ema_decay = 0)",
+                    dir.display()
+                )
+            }
+            None => {
+                bail!("--ema: {} is a {} checkpoint, which holds one set of weights and no moving average", path.display(), format.name())
+            }
         }
-        return match model_type.as_str() {
-            "align" => super::hf::align::load_hf_align(&located, device),
-            "clip" | "siglip" => super::hf::clip::load_hf_clip(&located, device),
-            "vision-text-dual-encoder" => super::hf::vtde::load_hf_vtde(&located, device),
-            other => anyhow::bail!(
-                "{} is a Hugging Face {other:?} model; align loads its own checkpoints and run directories and Hugging Face \"align\" (AlignModel), \"clip\" (CLIPModel), \"siglip\" (SiglipModel) and \"vision-text-dual-encoder\" (ViT + BERT) directories",
-                path.display()
-            ),
-        };
+    } else {
+        format.weights(&dir, &spec, device)?
+    };
+    let weights = used_weights(&spec, weights, &origin)?;
+    let model = DualEncoder::new(&spec, FixedVars::builder(weights.clone(), DType::F32, device))
+        .with_context(|| format!("building the model of {origin}"))?;
+    let tokenizer = format.tokenizer(&dir, &spec, None)?;
+    check_vocabulary(&tokenizer, &spec, &origin)?;
+    let usage = format.usage(&dir, &spec)?;
+    Ok(LoadedModel { model, weights, tokenizer, usage, step: format.step(&dir), dir, format })
+}
+
+/// The weights the model uses, with those it has no use for reported once: every planned
+/// parameter must be there at its shape (missing and mis-shaped ones are listed together).
+fn used_weights(spec: &ModelSpec, mut weights: HashMap<String, Tensor>, origin: &str) -> Result<HashMap<String, Tensor>> {
+    let planned = super::limits::planned_parameters(spec)?;
+    let shapes: HashMap<String, Vec<usize>> = weights.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+    super::limits::check_against_weights(spec, &shapes, origin)?;
+    let mut unused: Vec<String> =
+        weights.keys().filter(|k| !planned.contains_key(*k) && !super::hf::layout::is_unused_hf_tensor(k)).cloned().collect();
+    if !unused.is_empty() {
+        unused.sort();
+        crate::util::log::warn(format!("{origin}: {} tensors not used: {unused:?}", unused.len()));
     }
-    let dir = resolve(&located)?;
-    let config = crate::config::Config::load(&dir.join(CONFIG_FILE), &[])?;
-    let spec_path = dir.join(SPEC_FILE);
-    let spec: crate::model::dual_encoder::ModelSpec =
-        serde_json::from_str(&std::fs::read_to_string(&spec_path).with_context(|| format!("reading {}", spec_path.display()))?)
-            .with_context(|| format!("parsing {}", spec_path.display()))?;
-    let tokenizer = crate::data::tokenizer::TextTokenizer::from_file(&dir.join(TOKENIZER_FILE), config.text.max_len)?;
-    let varmap = VarMap::new();
-    let model = crate::model::dual_encoder::DualEncoder::new(&spec, crate::model::init::SeededVars::builder(&varmap, 0, device))?;
-    let file = dir.join(if ema { EMA_FILE } else { MODEL_FILE });
-    if ema && !file.is_file() {
-        anyhow::bail!("--ema: {} has no {EMA_FILE}: its run kept no moving average of the weights (train.ema_decay = 0)", dir.display());
+    weights.retain(|k, _| planned.contains_key(k));
+    Ok(weights)
+}
+
+/// A tokenizer whose ids run past the text tower's embedding table fails at load, not inside the
+/// first batch that meets such an id.
+pub fn check_vocabulary(tokenizer: &TextTokenizer, spec: &ModelSpec, origin: &str) -> Result<()> {
+    let (ids, table) = (tokenizer.vocab_size(), spec.text.vocab_size());
+    if ids > table {
+        bail!("{origin}: the tokenizer has {ids} tokens but the text tower's embedding table only {table}");
     }
-    load_strict(&varmap, &read_tensors(&file, device)?, &file)?;
-    Ok(LoadedModel { model, varmap, tokenizer, config, dir })
+    Ok(())
 }

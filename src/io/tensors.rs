@@ -57,6 +57,38 @@ pub fn read_tensors(path: &Path, device: &Device) -> Result<HashMap<String, Tens
     candle_core::safetensors::load(path, device).with_context(|| format!("reading {}", path.display()))
 }
 
+/// The name and shape of every tensor of a safetensors file, from its header alone: the 8-byte
+/// length and the JSON that follows it, checked against the file's size before it is read.
+pub fn header_shapes(path: &Path) -> Result<HashMap<String, Vec<usize>>> {
+    use std::io::Read;
+    let mut f = File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let size = f.metadata()?.len();
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len).with_context(|| format!("{} is too short to be a safetensors file", path.display()))?;
+    let n = u64::from_le_bytes(len);
+    if n > size.saturating_sub(8) || n > 100 << 20 {
+        bail!("{}: the safetensors header claims {n} bytes, more than the file holds", path.display());
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header)?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&header).with_context(|| format!("{}: the safetensors header is not JSON", path.display()))?;
+    let map = json.as_object().with_context(|| format!("{}: the safetensors header is not an object", path.display()))?;
+    let mut out = HashMap::new();
+    for (name, entry) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let shape = entry
+            .get("shape")
+            .and_then(serde_json::Value::as_array)
+            .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<usize>>>())
+            .with_context(|| format!("{}: tensor {name} has no shape in the header", path.display()))?;
+        out.insert(name.clone(), shape);
+    }
+    Ok(out)
+}
+
 /// The variables of a model by name, for saving.
 pub fn var_tensors(vm: &VarMap) -> HashMap<String, Tensor> {
     vm.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect()

@@ -134,6 +134,15 @@ impl TextSpec {
         }
     }
 
+    /// The positions the tower has: the longest text it takes.
+    pub fn max_position(&self) -> usize {
+        match self {
+            TextSpec::Bert(c) => c.max_position,
+            TextSpec::Clip(c) => c.max_position,
+            TextSpec::Siglip(c) => c.max_position,
+        }
+    }
+
     /// The BERT config, where the tower is one.
     pub fn bert(&self) -> Option<&BertConfig> {
         match self {

@@ -107,6 +107,14 @@ pub enum DepthwiseImpl {
 impl EfficientNetConfig {
     /// `efficientnet-b0` … `efficientnet-b7` and `efficientnet-l2` (width, depth coefficients as
     /// published; the image size is ALIGN's choice, 289 for every variant, unless configured).
+    /// The preset whose width and depth coefficients a config has, if any.
+    pub fn preset_name(c: &EfficientNetConfig) -> Option<&'static str> {
+        crate::model::presets::EFFICIENTNET_PRESETS.iter().copied().find(|name| {
+            EfficientNetConfig::preset(name, c.image_size)
+                .is_some_and(|p| p.width_coefficient == c.width_coefficient && p.depth_coefficient == c.depth_coefficient)
+        })
+    }
+
     pub fn preset(name: &str, image_size: usize) -> Option<Self> {
         let (w, d) = match name {
             "efficientnet-b0" => (1.0, 1.0),

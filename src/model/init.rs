@@ -89,6 +89,76 @@ impl SimpleBackend for SeededVars {
     }
 }
 
+/// A builder whose parameters are the given tensors, used as they are: not variables, so a
+/// forward pass through a model built on them records no graph and keeps no activation past its
+/// use (evaluation, embedding, scoring). A name the map lacks, or holds at another shape, is an
+/// error naming it.
+pub struct FixedVars {
+    tensors: std::collections::HashMap<String, Tensor>,
+}
+
+impl FixedVars {
+    pub fn builder(tensors: std::collections::HashMap<String, Tensor>, dtype: DType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(FixedVars { tensors }), dtype, device.clone())
+    }
+}
+
+impl SimpleBackend for FixedVars {
+    fn get(&self, s: Shape, name: &str, _h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        let t = self.tensors.get(name).ok_or_else(|| candle_core::Error::Msg(format!("no weight {name}")))?;
+        if t.shape() != &s {
+            candle_core::bail!("weight {name} has shape {:?}, the model needs {:?}", t.dims(), s.dims());
+        }
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.tensors.get(name).ok_or_else(|| candle_core::Error::Msg(format!("no weight {name}")))?.to_device(dev)?.to_dtype(dtype)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// A builder that allocates nothing: every parameter is a zero broadcast to its shape, and the
+/// names and shapes asked for are recorded. Building a model on it lists the parameters the
+/// model would have, so that sizes read from a file can be checked against the weights before
+/// anything of that size exists.
+#[derive(Clone, Default)]
+pub struct ShapeVars {
+    shapes: std::sync::Arc<std::sync::Mutex<Shapes>>,
+}
+
+/// Parameter names and shapes, in the order a model asks for them.
+type Shapes = Vec<(String, Vec<usize>)>;
+
+impl ShapeVars {
+    pub fn builder(&self) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self.clone()), DType::F32, Device::Cpu)
+    }
+
+    /// The parameters asked for so far, by name.
+    pub fn shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.shapes.lock().unwrap().clone()
+    }
+}
+
+impl SimpleBackend for ShapeVars {
+    fn get(&self, s: Shape, name: &str, _h: Init, dtype: DType, dev: &Device) -> Result<Tensor> {
+        self.shapes.lock().unwrap().push((name.to_string(), s.dims().to_vec()));
+        Tensor::zeros((), dtype, dev)?.broadcast_as(s)
+    }
+
+    fn get_unchecked(&self, name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {
+        candle_core::bail!("variable {name} must be created with a shape")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.shapes.lock().unwrap().iter().any(|(n, _)| n == name)
+    }
+}
+
 /// Kaiming-uniform as PyTorch's default for `nn.Linear` weights.
 pub const LINEAR_DEFAULT: Init = Init::Kaiming {
     dist: NormalOrUniform::Uniform,

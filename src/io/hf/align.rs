@@ -1,58 +1,98 @@
 //! Hugging Face `AlignModel` directories: loading one as an align model, and writing align's
 //! EfficientNet + BERT models as one that `transformers.AlignModel.from_pretrained` loads.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{anyhow, Result};
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarMap;
-
 use serde_json::Value;
 
-use super::files::{f32_tensors, load_prefixed, read_json, read_tokenizer, read_weights, HfDir, BERT_SPECIALS};
+use super::files::{
+    fetch_hf_model, has_hf_weights, is_hf_model, model_max_length, read_json, read_tokenizer, read_weights, weight_shapes, HfDir,
+    BERT_SPECIALS,
+};
 use super::layout::{align_spec_from_hf, align_spec_to_hf};
-use crate::config::Config;
+use super::preprocess::read_dir_image_config;
+use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::ImageConfig;
-use crate::io::load::LoadedModel;
-use crate::model::dual_encoder::{DualEncoder, ModelSpec};
-use crate::model::init::SeededVars;
+use crate::io::format::{Format, HubFetch, ModelFiles, Usage};
+use crate::model::dual_encoder::ModelSpec;
 
-/// The image settings of a Hugging Face checkpoint: its `preprocessor_config.json` when present,
-/// else ALIGN's (resize to 346/289 of the input size, center crop, x/127.5 − 1).
-fn image_config(dir: &Path, image_size: usize) -> Result<crate::data::transform::ImageConfig> {
-    let processor = dir.join("preprocessor_config.json");
-    if processor.exists() {
-        return super::preprocess::read_image_config(&processor);
+/// The Hugging Face `AlignModel` format.
+pub struct HfAlign;
+
+/// ALIGN's text length (the processor's `model_max_length` in `kakaobrain/align-base`).
+const ALIGN_TEXT_LEN: usize = 64;
+
+impl Format for HfAlign {
+    fn name(&self) -> &'static str {
+        "AlignModel"
     }
-    Ok(crate::data::transform::ImageConfig { image_size, resize: (image_size * 346).div_ceil(289), ..Default::default() })
-}
 
-/// Loads a Hugging Face `AlignModel` directory as an align model.
-pub fn load_hf_align(dir: &Path, device: &Device) -> Result<LoadedModel> {
-    let hf = read_json(&dir.join("config.json"))?;
-    let spec = align_spec_from_hf(&hf).map_err(|e| anyhow!("{}: {e}", dir.join("config.json").display()))?;
-    let mut config = Config::default();
-    config.data.image = image_config(dir, spec.image.image_size())?;
-    config.model.embed_dim = spec.embed_dim;
-    config.model.image_projection = false;
-    let tokenizer = read_tokenizer(dir, config.text.max_len)?;
-    let varmap = VarMap::new();
-    let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, 0, device))?;
-    let weights = read_weights(dir, device)?;
-    let origin = dir.display().to_string();
-    let loaded = load_prefixed(&varmap, &weights, "", "", &origin)?;
-    debug_assert_eq!(loaded, varmap.all_vars().len());
-    Ok(LoadedModel { model, varmap, tokenizer, config, dir: dir.to_path_buf() })
+    fn describe(&self) -> &'static str {
+        "Hugging Face AlignModel: EfficientNet + BERT"
+    }
+
+    fn claims(&self, dir: &Path) -> bool {
+        is_hf_model(dir, "align")
+    }
+
+    fn has_weights(&self, dir: &Path) -> bool {
+        has_hf_weights(dir)
+    }
+
+    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()> {
+        fetch_hf_model(fetch)
+    }
+
+    fn spec(&self, dir: &Path) -> Result<ModelSpec> {
+        let path = dir.join("config.json");
+        align_spec_from_hf(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
+    }
+
+    fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {
+        read_weights(dir, device)
+    }
+
+    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
+        weight_shapes(dir)
+    }
+
+    fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
+        let max_len = max_len.unwrap_or_else(|| model_max_length(dir, spec, ALIGN_TEXT_LEN));
+        read_tokenizer(dir, max_len)
+    }
+
+    /// The `preprocessor_config.json` when there is one, else ALIGN's: a square resize to 346/289
+    /// of the tower's input, a centre crop, x/127.5 − 1.
+    fn usage(&self, dir: &Path, spec: &ModelSpec) -> Result<Usage> {
+        let size = spec.image.image_size();
+        let image = match read_dir_image_config(dir, Some("align"))? {
+            Some(image) => image,
+            None => ImageConfig { image_size: size, resize: (size * 346).div_ceil(289), ..Default::default() },
+        };
+        Ok(Usage { image, text_len: model_max_length(dir, spec, ALIGN_TEXT_LEN), loss: LossKind::Softmax })
+    }
+
+    fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
+        align_spec_to_hf(spec).map(|_| ())
+    }
+
+    fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {
+        export_hf_align(m, out)
+    }
 }
 
 /// Writes an ALIGN-architecture model as a Hugging Face `AlignModel` directory: `config.json`,
 /// `model.safetensors` (with zero BatchNorm batch counters and an unused zero BERT pooler, which
 /// transformers expects), the tokenizer files and the `preprocessor_config.json` of `image`, so
 /// that `AlignProcessor` and the zero-shot pipeline load it.
-pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, image: &ImageConfig, out: &Path) -> Result<()> {
+fn export_hf_align(m: &ModelFiles, out: &Path) -> Result<()> {
+    let spec = m.spec;
     let config = align_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
-    let mut tensors = f32_tensors(vm)?;
+    let mut tensors = m.tensors.clone();
     let counters: Vec<String> =
         tensors.keys().filter_map(|n| n.strip_suffix("running_mean")).map(|p| format!("{p}num_batches_tracked")).collect();
     for name in counters {
@@ -72,5 +112,5 @@ pub fn export_hf_align(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer,
         image_processor: "EfficientNetImageProcessor",
         processor: "AlignProcessor",
     }
-    .write(tokenizer, image, out)
+    .write(m.tokenizer, &m.usage.image, out)
 }

@@ -50,9 +50,76 @@ pub fn read_json(path: &Path) -> Result<Value> {
         .with_context(|| format!("parsing {}", path.display()))
 }
 
-/// Whether a directory holds a Hugging Face model of the given `model_type`.
+/// Whether a directory holds a Hugging Face model of the given `model_type` (and is not an align
+/// checkpoint, which has a `config.toml` instead).
 pub fn is_hf_model(dir: &Path, model_type: &str) -> bool {
-    read_json(&dir.join("config.json")).is_ok_and(|c| c.get("model_type").and_then(Value::as_str) == Some(model_type))
+    !dir.join(crate::io::run_dir::SPEC_FILE).is_file()
+        && read_json(&dir.join("config.json")).is_ok_and(|c| c.get("model_type").and_then(Value::as_str) == Some(model_type))
+}
+
+/// Whether a directory holds Hugging Face weights: `model.safetensors`, or an index and its shards.
+pub fn has_hf_weights(dir: &Path) -> bool {
+    dir.join(WEIGHTS).is_file() || dir.join(WEIGHTS_INDEX).is_file()
+}
+
+/// The tokenizer and processor files a Hugging Face model directory may have.
+pub const HF_SIDE_FILES: [&str; 9] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "preprocessor_config.json",
+    "processor_config.json",
+];
+
+/// Fetches a Hugging Face model's weights (single or sharded) and its tokenizer and processor
+/// files from the hub.
+pub fn fetch_hf_model(fetch: &mut crate::io::format::HubFetch) -> Result<()> {
+    if fetch(WEIGHTS)?.is_none() {
+        if let Some(index) = fetch(WEIGHTS_INDEX)? {
+            for shard in shard_files(&index)? {
+                if fetch(&shard)?.is_none() {
+                    bail!("{} lists {shard}, which the repository does not have", index.display());
+                }
+            }
+        }
+    }
+    for file in HF_SIDE_FILES {
+        fetch(file)?;
+    }
+    Ok(())
+}
+
+/// The shapes of every tensor of a directory's Hugging Face weights, read from the safetensors
+/// headers alone (nothing else of the files is read).
+pub fn weight_shapes(dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
+    let single = dir.join(WEIGHTS);
+    let files =
+        if single.is_file() { vec![single] } else { shard_files(&dir.join(WEIGHTS_INDEX))?.into_iter().map(|f| dir.join(f)).collect() };
+    let mut out = HashMap::new();
+    for f in files {
+        out.extend(crate::io::tensors::header_shapes(&f)?);
+    }
+    for name in ["logit_scale", "logit_bias"] {
+        if let Some(s) = out.get_mut(name).filter(|s| s.as_slice() == [1]) {
+            s.clear();
+        }
+    }
+    Ok(out)
+}
+
+/// The text length a checkpoint's tokenizer config sets (`model_max_length`), at most the text
+/// tower's positions; `default` (also capped) when it sets none.
+pub fn model_max_length(dir: &Path, spec: &crate::model::dual_encoder::ModelSpec, default: usize) -> usize {
+    let positions = spec.text.max_position();
+    read_json(&dir.join("tokenizer_config.json"))
+        .ok()
+        .and_then(|c| c.get("model_max_length").and_then(Value::as_u64))
+        .map_or(default, |m| m as usize)
+        .min(positions)
 }
 
 /// The tokenizer shipped with a checkpoint: `tokenizer.json`, else a BERT `vocab.txt`.
@@ -148,7 +215,7 @@ impl HfDir<'_> {
         }
         std::fs::write(out.join("tokenizer_config.json"), serde_json::to_string_pretty(&config)?)?;
         std::fs::write(out.join("special_tokens_map.json"), serde_json::to_string_pretty(&Value::Object(map))?)?;
-        let mut processor = super::preprocess::processor_json(image, self.image_processor);
+        let mut processor = super::preprocess::processor_json(image, self.image_processor)?;
         processor["processor_class"] = Value::String(self.processor.into());
         std::fs::write(out.join("preprocessor_config.json"), serde_json::to_string_pretty(&processor)?)?;
         Ok(())

@@ -25,11 +25,25 @@ pub(super) fn get<'a>(v: &'a Value, key: &str, ctx: &str) -> Result<&'a Value, S
 }
 
 pub(super) fn usize_of(v: &Value, key: &str, ctx: &str) -> Result<usize, String> {
-    get(v, key, ctx)?.as_u64().map(|x| x as usize).ok_or_else(|| format!("{ctx}.{key} is not an integer"))
+    let x = get(v, key, ctx)?;
+    let n = x.as_u64().map(|x| x as usize).ok_or_else(|| format!("{ctx}.{key} is {x}, not a whole number"))?;
+    crate::io::limits::check_size(n, crate::io::limits::kind_of_key(key), &format!("{ctx}.{key}"))
 }
 
 pub(super) fn f64_of(v: &Value, key: &str, ctx: &str) -> Result<f64, String> {
     get(v, key, ctx)?.as_f64().ok_or_else(|| format!("{ctx}.{key} is not a number"))
+}
+
+/// `layer_norm_eps`: `default` when absent, else a small positive number.
+fn eps_or(c: &Value, default: f64, ctx: &str) -> Result<f64, String> {
+    let eps = match c.get("layer_norm_eps") {
+        None | Some(Value::Null) => default,
+        Some(_) => f64_of(c, "layer_norm_eps", ctx)?,
+    };
+    if !(eps > 0.0 && eps < 1.0) {
+        return Err(format!("{ctx}.layer_norm_eps is {eps}; it must be a small positive number"));
+    }
+    Ok(eps)
 }
 
 fn list_of(v: &Value, key: &str, ctx: &str) -> Result<Vec<usize>, String> {
@@ -66,7 +80,7 @@ pub fn bert_from_hf(c: &Value) -> Result<BertConfig, String> {
         intermediate: usize_of(c, "intermediate_size", ctx)?,
         max_position: usize_of(c, "max_position_embeddings", ctx)?,
         type_vocab: usize_of(c, "type_vocab_size", ctx)?,
-        layer_norm_eps: f64_of(c, "layer_norm_eps", ctx).unwrap_or(1e-12),
+        layer_norm_eps: eps_or(c, 1e-12, ctx)?,
     })
 }
 
@@ -95,7 +109,7 @@ pub fn vit_from_hf(c: &Value) -> Result<VitConfig, String> {
         heads: usize_of(c, "num_attention_heads", ctx)?,
         mlp_dim: usize_of(c, "intermediate_size", ctx)?,
         pool: ImagePooling::Cls,
-        layer_norm_eps: f64_of(c, "layer_norm_eps", ctx).unwrap_or(1e-12),
+        layer_norm_eps: eps_or(c, 1e-12, ctx)?,
         patch_dropout: 0.0,
     })
 }

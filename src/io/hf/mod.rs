@@ -1,6 +1,8 @@
 //! Hugging Face layouts: configurations and parameter names (`layout`), `hf:` hub locations
 //! (`hub`), the files of a model directory (`files`), image processors' settings (`preprocess`),
-//! `AlignModel` directories in and out (`align`), `CLIPModel` / `SiglipModel` ones (`clip`), and `VisionTextDualEncoderModel` ones (`vtde`).
+//! and one format each for `AlignModel` (`align`), `CLIPModel` (`clip`), `SiglipModel`
+//! (`siglip`) and `VisionTextDualEncoderModel` (`vtde`) directories; `towers` holds what CLIP's
+//! and SigLIP's configs and tokenizers share.
 
 pub mod align;
 pub mod clip;
@@ -8,4 +10,6 @@ pub mod files;
 pub mod hub;
 pub mod layout;
 pub mod preprocess;
+pub mod siglip;
+pub mod towers;
 pub mod vtde;

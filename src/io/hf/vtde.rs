@@ -4,26 +4,104 @@
 //! built the same way (`model.vit.pool = "pooler"`, `model.text_pooling = "pooler"`,
 //! `model.text_projection_bias = false`, `model.temperature = "clip"`) to be written as one.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::{anyhow, bail, Result};
-use candle_core::Device;
-use candle_nn::VarMap;
+use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 
-use super::files::{f32_tensors, load_prefixed, read_json, read_tokenizer, read_weights, HfDir, BERT_SPECIALS};
+use super::files::{
+    fetch_hf_model, has_hf_weights, is_hf_model, model_max_length, read_json, read_tokenizer, read_weights, weight_shapes, HfDir,
+    BERT_SPECIALS,
+};
 use super::layout::{bert_from_hf, bert_to_hf, vit_from_hf};
-use crate::config::Config;
+use super::preprocess::read_dir_image_config;
+use super::towers::{f64_or, usize_or};
+use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
-use crate::data::transform::ImageConfig;
-use crate::io::load::LoadedModel;
-use crate::model::dual_encoder::{DualEncoder, ImageSpec, ModelSpec, TextSpec};
-use crate::model::init::SeededVars;
+use crate::io::format::{Format, HubFetch, ModelFiles, Usage};
+use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::presets::{ImagePooling, TemperatureKind, TextPooling, VitConfig};
+
+/// The Hugging Face `VisionTextDualEncoderModel` format (ViT + BERT).
+pub struct HfVtde;
+
+impl Format for HfVtde {
+    fn name(&self) -> &'static str {
+        "VisionTextDualEncoderModel"
+    }
+
+    fn describe(&self) -> &'static str {
+        "Hugging Face VisionTextDualEncoderModel: ViT + BERT"
+    }
+
+    fn claims(&self, dir: &Path) -> bool {
+        is_hf_model(dir, "vision-text-dual-encoder")
+    }
+
+    fn has_weights(&self, dir: &Path) -> bool {
+        has_hf_weights(dir)
+    }
+
+    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()> {
+        fetch_hf_model(fetch)
+    }
+
+    fn spec(&self, dir: &Path) -> Result<ModelSpec> {
+        let path = dir.join("config.json");
+        vtde_spec_from_hf(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
+    }
+
+    fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {
+        read_weights(dir, device)
+    }
+
+    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
+        weight_shapes(dir)
+    }
+
+    fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
+        read_tokenizer(dir, max_len.unwrap_or_else(|| model_max_length(dir, spec, usize::MAX)))
+    }
+
+    fn usage(&self, dir: &Path, spec: &ModelSpec) -> Result<Usage> {
+        let Some(image) = read_dir_image_config(dir, Some("vit"))? else {
+            bail!("{} has no preprocessor_config.json: align takes a checkpoint's image preprocessing from it", dir.display());
+        };
+        if image.image_size != spec.image.image_size() {
+            bail!(
+                "{}: the image processor gives {} px images but the ViT takes {} px",
+                dir.display(),
+                image.image_size,
+                spec.image.image_size()
+            );
+        }
+        Ok(Usage { image, text_len: model_max_length(dir, spec, usize::MAX), loss: LossKind::Softmax })
+    }
+
+    fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
+        vtde_spec_to_hf(spec).map(|_| ())
+    }
+
+    fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {
+        let config = vtde_spec_to_hf(m.spec).map_err(anyhow::Error::msg)?;
+        HfDir {
+            config,
+            tensors: m.tensors.clone(),
+            tokenizer_class: "BertTokenizer",
+            specials: &BERT_SPECIALS,
+            tokenizer_extra: Value::Null,
+            image_processor: "ViTImageProcessor",
+            processor: "VisionTextDualEncoderProcessor",
+        }
+        .write(m.tokenizer, &m.usage.image, out)
+    }
+}
 
 /// A `VisionTextDualEncoderConfig` JSON with ViT and BERT towers as align's model sizes.
 pub fn vtde_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
-    let (v, t) = (c.get("vision_config").ok_or("no vision_config")?, c.get("text_config").ok_or("no text_config")?);
+    let (v, t) = (super::towers::sub(c, "vision_config")?, super::towers::sub(c, "text_config")?);
     let kind = |x: &Value| x.get("model_type").and_then(Value::as_str).unwrap_or("").to_string();
     if kind(v) != "vit" || kind(t) != "bert" {
         return Err(format!(
@@ -37,11 +115,11 @@ pub fn vtde_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
     }
     let mut vision = vit_from_hf(v)?;
     vision.pool = ImagePooling::Pooler;
-    let scale = c.get("logit_scale_init_value").and_then(Value::as_f64).unwrap_or(2.6592);
+    let scale = f64_or(c, "logit_scale_init_value", 2.6592, "config")?;
     Ok(ModelSpec {
         image: ImageSpec::Vit(vision),
         text: TextSpec::Bert(bert_from_hf(t)?),
-        embed_dim: c.get("projection_dim").and_then(Value::as_u64).unwrap_or(512) as usize,
+        embed_dim: usize_or(c, "projection_dim", 512, "config")?,
         image_projection: true,
         text_projection_bias: false,
         text_pooling: TextPooling::Pooler,
@@ -84,44 +162,4 @@ pub fn vtde_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
         "vision_config": vit_to_hf(v),
         "text_config": text,
     }))
-}
-
-/// Loads a `VisionTextDualEncoderModel` directory (ViT + BERT) as an align model.
-pub fn load_hf_vtde(dir: &Path, device: &Device) -> Result<LoadedModel> {
-    let config_path = dir.join("config.json");
-    let spec = vtde_spec_from_hf(&read_json(&config_path)?).map_err(|e| anyhow!("{}: {e}", config_path.display()))?;
-    let TextSpec::Bert(bert) = &spec.text else { unreachable!("a VisionTextDualEncoder spec has a BERT text tower") };
-    let max_len = read_json(&dir.join("tokenizer_config.json"))
-        .ok()
-        .and_then(|c| c.get("model_max_length").and_then(Value::as_u64))
-        .map_or(bert.max_position, |m| (m as usize).min(bert.max_position));
-    let tokenizer = read_tokenizer(dir, max_len)?;
-    let processor = dir.join("preprocessor_config.json");
-    if !processor.is_file() {
-        bail!("{} has no preprocessor_config.json: align takes a checkpoint's image preprocessing from it", dir.display());
-    }
-    let mut config = Config::default();
-    config.data.image = super::preprocess::read_image_config(&processor)?;
-    config.text.max_len = max_len;
-    config.model.embed_dim = spec.embed_dim;
-    let varmap = VarMap::new();
-    let model = DualEncoder::new(&spec, SeededVars::builder(&varmap, 0, device))?;
-    load_prefixed(&varmap, &read_weights(dir, device)?, "", "", &dir.display().to_string())?;
-    Ok(LoadedModel { model, varmap, tokenizer, config, dir: dir.to_path_buf() })
-}
-
-/// Writes a ViT + BERT model built as `VisionTextDualEncoderModel` is as one, with its tokenizer
-/// files and `preprocessor_config.json`.
-pub fn export_hf_vtde(spec: &ModelSpec, vm: &VarMap, tokenizer: &TextTokenizer, image: &ImageConfig, out: &Path) -> Result<()> {
-    let config = vtde_spec_to_hf(spec).map_err(anyhow::Error::msg)?;
-    HfDir {
-        config,
-        tensors: f32_tensors(vm)?,
-        tokenizer_class: "BertTokenizer",
-        specials: &BERT_SPECIALS,
-        tokenizer_extra: Value::Null,
-        image_processor: "ViTImageProcessor",
-        processor: "VisionTextDualEncoderProcessor",
-    }
-    .write(tokenizer, image, out)
 }

@@ -59,6 +59,19 @@ impl TrainOptions {
 /// Trains per `cfg`: one rank, `opts.nproc` ranks on threads, or (from torchrun / SLURM variables)
 /// one rank of a multi-process job. Returns rank 0's summary.
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
+    // A start's preprocessing, text length and loss become this run's defaults.
+    let mut cfg = cfg.clone();
+    let adopted = crate::io::adopt::adopt(&mut cfg)?;
+    if !opts.quiet {
+        for line in &adopted.taken {
+            log::info(format!("adopted {line}"));
+        }
+    }
+    for line in &adopted.kept {
+        log::warn(format!("keeping {line}"));
+    }
+    cfg.validate()?;
+    let cfg = &cfg;
     let threads = crate::util::threads::set_compute_threads(cfg.train.compute_threads);
     if !opts.quiet {
         log::info(format!("{threads} compute threads; {} loader workers at nice +{}", cfg.data.workers, cfg.data.worker_nice));

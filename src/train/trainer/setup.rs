@@ -67,7 +67,7 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
     let device = opts.device.clone();
     let model = build_model(cfg, &spec, SeededVars::builder(&varmap, cfg.run.seed, &device))?;
     if resumed_from.is_none() && group.rank() == 0 {
-        for line in init_from::load_weights(cfg, &varmap, &device)? {
+        for line in init_from::load_weights(cfg, &spec, &varmap, &device)? {
             if !opts.quiet {
                 log::info(format!("initialised {line}"));
             }

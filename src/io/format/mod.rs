@@ -1,0 +1,148 @@
+//! The checkpoint formats align reads and writes, behind one trait and one registry.
+//!
+//! A location (a folder, `hf:ORG/NAME[@REVISION]`, an align run directory) is resolved once, by
+//! [`locate`], into a local directory and the one [`Format`] it holds. Everything that uses a
+//! model goes through that: `--checkpoint` (eval, embed, search, score), `model.init`, `export`
+//! and `inspect`. A format knows how to recognise its files, and how to read the model's sizes,
+//! its weights under align's parameter names, its tokenizer and the preprocessing it was
+//! published with; the formats align can also write know how to write them.
+//!
+//! Adding a format is one file implementing [`Format`] and one line in [`FORMATS`].
+
+pub mod align_run;
+pub mod export;
+pub mod resolve;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use serde::Serialize;
+
+use crate::config::LossKind;
+use crate::data::tokenizer::TextTokenizer;
+use crate::data::transform::ImageConfig;
+use crate::model::dual_encoder::ModelSpec;
+
+pub use resolve::{locate, locate_tower, Located};
+
+/// How a checkpoint's model is meant to be used, as the checkpoint itself says: the image
+/// preprocessing it was published with, the text length its tokenizer pads and cuts to, and the
+/// loss family it was trained with. Evaluation uses it as it is; a run starting from the
+/// checkpoint takes it as its defaults.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Usage {
+    pub image: ImageConfig,
+    pub text_len: usize,
+    pub loss: LossKind,
+}
+
+/// A model ready to be written in some format: its sizes, its weights (f32, on the CPU, under
+/// align's names), its tokenizer and how it is used.
+pub struct ModelFiles<'a> {
+    pub spec: &'a ModelSpec,
+    pub tensors: HashMap<String, Tensor>,
+    pub tokenizer: &'a TextTokenizer,
+    pub usage: &'a Usage,
+}
+
+/// Fetches a file of a hub repository into the local snapshot: `Ok(Some(path))` when the
+/// repository has it, `Ok(None)` when it has not (or, offline, the cache has not).
+pub type HubFetch<'a> = dyn FnMut(&str) -> Result<Option<std::path::PathBuf>> + 'a;
+
+/// One checkpoint format.
+pub trait Format: Sync {
+    /// The name users see and pass to `export --format` (`align`, `AlignModel`, `open_clip`, ...).
+    fn name(&self) -> &'static str;
+
+    /// What the format is, in a few words, for listings and errors.
+    fn describe(&self) -> &'static str;
+
+    /// Whether the config files in `dir` say it holds this format (its weights may be absent).
+    fn claims(&self, dir: &Path) -> bool;
+
+    /// Whether the weights this format reads are in `dir`.
+    fn has_weights(&self, dir: &Path) -> bool;
+
+    /// Whether `dir` holds a complete checkpoint of this format: its config and its weights.
+    fn detect(&self, dir: &Path) -> bool {
+        self.claims(dir) && self.has_weights(dir)
+    }
+
+    /// Brings the files this format reads from a hub repository whose config files
+    /// (`config.json`, `open_clip_config.json`) are already in the snapshot. Missing optional
+    /// files are not errors here; [`Format::detect`] decides afterwards.
+    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()>;
+
+    /// The model's sizes.
+    fn spec(&self, dir: &Path) -> Result<ModelSpec>;
+
+    /// Every weight of the model under align's parameter names, on `device`.
+    fn weights(&self, dir: &Path, spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>>;
+
+    /// The name and shape of every weight under align's names, read without loading the weights
+    /// where the format allows (a safetensors header holds every shape).
+    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
+        let weights = self.weights(dir, &self.spec(dir)?, &Device::Cpu)?;
+        Ok(weights.into_iter().map(|(k, t)| (k, t.dims().to_vec())).collect())
+    }
+
+    /// A file of the weights' moving average under the same names, if the format keeps one.
+    fn ema_weights(&self, _dir: &Path, _device: &Device) -> Result<Option<HashMap<String, Tensor>>> {
+        Ok(None)
+    }
+
+    /// The checkpoint's tokenizer, cutting and padding to `max_len` tokens (its own length when
+    /// `None`).
+    fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer>;
+
+    /// How the checkpoint is used: its preprocessing, text length and loss family.
+    fn usage(&self, dir: &Path, spec: &ModelSpec) -> Result<Usage>;
+
+    /// The training step of the checkpoint, where the format records one.
+    fn step(&self, _dir: &Path) -> Option<u64> {
+        None
+    }
+
+    /// Whether a model of these sizes can be written in this format, and if not, why.
+    fn can_write(&self, _spec: &ModelSpec) -> std::result::Result<(), String> {
+        Err(format!("align does not write {} checkpoints", self.name()))
+    }
+
+    /// Writes the model into `out`, an empty directory that exists.
+    fn write(&self, _model: &ModelFiles, _out: &Path) -> Result<()> {
+        anyhow::bail!("align does not write {} checkpoints", self.name())
+    }
+}
+
+/// Every format, in the order [`locate`] tries them: a directory that satisfies several (a hub
+/// repository with both a `CLIPModel` and an open_clip copy) is read as the first.
+pub static FORMATS: [&dyn Format; 6] = [
+    &align_run::AlignRun,
+    &crate::io::hf::align::HfAlign,
+    &crate::io::hf::clip::HfClip,
+    &crate::io::hf::siglip::HfSiglip,
+    &crate::io::hf::vtde::HfVtde,
+    &crate::io::open_clip::OpenClip,
+];
+
+/// The format called `name` (case-insensitive).
+pub fn named(name: &str) -> Option<&'static dyn Format> {
+    FORMATS.iter().copied().find(|f| f.name().eq_ignore_ascii_case(name))
+}
+
+/// The formats align reads, for error messages.
+pub fn read_list() -> String {
+    FORMATS.iter().map(|f| format!("{} ({})", f.name(), f.describe())).collect::<Vec<_>>().join(", ")
+}
+
+/// The loss family of a model of these sizes: sigmoid where it carries a logit bias (SigLIP),
+/// else softmax.
+pub fn loss_of(spec: &ModelSpec) -> LossKind {
+    if spec.logit_bias.is_some() {
+        LossKind::Sigmoid
+    } else {
+        LossKind::Softmax
+    }
+}

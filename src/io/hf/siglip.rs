@@ -1,0 +1,194 @@
+//! Hugging Face `SiglipModel` directories: the config as align's model sizes and back, the
+//! weights (the scale and bias stored as `[1]` tensors), the SentencePiece tokenizer and the image
+//! processor.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{anyhow, Result};
+use candle_core::{Device, Tensor};
+use serde_json::Value;
+
+use super::clip::tower_processor;
+use super::files::{fetch_hf_model, has_hf_weights, is_hf_model, model_max_length, read_json, read_weights, weight_shapes, HfDir};
+use super::towers::{encoder, sub, tokenizer, tower_to_hf, usize_or, EncoderDefaults};
+use crate::config::LossKind;
+use crate::data::tokenizer::TextTokenizer;
+use crate::io::format::{Format, HubFetch, ModelFiles, Usage};
+use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
+use crate::model::presets::{TemperatureKind, TextPooling};
+use crate::model::siglip::{SiglipTextConfig, SiglipVisionConfig};
+
+/// The Hugging Face `SiglipModel` format.
+pub struct HfSiglip;
+
+impl Format for HfSiglip {
+    fn name(&self) -> &'static str {
+        "SiglipModel"
+    }
+
+    fn describe(&self) -> &'static str {
+        "Hugging Face SiglipModel"
+    }
+
+    fn claims(&self, dir: &Path) -> bool {
+        is_hf_model(dir, "siglip")
+    }
+
+    fn has_weights(&self, dir: &Path) -> bool {
+        has_hf_weights(dir)
+    }
+
+    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()> {
+        fetch_hf_model(fetch)
+    }
+
+    fn spec(&self, dir: &Path) -> Result<ModelSpec> {
+        let path = dir.join("config.json");
+        siglip_spec_from_hf(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
+    }
+
+    fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {
+        read_weights(dir, device)
+    }
+
+    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
+        weight_shapes(dir)
+    }
+
+    fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
+        tokenizer(dir, &spec.text, max_len)
+    }
+
+    fn usage(&self, dir: &Path, spec: &ModelSpec) -> Result<Usage> {
+        Ok(Usage {
+            image: tower_processor(dir, spec, "siglip")?,
+            text_len: model_max_length(dir, spec, usize::MAX),
+            loss: LossKind::Sigmoid,
+        })
+    }
+
+    fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
+        siglip_spec_to_hf(spec).map(|_| ())
+    }
+
+    fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {
+        export_hf_siglip(m, out)
+    }
+}
+
+/// A `SiglipConfig` JSON as align's model sizes.
+pub fn siglip_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
+    let (t, v) = (sub(c, "text_config")?, sub(c, "vision_config")?);
+    let text_encoder = encoder(
+        t,
+        EncoderDefaults { width: 768, layers: 12, heads: 12, mlp_dim: 3072, eps: 1e-6, act: "gelu_pytorch_tanh" },
+        "text_config",
+    )?;
+    let text = SiglipTextConfig {
+        vocab_size: usize_or(t, "vocab_size", 32000, "text_config")?,
+        max_position: usize_or(t, "max_position_embeddings", 64, "text_config")?,
+        projection: usize_or(t, "projection_size", text_encoder.width, "text_config")?,
+        encoder: text_encoder,
+    };
+    if v.get("vision_use_head").and_then(Value::as_bool) == Some(false) {
+        return Err("vision_config.vision_use_head is false: SigLIP's image embedding is its pooling head's output".into());
+    }
+    let vision = SiglipVisionConfig {
+        image_size: usize_or(v, "image_size", 224, "vision_config")?,
+        patch_size: usize_or(v, "patch_size", 16, "vision_config")?,
+        encoder: encoder(
+            v,
+            EncoderDefaults { width: 768, layers: 12, heads: 12, mlp_dim: 3072, eps: 1e-6, act: "gelu_pytorch_tanh" },
+            "vision_config",
+        )?,
+    };
+    if vision.patch_size == 0 || !vision.image_size.is_multiple_of(vision.patch_size) {
+        return Err(format!("vision_config: image_size {} is not a multiple of patch_size {}", vision.image_size, vision.patch_size));
+    }
+    if vision.encoder.width != text.projection {
+        return Err(format!(
+            "the image embedding is {} wide and the text embedding {}: they must match",
+            vision.encoder.width, text.projection
+        ));
+    }
+    Ok(ModelSpec {
+        embed_dim: text.projection,
+        image: ImageSpec::Siglip(vision),
+        text: TextSpec::Siglip(text),
+        image_projection: false,
+        text_projection_bias: false,
+        text_pooling: TextPooling::Cls,
+        temperature: TemperatureKind::Clip,
+        // SigLIP's initial scale and bias; the checkpoint's values replace them.
+        temperature_init: 0.1,
+        logit_bias: Some(-10.0),
+    })
+}
+
+/// A `SiglipConfig` JSON for a model with SigLIP's towers, scale and bias.
+pub fn siglip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
+    let (ImageSpec::Siglip(v), TextSpec::Siglip(t)) = (&spec.image, &spec.text) else {
+        return Err("SiglipModel has SigLIP's vision and text towers; this model does not".into());
+    };
+    if spec.image_projection || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_none() {
+        return Err("SiglipModel has no image projection and scales by exp(logit_scale) plus a bias: this model differs".into());
+    }
+    let text = tower_to_hf(
+        &t.encoder,
+        serde_json::json!({"model_type": "siglip_text_model", "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position,
+            "projection_size": t.projection}),
+    );
+    let vision = tower_to_hf(
+        &v.encoder,
+        serde_json::json!({"model_type": "siglip_vision_model", "image_size": v.image_size, "patch_size": v.patch_size,
+            "num_channels": 3, "vision_use_head": true}),
+    );
+    Ok(serde_json::json!({"architectures": ["SiglipModel"], "model_type": "siglip", "text_config": text, "vision_config": vision}))
+}
+
+/// Writes a model with SigLIP's architecture as a Hugging Face `SiglipModel` directory. The
+/// tokenizer goes as a `tokenizer.json` (the SentencePiece pipeline with SigLIP's
+/// canonicalisation) for `PreTrainedTokenizerFast`: align keeps no `spiece.model` in its
+/// checkpoints, so `SiglipTokenizer` itself cannot be written.
+fn export_hf_siglip(m: &ModelFiles, out: &Path) -> Result<()> {
+    let mut config = siglip_spec_to_hf(m.spec).map_err(anyhow::Error::msg)?;
+    if let Some(end) = m.tokenizer.inner().token_to_id(crate::data::tokenizer::SENTENCE_END) {
+        config["text_config"]["eos_token_id"] = end.into();
+        config["text_config"]["pad_token_id"] = end.into();
+    }
+    config["text_config"]["bos_token_id"] = Value::Null;
+    let mut tensors = m.tensors.clone();
+    // SiglipModel keeps its scale and bias as [1] tensors.
+    for name in ["logit_scale", "logit_bias"] {
+        if let Some(t) = tensors.get(name) {
+            let one = t.reshape(1)?;
+            tensors.insert(name.to_string(), one);
+        }
+    }
+    let end = crate::data::tokenizer::SENTENCE_END;
+    HfDir {
+        config,
+        tensors,
+        tokenizer_class: "PreTrainedTokenizerFast",
+        specials: &[("eos_token", end), ("pad_token", end), ("unk_token", "<unk>")],
+        // SigLIP was trained attending to its padding: the tokenizer must return no mask.
+        tokenizer_extra: serde_json::json!({"model_input_names": ["input_ids"]}),
+        image_processor: "SiglipImageProcessor",
+        processor: "SiglipProcessor",
+    }
+    .write(m.tokenizer, &m.usage.image, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_keys_take_transformers_defaults() {
+        let s = siglip_spec_from_hf(&serde_json::json!({"text_config": {}, "vision_config": {}})).unwrap();
+        assert_eq!((s.embed_dim, s.image.image_size(), s.logit_bias), (768, 224, Some(-10.0)));
+        let e = siglip_spec_from_hf(&serde_json::json!({"vision_config": {}})).unwrap_err();
+        assert!(e.contains("text_config"), "{e}");
+    }
+}
