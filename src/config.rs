@@ -309,6 +309,9 @@ pub struct TrainConfig {
     pub keep_last: usize,
     /// Evaluate every N steps when eval data is configured; 0 = only at the end.
     pub eval_every: u64,
+    /// Also evaluate the starting model before the first step (logged at step 0): the baseline a
+    /// fine-tuning run from `model.init` improves on.
+    pub eval_at_start: bool,
     /// All-gather embeddings with gradient (exact global-batch gradients); open_clip's
     /// `--gather-with-grad`.
     pub gather_with_grad: bool,
@@ -373,6 +376,7 @@ impl Default for TrainConfig {
             checkpoint_every: 5000,
             keep_last: 3,
             eval_every: 0,
+            eval_at_start: false,
             gather_with_grad: true,
             local_loss: true,
             collective_timeout_s: 1800.0,

@@ -470,3 +470,42 @@ fn bench_loss_reports_both_exchanges_and_their_logits_blocks() {
     let (ok, _, err) = align(&["bench", "loss", "--dist-impl", "ring", "--json"]);
     assert!(!ok && err.contains("shift or gather"), "{err}");
 }
+
+/// `align inspect` says what align understood of a checkpoint in any format, as a table and as
+/// JSON; `align export` refuses a non-empty directory until `--force`.
+#[test]
+fn inspect_describes_every_format_and_export_refuses_to_overwrite() {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    for (dir, format, tower) in [
+        ("open_clip/clip-native", "open_clip", "CLIP ViT 32px/8"),
+        ("towers/siglip-tiny", "SiglipModel", "SigLIP ViT 32px/8"),
+        ("hf/align-tiny", "AlignModel", "EfficientNet"),
+    ] {
+        let path = fixtures.join(dir);
+        let (ok, out, err) = align(&["inspect", path.to_str().unwrap(), "--json"]);
+        assert!(ok, "{dir}: {err}");
+        let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(j["format"], format, "{dir}");
+        assert!(j["image_tower"].as_str().unwrap().starts_with(tower), "{dir}: {}", j["image_tower"]);
+        assert!(j["parameters"]["total"].as_u64().unwrap() > 0 && j["tokenizer"]["vocabulary"].as_u64().unwrap() > 0);
+        let (ok, table, _) = align(&["inspect", path.to_str().unwrap()]);
+        assert!(ok && table.contains("logit scale") && table.contains(format), "{table}");
+    }
+    let (ok, out, _) = align(&["inspect", fixtures.join("open_clip/custom-text").to_str().unwrap(), "--json"]);
+    assert!(ok);
+    let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!((j["loss"].as_str(), j["logit_bias"].is_number()), (Some("sigmoid"), true));
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("oc");
+    let from = fixtures.join("towers/clip-tiny");
+    let args = ["export", "--checkpoint", from.to_str().unwrap(), "--format", "open_clip", "--out", out.to_str().unwrap()];
+    assert!(align(&args).0);
+    let (ok, _, err) = align(&args);
+    assert!(!ok && err.contains("not empty"), "{err}");
+    let mut forced = args.to_vec();
+    forced.push("--force");
+    assert!(align(&forced).0);
+    let (ok, _, err) = align(&["inspect", "/nonexistent/model"]);
+    assert!(!ok && err.lines().count() == 1 && err.contains("does not exist"), "{err}");
+}

@@ -122,3 +122,61 @@ fn preprocessed_pixels_match_transformers_on_a_grid() {
         assert!(mean <= 0.5 * LEVEL as f64, "{name}: pixels differ from transformers' by {mean} on average");
     }
 }
+
+/// The preprocessor configs of four hub repositories, key for key (scaled to 32 px by
+/// `scripts/make_processor_fixtures.py`), read as transformers reads them: the legacy
+/// `feature_extractor_type` forms of openai/clip-vit-base-patch32 (an integer `size` is CLIP's
+/// shortest edge, then its centre crop) and google/vit-base-patch16-224-in21k (an integer `size`
+/// is ViT's square, no crop), google/siglip-base-patch16-224 and kakaobrain/align-base. On every
+/// awkward file, align's pixels embed as transformers' pixels do (AutoImageProcessor's default
+/// class) through a tiny model of that family, to cosine 0.999, with the pixels themselves at most
+/// a level apart on average (decoders and resizers round differently, most on the 40 px JPEG);
+/// a square resize where CLIP's processor keeps the aspect fails both.
+#[test]
+fn hub_processor_configs_in_every_form_give_transformers_pixels() {
+    use align::data::transform::{decode, eval_transform, FULL_RESOLUTION};
+    use candle_core::Tensor;
+    let dir = fixtures().join("processors");
+    let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let expected = read_tensors(&dir.join("expected.safetensors"), &Device::Cpu).unwrap();
+    let images: Vec<String> = j["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+    // (mean level difference, embedding cosine) of align's pixels against transformers'.
+    let compare = |cfg: &ImageConfig, form: &str, image: &str, m: &LoadedModel| -> (f32, f64) {
+        let bytes = std::fs::read(fixtures().join("preprocess").join(image)).unwrap();
+        let img = decode(&bytes, FULL_RESOLUTION, cfg.max_pixels).unwrap();
+        let mut ours = vec![0.0; cfg.numel()];
+        eval_transform(&img, cfg, &mut ours);
+        let want = expected[&format!("{form}/{image}")].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(want.len(), ours.len(), "{form}/{image}: shape");
+        let plane = cfg.image_size * cfg.image_size;
+        let levels = ours.iter().zip(&want).enumerate().map(|(i, (a, b))| (a - b).abs() * cfg.std[i / plane] * 255.0).sum::<f32>()
+            / ours.len() as f32;
+        let s = cfg.image_size;
+        let embed = |p: Vec<f32>| {
+            let t = Tensor::from_vec(p, (1, 3, s, s), &Device::Cpu).unwrap();
+            m.model.image_embeddings(&t, &align::model::Ctx::EVAL).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        (levels, cosine(&embed(ours), &embed(want)))
+    };
+    let models = [
+        ("clip-legacy", "towers/clip-tiny"),
+        ("vit-legacy", "towers/vtde-tiny"),
+        ("siglip", "towers/siglip-tiny"),
+        ("align-base", "hf/align-tiny"),
+    ];
+    for (form, model) in models {
+        let m = load_model(&fixtures().join(model), &Device::Cpu).unwrap();
+        let cfg = align::io::hf::preprocess::read_image_config(&dir.join(form).join("preprocessor_config.json"), None).unwrap();
+        assert_eq!(cfg.image_size, 32, "{form}");
+        for image in &images {
+            let (levels, c) = compare(&cfg, form, image, &m);
+            assert!(levels <= 1.0 && c >= 0.999, "{form}/{image}: {levels} levels apart on average, cosine {c}");
+        }
+    }
+    let clip = align::io::hf::preprocess::read_image_config(&dir.join("clip-legacy/preprocessor_config.json"), None).unwrap();
+    assert_eq!(clip.resize_mode, ResizeMode::Shorter);
+    let squashed = ImageConfig { resize_mode: ResizeMode::Square, ..clip };
+    let m = load_model(&fixtures().join("towers/clip-tiny"), &Device::Cpu).unwrap();
+    let (levels, c) = compare(&squashed, "clip-legacy", "tall-1to4.jpg", &m);
+    assert!(levels > 5.0 && c < 0.999, "a square resize of a 1:4 image must not pass ({levels} levels, cosine {c})");
+}

@@ -125,6 +125,22 @@ mod tests {
         }
     }
 
+    /// torch's `F.interpolate(mode="bicubic", antialias=True, align_corners=False)`, as open_clip
+    /// calls it, up and down (`scripts/make_pos_embed_fixture.py`).
+    #[test]
+    fn resampling_matches_torchs_antialiased_bicubic() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/pos_embed.json");
+        let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        for case in j["cases"].as_array().unwrap() {
+            let n = |k: &str| case[k].as_u64().unwrap() as usize;
+            let floats = |k: &str| case[k].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<f32>>();
+            let got = resize_grid(&floats("grid"), n("old"), n("new"), n("channels"));
+            let want = floats("resized");
+            let d = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(d < 1e-5, "{} -> {}: {d}", n("old"), n("new"));
+        }
+    }
+
     /// Upsampling 2 → 4 by hand: output i samples at (i + 0.5)/2 − 0.5 in input coordinates, so
     /// at −0.25, 0.25, 0.75, 1.25; the kernel's taps outside the image are dropped and the rest
     /// renormalised, as PIL and torch's antialiased path do. Output 0 is 0.25 from pixel 0 and

@@ -31,6 +31,8 @@ fn panels() -> Vec<Panel> {
     vec![
         p("training loss (image->text + text->image)", "nats", vec![line("train/loss", 1.0, "")]),
         p("temperature (logits are cos/temperature)", "temperature", vec![line("train/temperature", 1.0, "")]),
+        p("sigmoid loss: logit scale t (logits are t·cos + b)", "t", vec![line("train/logit_scale", 1.0, "")]),
+        p("sigmoid loss: logit bias b", "b", vec![line("train/logit_bias", 1.0, "")]),
         p("learning rate", "lr", vec![line("train/lr", 1.0, "")]),
         p("throughput", "samples/s", vec![line("train/samples_per_s", 1.0, "")]),
         p("gradient norm (before clipping)", "L2 norm", vec![line("train/grad_norm", 1.0, "")]),

@@ -27,10 +27,10 @@ fn is_run_dir(p: &Path) -> bool {
 /// Writes `model` in `format` to `out`, atomically. With `force` an existing non-empty `out` is
 /// replaced whole; without, it is an error.
 pub fn export(model: &ModelFiles, format: &dyn Format, out: &Path, force: bool) -> Result<()> {
-    format.can_write(model.spec).map_err(|why| anyhow::anyhow!("cannot export as {}: {why}", format.name()))?;
     if let Some(run) = inside_run(out) {
         bail!("{} is inside the align run directory {}: export into a directory of its own", out.display(), run.display());
     }
+    format.can_write(model.spec).map_err(|why| anyhow::anyhow!("cannot export as {}: {why}", format.name()))?;
     let name = out.file_name().with_context(|| format!("{} names no directory", out.display()))?.to_string_lossy().into_owned();
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),

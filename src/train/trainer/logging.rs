@@ -32,6 +32,9 @@ pub(super) struct StepFigures {
     pub lr: f64,
     pub grad_norm: f64,
     pub temperature: f64,
+    /// The sigmoid loss's bias b; with it the loss is SigLIP's, logged as its scale t = 1/σ and b,
+    /// without a direction split (each pair is one binary term).
+    pub logit_bias: Option<f64>,
     pub samples_seen: u64,
     pub skipped: u64,
     pub elapsed_s: f64,
@@ -84,24 +87,38 @@ impl RunLog {
         let wait_share = self.window.3 / secs;
         let secs_per_step = secs / self.window.1.max(1) as f64;
         self.window = (Instant::now(), 0, 0, 0.0);
-        self.bar.set_message(format!("loss {:.3} σ {:.4} lr {:.2e} {rate:.0} img/s", out.loss, f.temperature, f.lr));
+        let scale = match f.logit_bias {
+            Some(b) => format!("t {:.2} b {b:.2}", 1.0 / f.temperature),
+            None => format!("σ {:.4}", f.temperature),
+        };
+        self.bar.set_message(format!("loss {:.3} {scale} lr {:.2e} {rate:.0} img/s", out.loss, f.lr));
         if self.lines {
             crate::util::log::info(format!(
-                "step {}/{} loss {:.4} σ {:.4} lr {:.3e} {rate:.1} samples/s data wait {:.1}% ETA {}",
+                "step {}/{} loss {:.4} {scale} lr {:.3e} {rate:.1} samples/s data wait {:.1}% ETA {}",
                 f.step,
                 self.total,
                 out.loss,
-                f.temperature,
                 f.lr,
                 100.0 * wait_share,
                 crate::util::clock::span(self.total.saturating_sub(f.step) as f64 * secs_per_step)
             ));
         }
-        self.record(serde_json::json!({
-            "step": f.step, "loss": out.loss, "loss_i2t": out.i2t, "loss_t2i": out.t2i, "temperature": f.temperature,
-            "lr": f.lr, "grad_norm": f.grad_norm, "samples_per_s": rate, "samples_seen": f.samples_seen,
-            "data_wait_share": wait_share, "skipped": f.skipped, "elapsed_s": f.elapsed_s,
-        }))
+        let mut r = serde_json::json!({
+            "step": f.step, "loss": out.loss, "lr": f.lr, "grad_norm": f.grad_norm, "samples_per_s": rate,
+            "samples_seen": f.samples_seen, "data_wait_share": wait_share, "skipped": f.skipped, "elapsed_s": f.elapsed_s,
+        });
+        match f.logit_bias {
+            Some(b) => {
+                r["logit_scale"] = (1.0 / f.temperature).into();
+                r["logit_bias"] = b.into();
+            }
+            None => {
+                r["loss_i2t"] = out.i2t.into();
+                r["loss_t2i"] = out.t2i.into();
+                r["temperature"] = f.temperature.into();
+            }
+        }
+        self.record(r)
     }
 
     /// Ends the bar and flushes TensorBoard's files.

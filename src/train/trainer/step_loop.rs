@@ -48,6 +48,10 @@ pub(super) fn run(cfg: &Config, opts: &TrainOptions, group: &Arc<dyn Collective>
         eval: EvalResults::default(),
         data_wait: 0.0,
     };
+    // The starting model's figures, logged at step 0, before it has trained (train.eval_at_start).
+    if cfg.train.eval_at_start && at.step == 0 && group.rank() == 0 && crate::eval::suite::configured(cfg) {
+        out.eval = evaluation::evaluate(cfg, run, 0, opts.quiet, log)?;
+    }
     while at.step < end {
         out.lr = lr_at(at.step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
         let samples = one_step(cfg, group, run, log, &mut at, &mut out)?;
@@ -141,6 +145,7 @@ fn log_step(run: &Run, log: &mut RunLog, at: &Position, done: &StepDone, lr: f64
         lr,
         grad_norm: done.grad_norm,
         temperature: run.model.temperature_value()?,
+        logit_bias: run.model.logit_bias()?.map(|b| b.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()).transpose()?,
         samples_seen: at.samples_seen,
         skipped: run.loader.skips().total(),
         elapsed_s,
