@@ -8,16 +8,17 @@
 //! checkpoint's own preprocessing to cosine 0.999. Then round trips: every format align writes
 //! loads back with identical embeddings.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use align::data::eval_reader::{EvalSource, FileSample, Needs};
-use align::eval::embed::embed_source;
 use align::io::format::{export::export, named};
 use align::io::load::{load_model, LoadedModel};
 use align::io::tensors::read_tensors;
 use align::model::Ctx;
 use candle_core::{DType, Device, Tensor};
+use common::max_diff;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
@@ -29,16 +30,6 @@ fn expected() -> serde_json::Value {
 
 fn io(name: &str) -> HashMap<String, Tensor> {
     read_tensors(&fixtures().join(format!("open_clip/{name}-io.safetensors")), &Device::Cpu).unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let n = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (n(a) * n(b))
 }
 
 fn normalised(t: &Tensor) -> Tensor {
@@ -76,13 +67,9 @@ fn check(name: &str) {
     }
 
     let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
-    let files = images.iter().map(|n| FileSample { path: fixtures().join(n), label: None, captions: vec![] }).collect();
-    let needs = Needs { image: true, captions: false, label: false };
-    let got = embed_source(&m.model, EvalSource::Files(files), &m.usage.image, needs, 4, &Device::Cpu, true).unwrap();
-    let reference = io["jpeg_image_features"].to_vec2::<f32>().unwrap();
-    let dim = got.embeddings.dim;
-    for (i, n) in images.iter().enumerate() {
-        let c = cosine(&got.embeddings.data[i * dim..(i + 1) * dim], &reference[i]);
+    let files: Vec<PathBuf> = images.iter().map(|n| fixtures().join(n)).collect();
+    let cosines = common::file_cosines(&m, &files, &io["jpeg_image_features"].to_vec2::<f32>().unwrap());
+    for (n, c) in images.iter().zip(cosines) {
         assert!(c >= 0.999, "{name}: {n}: cosine {c} with open_clip's embedding of the file");
     }
 }

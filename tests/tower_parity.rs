@@ -9,8 +9,6 @@ mod common;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use align::data::eval_reader::{EvalSource, FileSample, Needs};
-use align::eval::embed::embed_source;
 use align::io::load::load_model;
 use align::io::tensors::read_tensors;
 use candle_core::{DType, Device, Tensor};
@@ -31,15 +29,7 @@ fn u32s(t: &Tensor) -> Tensor {
     t.to_dtype(DType::U32).unwrap()
 }
 
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
-    let n = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
-    dot / (n(a) * n(b))
-}
+use common::max_diff;
 
 /// Embeddings of the fixture's pixel values and token ids, its captions' ids as align's
 /// tokenizer makes them, and the JPEGs through the checkpoint's processor.
@@ -75,13 +65,9 @@ fn check_clip(name: &str) {
 /// them (its processor on the same files) to cosine 0.999.
 fn assert_files_embed_as_in_transformers(m: &align::io::load::LoadedModel, io: &HashMap<String, Tensor>, name: &str) {
     let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
-    let files = images.iter().map(|n| FileSample { path: towers().join("images").join(n), label: None, captions: vec![] }).collect();
-    let needs = Needs { image: true, captions: false, label: false };
-    let got = embed_source(&m.model, EvalSource::Files(files), &m.usage.image, needs, 4, &Device::Cpu, true).unwrap();
-    let reference = io["jpeg_image_embeds"].to_vec2::<f32>().unwrap();
-    let dim = got.embeddings.dim;
-    for (i, n) in images.iter().enumerate() {
-        let c = cosine(&got.embeddings.data[i * dim..(i + 1) * dim], &reference[i]);
+    let files: Vec<PathBuf> = images.iter().map(|n| towers().join("images").join(n)).collect();
+    let cosines = common::file_cosines(m, &files, &io["jpeg_image_embeds"].to_vec2::<f32>().unwrap());
+    for (n, c) in images.iter().zip(cosines) {
         assert!(c >= 0.999, "{name}: {n}: cosine {c} with transformers' embedding of the file");
     }
 }

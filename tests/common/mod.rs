@@ -74,3 +74,26 @@ pub fn cpu_options() -> align::train::trainer::TrainOptions {
         allow_change: Vec::new(),
     }
 }
+
+pub fn max_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
+pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| *x as f64 * *y as f64).sum();
+    let n = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    dot / (n(a) * n(b))
+}
+
+/// The cosine of each image file's embedding, through the checkpoint's own preprocessing as
+/// `align eval` reads files, with the reference library's embedding of the same file.
+pub fn file_cosines(m: &align::io::load::LoadedModel, files: &[PathBuf], reference: &[Vec<f32>]) -> Vec<f64> {
+    use align::data::eval_reader::{EvalSource, FileSample, Needs};
+    let samples = files.iter().map(|p| FileSample { path: p.clone(), label: None, captions: vec![] }).collect();
+    let needs = Needs { image: true, captions: false, label: false };
+    let got =
+        align::eval::embed::embed_source(&m.model, EvalSource::Files(samples), &m.usage.image, needs, 4, &candle_core::Device::Cpu, true)
+            .unwrap();
+    let dim = got.embeddings.dim;
+    reference.iter().enumerate().map(|(i, r)| cosine(&got.embeddings.data[i * dim..(i + 1) * dim], r)).collect()
+}

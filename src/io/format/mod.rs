@@ -27,6 +27,8 @@ use crate::model::dual_encoder::ModelSpec;
 
 pub use resolve::{locate, locate_tower, Located};
 
+use crate::io::hf::model_dir::Hf;
+
 /// How a checkpoint's model is meant to be used, as the checkpoint itself says: the image
 /// preprocessing it was published with, the text length its tokenizer pads and cuts to, and the
 /// loss family it was trained with. Evaluation uses it as it is; a run starting from the
@@ -120,10 +122,10 @@ pub trait Format: Sync {
 /// repository with both a `CLIPModel` and an open_clip copy) is read as the first.
 pub static FORMATS: [&dyn Format; 6] = [
     &align_run::AlignRun,
-    &crate::io::hf::align::HfAlign,
-    &crate::io::hf::clip::HfClip,
-    &crate::io::hf::siglip::HfSiglip,
-    &crate::io::hf::vtde::HfVtde,
+    &Hf(crate::io::hf::align::HfAlign),
+    &Hf(crate::io::hf::clip::HfClip),
+    &Hf(crate::io::hf::siglip::HfSiglip),
+    &Hf(crate::io::hf::vtde::HfVtde),
     &crate::io::open_clip::OpenClip,
 ];
 

@@ -1,23 +1,20 @@
 //! Hugging Face `AlignModel` directories: loading one as an align model, and writing align's
 //! EfficientNet + BERT models as one that `transformers.AlignModel.from_pretrained` loads.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{anyhow, Result};
+use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-use super::files::{
-    fetch_hf_model, has_hf_weights, is_hf_model, model_max_length, read_json, read_tokenizer, read_weights, weight_shapes, HfDir,
-    BERT_SPECIALS,
-};
+use super::files::{model_max_length, read_tokenizer, HfDir, BERT_SPECIALS};
 use super::layout::{align_spec_from_hf, align_spec_to_hf};
+use super::model_dir::HfLayout;
 use super::preprocess::read_dir_image_config;
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::ImageConfig;
-use crate::io::format::{Format, HubFetch, ModelFiles, Usage};
+use crate::io::format::{ModelFiles, Usage};
 use crate::model::dual_encoder::ModelSpec;
 
 /// The Hugging Face `AlignModel` format.
@@ -26,38 +23,17 @@ pub struct HfAlign;
 /// ALIGN's text length (the processor's `model_max_length` in `kakaobrain/align-base`).
 const ALIGN_TEXT_LEN: usize = 64;
 
-impl Format for HfAlign {
-    fn name(&self) -> &'static str {
-        "AlignModel"
+impl HfLayout for HfAlign {
+    const CLASS: &'static str = "AlignModel";
+    const DESCRIBE: &'static str = "Hugging Face AlignModel: EfficientNet + BERT";
+    const MODEL_TYPE: &'static str = "align";
+
+    fn spec_from(&self, config: &Value) -> std::result::Result<ModelSpec, String> {
+        align_spec_from_hf(config)
     }
 
-    fn describe(&self) -> &'static str {
-        "Hugging Face AlignModel: EfficientNet + BERT"
-    }
-
-    fn claims(&self, dir: &Path) -> bool {
-        is_hf_model(dir, "align")
-    }
-
-    fn has_weights(&self, dir: &Path) -> bool {
-        has_hf_weights(dir)
-    }
-
-    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()> {
-        fetch_hf_model(fetch)
-    }
-
-    fn spec(&self, dir: &Path) -> Result<ModelSpec> {
-        let path = dir.join("config.json");
-        align_spec_from_hf(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
-    }
-
-    fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {
-        read_weights(dir, device)
-    }
-
-    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
-        weight_shapes(dir)
+    fn config_of(&self, spec: &ModelSpec) -> std::result::Result<Value, String> {
+        align_spec_to_hf(spec)
     }
 
     fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
@@ -74,10 +50,6 @@ impl Format for HfAlign {
             None => ImageConfig { image_size: size, resize: (size * 346).div_ceil(289), ..Default::default() },
         };
         Ok(Usage { image, text_len: model_max_length(dir, spec, ALIGN_TEXT_LEN), loss: LossKind::Softmax })
-    }
-
-    fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
-        align_spec_to_hf(spec).map(|_| ())
     }
 
     fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {

@@ -1,19 +1,18 @@
 //! Hugging Face `CLIPModel` directories: the config as align's model sizes and back, the weights
 //! (align's CLIP towers use transformers' names), the tokenizer and the image processor.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Result};
-use candle_core::{Device, Tensor};
+use anyhow::{bail, Result};
 use serde_json::Value;
 
-use super::files::{fetch_hf_model, has_hf_weights, is_hf_model, model_max_length, read_json, read_weights, weight_shapes, HfDir};
+use super::files::{model_max_length, HfDir};
+use super::model_dir::HfLayout;
 use super::preprocess::read_dir_image_config;
 use super::towers::{encoder, f64_or, sub, tokenizer, tower_to_hf, usize_or, EncoderDefaults};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
-use crate::io::format::{Format, HubFetch, ModelFiles, Usage};
+use crate::io::format::{ModelFiles, Usage};
 use crate::model::clip::{ClipTextConfig, ClipVisionConfig};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::presets::{TemperatureKind, TextPooling};
@@ -21,38 +20,17 @@ use crate::model::presets::{TemperatureKind, TextPooling};
 /// The Hugging Face `CLIPModel` format.
 pub struct HfClip;
 
-impl Format for HfClip {
-    fn name(&self) -> &'static str {
-        "CLIPModel"
+impl HfLayout for HfClip {
+    const CLASS: &'static str = "CLIPModel";
+    const DESCRIBE: &'static str = "Hugging Face CLIPModel";
+    const MODEL_TYPE: &'static str = "clip";
+
+    fn spec_from(&self, config: &Value) -> std::result::Result<ModelSpec, String> {
+        clip_spec_from_hf(config)
     }
 
-    fn describe(&self) -> &'static str {
-        "Hugging Face CLIPModel"
-    }
-
-    fn claims(&self, dir: &Path) -> bool {
-        is_hf_model(dir, "clip")
-    }
-
-    fn has_weights(&self, dir: &Path) -> bool {
-        has_hf_weights(dir)
-    }
-
-    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()> {
-        fetch_hf_model(fetch)
-    }
-
-    fn spec(&self, dir: &Path) -> Result<ModelSpec> {
-        let path = dir.join("config.json");
-        clip_spec_from_hf(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
-    }
-
-    fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {
-        read_weights(dir, device)
-    }
-
-    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
-        weight_shapes(dir)
+    fn config_of(&self, spec: &ModelSpec) -> std::result::Result<Value, String> {
+        clip_spec_to_hf(spec)
     }
 
     fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
@@ -61,10 +39,6 @@ impl Format for HfClip {
 
     fn usage(&self, dir: &Path, spec: &ModelSpec) -> Result<Usage> {
         Ok(Usage { image: tower_processor(dir, spec, "clip")?, text_len: model_max_length(dir, spec, usize::MAX), loss: LossKind::Softmax })
-    }
-
-    fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
-        clip_spec_to_hf(spec).map(|_| ())
     }
 
     fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {

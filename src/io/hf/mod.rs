@@ -1,6 +1,6 @@
 //! Hugging Face layouts: configurations and parameter names (`layout`), `hf:` hub locations
 //! (`hub`), the files of a model directory (`files`), image processors' settings (`preprocess`),
-//! and one format each for `AlignModel` (`align`), `CLIPModel` (`clip`), `SiglipModel`
+//! and, through `model_dir`'s one format for them all, one layout each for `AlignModel` (`align`), `CLIPModel` (`clip`), `SiglipModel`
 //! (`siglip`) and `VisionTextDualEncoderModel` (`vtde`) directories; `towers` holds what CLIP's
 //! and SigLIP's configs and tokenizers share.
 
@@ -9,6 +9,7 @@ pub mod clip;
 pub mod files;
 pub mod hub;
 pub mod layout;
+pub mod model_dir;
 pub mod preprocess;
 pub mod siglip;
 pub mod towers;

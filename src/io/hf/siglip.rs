@@ -2,19 +2,18 @@
 //! weights (the scale and bias stored as `[1]` tensors), the SentencePiece tokenizer and the image
 //! processor.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{anyhow, Result};
-use candle_core::{Device, Tensor};
+use anyhow::Result;
 use serde_json::Value;
 
 use super::clip::tower_processor;
-use super::files::{fetch_hf_model, has_hf_weights, is_hf_model, model_max_length, read_json, read_weights, weight_shapes, HfDir};
+use super::files::{model_max_length, HfDir};
+use super::model_dir::HfLayout;
 use super::towers::{encoder, sub, tokenizer, tower_to_hf, usize_or, EncoderDefaults};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
-use crate::io::format::{Format, HubFetch, ModelFiles, Usage};
+use crate::io::format::{ModelFiles, Usage};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::presets::{TemperatureKind, TextPooling};
 use crate::model::siglip::{SiglipTextConfig, SiglipVisionConfig};
@@ -22,38 +21,17 @@ use crate::model::siglip::{SiglipTextConfig, SiglipVisionConfig};
 /// The Hugging Face `SiglipModel` format.
 pub struct HfSiglip;
 
-impl Format for HfSiglip {
-    fn name(&self) -> &'static str {
-        "SiglipModel"
+impl HfLayout for HfSiglip {
+    const CLASS: &'static str = "SiglipModel";
+    const DESCRIBE: &'static str = "Hugging Face SiglipModel";
+    const MODEL_TYPE: &'static str = "siglip";
+
+    fn spec_from(&self, config: &Value) -> std::result::Result<ModelSpec, String> {
+        siglip_spec_from_hf(config)
     }
 
-    fn describe(&self) -> &'static str {
-        "Hugging Face SiglipModel"
-    }
-
-    fn claims(&self, dir: &Path) -> bool {
-        is_hf_model(dir, "siglip")
-    }
-
-    fn has_weights(&self, dir: &Path) -> bool {
-        has_hf_weights(dir)
-    }
-
-    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()> {
-        fetch_hf_model(fetch)
-    }
-
-    fn spec(&self, dir: &Path) -> Result<ModelSpec> {
-        let path = dir.join("config.json");
-        siglip_spec_from_hf(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
-    }
-
-    fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {
-        read_weights(dir, device)
-    }
-
-    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
-        weight_shapes(dir)
+    fn config_of(&self, spec: &ModelSpec) -> std::result::Result<Value, String> {
+        siglip_spec_to_hf(spec)
     }
 
     fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
@@ -66,10 +44,6 @@ impl Format for HfSiglip {
             text_len: model_max_length(dir, spec, usize::MAX),
             loss: LossKind::Sigmoid,
         })
-    }
-
-    fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
-        siglip_spec_to_hf(spec).map(|_| ())
     }
 
     fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {

@@ -4,61 +4,36 @@
 //! built the same way (`model.vit.pool = "pooler"`, `model.text_pooling = "pooler"`,
 //! `model.text_projection_bias = false`, `model.temperature = "clip"`) to be written as one.
 
-use std::collections::HashMap;
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Result};
-use candle_core::{Device, Tensor};
+use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
-use super::files::{
-    fetch_hf_model, has_hf_weights, is_hf_model, model_max_length, read_json, read_tokenizer, read_weights, weight_shapes, HfDir,
-    BERT_SPECIALS,
-};
+use super::files::{model_max_length, read_tokenizer, HfDir, BERT_SPECIALS};
 use super::layout::{bert_from_hf, bert_to_hf, vit_from_hf};
+use super::model_dir::HfLayout;
 use super::preprocess::read_dir_image_config;
 use super::towers::{f64_or, usize_or};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
-use crate::io::format::{Format, HubFetch, ModelFiles, Usage};
+use crate::io::format::{ModelFiles, Usage};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::presets::{ImagePooling, TemperatureKind, TextPooling, VitConfig};
 
 /// The Hugging Face `VisionTextDualEncoderModel` format (ViT + BERT).
 pub struct HfVtde;
 
-impl Format for HfVtde {
-    fn name(&self) -> &'static str {
-        "VisionTextDualEncoderModel"
+impl HfLayout for HfVtde {
+    const CLASS: &'static str = "VisionTextDualEncoderModel";
+    const DESCRIBE: &'static str = "Hugging Face VisionTextDualEncoderModel: ViT + BERT";
+    const MODEL_TYPE: &'static str = "vision-text-dual-encoder";
+
+    fn spec_from(&self, config: &Value) -> std::result::Result<ModelSpec, String> {
+        vtde_spec_from_hf(config)
     }
 
-    fn describe(&self) -> &'static str {
-        "Hugging Face VisionTextDualEncoderModel: ViT + BERT"
-    }
-
-    fn claims(&self, dir: &Path) -> bool {
-        is_hf_model(dir, "vision-text-dual-encoder")
-    }
-
-    fn has_weights(&self, dir: &Path) -> bool {
-        has_hf_weights(dir)
-    }
-
-    fn fetch_from_hub(&self, fetch: &mut HubFetch) -> Result<()> {
-        fetch_hf_model(fetch)
-    }
-
-    fn spec(&self, dir: &Path) -> Result<ModelSpec> {
-        let path = dir.join("config.json");
-        vtde_spec_from_hf(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
-    }
-
-    fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {
-        read_weights(dir, device)
-    }
-
-    fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
-        weight_shapes(dir)
+    fn config_of(&self, spec: &ModelSpec) -> std::result::Result<Value, String> {
+        vtde_spec_to_hf(spec)
     }
 
     fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
@@ -78,10 +53,6 @@ impl Format for HfVtde {
             );
         }
         Ok(Usage { image, text_len: model_max_length(dir, spec, usize::MAX), loss: LossKind::Softmax })
-    }
-
-    fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
-        vtde_spec_to_hf(spec).map(|_| ())
     }
 
     fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {
