@@ -130,6 +130,8 @@ enum BenchCommand {
     Loader(cli::bench::LoaderArgs),
     /// Training-step time (forward, backward, optimiser) and peak memory of a model.
     Model(cli::bench::ModelArgs),
+    /// Forward-only embedding of a data set's images and captions: images/s and peak memory.
+    Embed(cli::bench::EmbedArgs),
     /// The sigmoid loss over thread ranks, ring or gathered: time and peak memory.
     Loss(cli::bench::LossArgs),
     /// EfficientNet's depthwise layers: our op against candle's grouped convolution.
@@ -183,6 +185,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),
         Command::Bench(BenchCommand::Loss(a)) => cli::bench::loss(&a),
+        Command::Bench(BenchCommand::Embed(a)) => cli::bench::embed(&a),
         Command::Bench(BenchCommand::Ops(a)) => cli::bench::ops(&a),
     }
 }

@@ -58,6 +58,12 @@ fn check_clip(name: &str) {
         assert_eq!(&batch.mask[i * width..(i + 1) * width], &want_mask[i][..], "{name}: mask of {c:?}");
     }
 
+    // Through the evaluation path, which cuts each batch to its longest caption: the same.
+    let got = align::eval::embed::embed_texts(&m.model, &m.tokenizer, &captions, 3, &Device::Cpu, |_| {}).unwrap();
+    let got = Tensor::from_vec(got.data, (captions.len(), got.dim), &Device::Cpu).unwrap();
+    let d = max_diff(&got, &io["text_embeds_normalised"]);
+    assert!(d <= 1e-5, "{name}: batched text embeddings differ by {d}");
+
     assert_files_embed_as_in_transformers(&m, &io, name);
 }
 
@@ -282,4 +288,21 @@ fn vision_text_dual_encoder_matches_transformers_and_exports_back() {
     spec.text_pooling = align::model::presets::TextPooling::Cls;
     let e = align::io::hf::vtde::vtde_spec_to_hf(&spec).unwrap_err();
     assert!(e.contains("model.text_pooling = \"pooler\""), "{e}");
+}
+
+/// A model loaded to be used (evaluate, embed, search, score) holds plain tensors, not
+/// variables, so its forward pass records no graph: nothing keeps a batch's activations alive
+/// past their use. A model built on variables, as training builds it, does record one.
+#[test]
+fn a_loaded_model_records_no_graph() {
+    let m = load_model(&towers().join("clip-tiny"), &Device::Cpu).unwrap();
+    assert!(m.weights.values().all(|t| !t.is_variable()));
+    let io = io("clip-tiny");
+    let img = m.model.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap();
+    let txt = m.model.text_embeddings(&u32s(&io["input_ids"]), &u32s(&io["attention_mask"])).unwrap();
+    assert!(!img.track_op() && !txt.track_op(), "the forward-only path recorded a graph");
+    let vm = candle_nn::VarMap::new();
+    let trained =
+        align::model::dual_encoder::DualEncoder::new(&m.model.spec, align::model::init::SeededVars::builder(&vm, 0, &Device::Cpu)).unwrap();
+    assert!(trained.image_embeddings(&io["pixel_values"], &align::model::Ctx::EVAL).unwrap().track_op());
 }

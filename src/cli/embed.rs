@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use align::data::eval_reader::{EvalSource, Needs};
 use align::data::spec;
 use align::data::transform::{decode, eval_transform};
-use align::eval::embed::{embed_images, embed_source, embed_texts};
+use align::eval::embed::{embed_images, embed_pairs, embed_texts};
 use align::eval::knn::top_k;
 use align::eval::metrics::Embeddings;
 use align::eval::zeroshot::read_lines;
@@ -34,8 +34,9 @@ pub struct EmbedArgs {
     /// Output `.safetensors` (a `.json` sidecar is written beside it).
     #[arg(long)]
     pub out: PathBuf,
-    #[arg(long, default_value_t = 256)]
-    pub batch: usize,
+    /// Images (and texts) per forward pass (default: the model's, 64 or 32).
+    #[arg(long)]
+    pub batch: Option<usize>,
 }
 
 /// What the sidecar says about the rows of the embedding matrices.
@@ -58,16 +59,18 @@ fn to_tensor(e: &Embeddings) -> Result<Tensor> {
 pub fn embed(a: &EmbedArgs) -> Result<()> {
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
+    let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
     let mut tensors = HashMap::new();
     let mut side = Sidecar::default();
     match (&a.data, &a.texts) {
         (Some(d), _) => {
-            let images = embed_source(
+            let mut images = embed_pairs(
                 &m.model,
+                &m.tokenizer,
                 EvalSource::Shards(spec::expand(d)?),
                 &m.usage.image,
                 Needs { image: true, captions: false, label: false },
-                a.batch,
+                batch,
                 &device,
                 false,
             )
@@ -79,6 +82,9 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
                 }
             }
             tensors.insert("image_embeddings".to_string(), to_tensor(&images.embeddings)?);
+            if let Some(t) = images.caption_embeddings.take().filter(|t| !t.data.is_empty()) {
+                tensors.insert("text_embeddings".to_string(), to_tensor(&t)?);
+            }
             side.image_keys = images.keys;
             if !images.skipped.is_empty() {
                 eprintln!("skipped: {}", images.skipped.summary());
@@ -90,9 +96,9 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
         }
         (None, None) => bail!("give --data SPEC or --texts FILE"),
     }
-    if !side.texts.is_empty() {
+    if !side.texts.is_empty() && !tensors.contains_key("text_embeddings") {
         let bar = Progress::bar(side.texts.len() as u64, "embedding texts", false);
-        let t = embed_texts(&m.model, &m.tokenizer, &side.texts, a.batch, &device, |n| bar.inc(n as u64))
+        let t = embed_texts(&m.model, &m.tokenizer, &side.texts, batch, &device, |n| bar.inc(n as u64))
             .with_context(|| format!("embedding with {}", m.dir.display()))?;
         bar.finish();
         tensors.insert("text_embeddings".to_string(), to_tensor(&t)?);

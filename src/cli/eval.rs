@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use align::data::eval_reader::EvalSource;
 use align::data::folders::{self, imagenet, Variant};
 use align::data::spec;
+use align::eval::embed::auto_batch;
 use align::eval::{retrieval as ret, zeroshot as zs};
 use align::io::load::{load_model_with, LoadedModel};
 use anyhow::{bail, Context, Result};
@@ -32,8 +33,9 @@ pub struct RetrievalArgs {
     /// Split of the Karpathy file (Flickr30K 1K test and MSCOCO 5K test are `test`).
     #[arg(long, default_value = "test")]
     pub split: String,
-    #[arg(long, default_value_t = 256)]
-    pub batch: usize,
+    /// Images (and texts) per forward pass (default: the model's, 64 or 32).
+    #[arg(long)]
+    pub batch: Option<usize>,
     #[arg(long)]
     pub json: bool,
     /// Recall at these k (CLIP_benchmark's `--recall_k`).
@@ -52,7 +54,7 @@ pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let ks = parse_ks(&a.recall_k)?;
-    let done = evaluate_retrieval(&m, source, &what, &ks, a.batch, &device, a.json)?;
+    let done = evaluate_retrieval(&m, source, &what, &ks, a.batch.unwrap_or(auto_batch(m.spec())), &device, a.json)?;
     done.finish(a.strict, a.output.as_deref(), a.json)
 }
 
@@ -151,8 +153,9 @@ pub struct ZeroShotArgs {
     /// number without ensembling.
     #[arg(long)]
     pub templates: Option<PathBuf>,
-    #[arg(long, default_value_t = 256)]
-    pub batch: usize,
+    /// Images (and texts) per forward pass (default: the model's, 64 or 32).
+    #[arg(long)]
+    pub batch: Option<usize>,
     #[arg(long)]
     pub json: bool,
     /// Any skipped sample is an error instead of a partial result.
@@ -167,7 +170,7 @@ pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
     let task = ZeroShotData::new(&a.data, &a.imagenet, a.variant, &a.classes, &a.wnids, &a.templates)?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
-    let done = evaluate_zeroshot(&m, task, a.batch, &device, a.json)?;
+    let done = evaluate_zeroshot(&m, task, a.batch.unwrap_or(auto_batch(m.spec())), &device, a.json)?;
     done.finish(a.strict, a.output.as_deref(), a.json)
 }
 
@@ -256,8 +259,9 @@ pub struct KnnArgs {
     /// Neighbours that vote for the top-1 label.
     #[arg(long, default_value_t = 20)]
     pub k: usize,
-    #[arg(long, default_value_t = 256)]
-    pub batch: usize,
+    /// Images (and texts) per forward pass (default: the model's, 64 or 32).
+    #[arg(long)]
+    pub batch: Option<usize>,
     #[arg(long)]
     pub json: bool,
 }
@@ -309,7 +313,7 @@ pub fn knn(a: &KnnArgs) -> Result<()> {
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.val, &a.val_imagenet, "val")?);
     let LabelledSplits { first: index, second: queries, first_y: il, second_y: ql, .. } =
-        embed_labelled(&m, sources, a.batch, &device, a.json)?;
+        embed_labelled(&m, sources, a.batch.unwrap_or(auto_batch(m.spec())), &device, a.json)?;
     let rep = align::eval::knn::knn(&index.embeddings, &il, &queries.embeddings, &ql, a.k, 64)?;
     if a.json {
         return super::print_json(&rep);

@@ -6,7 +6,7 @@
 //! ```toml
 //! checkpoints = ["runs/demo", "hf:kakaobrain/align-base"]
 //! output_dir = "eval-results"       # default: no files, the table (or --json) only
-//! batch = 256
+//! batch = 64                       # default: the model's own (64, or 32 for a large EfficientNet)
 //! recall_k = [1, 5, 10]
 //!
 //! [[dataset]]
@@ -65,18 +65,16 @@ pub struct Suite {
     pub checkpoints: Vec<PathBuf>,
     #[serde(default)]
     pub output_dir: Option<PathBuf>,
-    #[serde(default = "default_batch")]
-    pub batch: usize,
+    /// Images (and texts) per forward pass; absent: each model's own (64, or 32 for a large
+    /// EfficientNet).
+    #[serde(default)]
+    pub batch: Option<usize>,
     #[serde(default = "default_ks")]
     pub recall_k: Vec<usize>,
     #[serde(default)]
     pub strict: bool,
     #[serde(rename = "dataset")]
     pub datasets: Vec<Dataset>,
-}
-
-fn default_batch() -> usize {
-    256
 }
 
 fn default_ks() -> Vec<usize> {
@@ -139,7 +137,7 @@ impl Suite {
         if self.datasets.is_empty() {
             bail!("no [[dataset]]");
         }
-        if self.batch == 0 || self.recall_k.is_empty() || self.recall_k.contains(&0) {
+        if self.batch == Some(0) || self.recall_k.is_empty() || self.recall_k.contains(&0) {
             bail!("`batch` and every `recall_k` must be positive, and `recall_k` not empty");
         }
         let mut names = std::collections::HashSet::new();
@@ -209,12 +207,20 @@ impl Dataset {
             Task::ZeroshotClassification => {
                 let variant = self.variant.unwrap_or(Variant::Val);
                 let data = ZeroShotData::new(&self.data, &self.imagenet, variant, &self.classes, &self.wnids, &self.templates)?;
-                eval::evaluate_zeroshot(m, data, suite.batch, device, true)?
+                eval::evaluate_zeroshot(m, data, suite.batch.unwrap_or(align::eval::embed::auto_batch(m.spec())), device, true)?
             }
             Task::ZeroshotRetrieval => {
                 let split = self.split.clone().unwrap_or_else(|| "test".into());
                 let (source, what) = eval::retrieval_source(&self.data, &self.karpathy, &self.images, &split)?;
-                eval::evaluate_retrieval(m, source, &what, &suite.recall_k, suite.batch, device, true)?
+                eval::evaluate_retrieval(
+                    m,
+                    source,
+                    &what,
+                    &suite.recall_k,
+                    suite.batch.unwrap_or(align::eval::embed::auto_batch(m.spec())),
+                    device,
+                    true,
+                )?
             }
             Task::LinearProbe => {
                 let sources = (
@@ -341,7 +347,7 @@ mod tests {
             "#,
         )
         .unwrap();
-        assert_eq!((s.batch, s.recall_k.clone()), (256, vec![1, 5, 10]));
+        assert_eq!((s.batch, s.recall_k.clone()), (None, vec![1, 5, 10]));
         assert_eq!(s.datasets[0].variant, Some(Variant::V2));
         assert_eq!(s.datasets[1].task, Task::ZeroshotRetrieval);
     }

@@ -1,6 +1,8 @@
 //! Reading evaluation data in order: one thread streams the samples (tar members of shards, or
-//! image files of a folder layout such as ImageNet's or a Karpathy split), decoding and the eval
-//! transform run in parallel on each chunk, and chunks come out in the data's order.
+//! image files of a folder layout such as ImageNet's or a Karpathy split) and prepares each chunk
+//! there, decoding and transforming its images in parallel straight into the chunk's one pixel
+//! buffer, so that the next batch is made while the model embeds this one; chunks come out in
+//! the data's order, at most one ready ahead (memory: two batches of pixels).
 
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::thread::JoinHandle;
@@ -25,10 +27,16 @@ pub struct Needs {
 #[derive(Debug, Clone)]
 pub struct EvalItem {
     pub key: String,
-    /// `3 × image_size × image_size` after the eval transform, when images are needed.
-    pub image: Vec<f32>,
     pub captions: Vec<String>,
     pub label: Option<i64>,
+}
+
+/// A chunk of usable samples in the data's order, with their images after the eval transform
+/// (`items.len() × 3 × image_size × image_size` floats, when images are needed).
+#[derive(Debug, Default)]
+pub struct EvalBatch {
+    pub items: Vec<EvalItem>,
+    pub pixels: Vec<f32>,
 }
 
 /// An image file with its label and/or captions (folder layouts, Karpathy splits).
@@ -58,6 +66,12 @@ struct Chunk {
     skips: SkipCounts,
 }
 
+/// A chunk prepared: its batch, and what was skipped reading and preparing it.
+struct Prepared {
+    batch: EvalBatch,
+    skips: SkipCounts,
+}
+
 /// A file as a sample: the image under its extension's field, the label as `cls`, the captions
 /// as lines of `txt`, keyed by its path.
 fn file_sample(f: &FileSample, index: u64) -> std::io::Result<RawSample> {
@@ -75,11 +89,8 @@ fn file_sample(f: &FileSample, index: u64) -> std::io::Result<RawSample> {
 }
 
 pub struct EvalReader {
-    rx: Option<Receiver<Chunk>>,
+    rx: Option<Receiver<Prepared>>,
     handle: Option<JoinHandle<()>>,
-    shards: Vec<String>,
-    cfg: ImageConfig,
-    needs: Needs,
     skips: SkipCounts,
     samples: u64,
 }
@@ -92,7 +103,8 @@ impl EvalReader {
     pub fn from_source(source: EvalSource, cfg: ImageConfig, needs: Needs, chunk: usize) -> Self {
         let origins = source.origins();
         let chunk = chunk.max(1);
-        let spawned = super::reader_thread::spawn("eval-reader", 4, move |tx: SyncSender<Chunk>| {
+        let spawned = super::reader_thread::spawn("eval-reader", 1, move |out: SyncSender<Prepared>| {
+            let tx = Preparer { out, shards: origins, cfg, needs };
             let fresh = || Chunk { samples: Vec::with_capacity(chunk), skips: SkipCounts::default() };
             let mut cur = fresh();
             match source {
@@ -140,7 +152,7 @@ impl EvalReader {
         });
         // As std::thread::spawn does: a process that cannot start a thread has no way on.
         let (rx, handle) = spawned.expect("starting the evaluation reader thread");
-        EvalReader { rx: Some(rx), handle: Some(handle), shards: origins, cfg, needs, skips: SkipCounts::default(), samples: 0 }
+        EvalReader { rx: Some(rx), handle: Some(handle), skips: SkipCounts::default(), samples: 0 }
     }
 
     pub fn skips(&self) -> &SkipCounts {
@@ -153,46 +165,77 @@ impl EvalReader {
     }
 }
 
-fn prepare(shards: &[String], cfg: &ImageConfig, needs: Needs, shard: usize, s: &RawSample) -> Result<EvalItem, Rejected> {
+/// Prepares chunks on the reader's thread and hands them on.
+struct Preparer {
+    out: SyncSender<Prepared>,
+    shards: Vec<String>,
+    cfg: ImageConfig,
+    needs: Needs,
+}
+
+impl Preparer {
+    /// Prepares `chunk` and sends it; an error means the reader was dropped.
+    fn send(&self, chunk: Chunk) -> Result<(), std::sync::mpsc::SendError<Prepared>> {
+        self.out.send(prepare_chunk(&self.shards, &self.cfg, self.needs, chunk))
+    }
+}
+
+/// Decodes and transforms a chunk's images in parallel, each into its slot of one buffer, and
+/// drops (counting them) the samples that cannot be used.
+fn prepare_chunk(shards: &[String], cfg: &ImageConfig, needs: Needs, chunk: Chunk) -> Prepared {
+    let per = if needs.image { cfg.numel() } else { 0 };
+    let mut pixels = vec![0f32; per * chunk.samples.len()];
+    let results: Vec<Result<EvalItem, Rejected>> = if per == 0 {
+        chunk.samples.par_iter().map(|(i, s)| prepare(shards, cfg, needs, *i, s, &mut [])).collect()
+    } else {
+        chunk.samples.par_iter().zip(pixels.par_chunks_mut(per)).map(|((i, s), out)| prepare(shards, cfg, needs, *i, s, out)).collect()
+    };
+    let mut skips = chunk.skips;
+    let mut items = Vec::with_capacity(results.len());
+    for (slot, ((i, s), r)) in chunk.samples.iter().zip(results).enumerate() {
+        match r {
+            Ok(item) => {
+                // Usable images move down over the slots of skipped ones.
+                if per > 0 && items.len() != slot {
+                    pixels.copy_within(slot * per..(slot + 1) * per, items.len() * per);
+                }
+                items.push(item);
+            }
+            Err(rej) => {
+                skips.add(rej.reason);
+                log::warn(format!("shard {}: sample {}: {}; skipped", shards[*i], s.key, rej.detail));
+            }
+        }
+    }
+    pixels.truncate(items.len() * per);
+    Prepared { batch: EvalBatch { items, pixels }, skips }
+}
+
+fn prepare(shards: &[String], cfg: &ImageConfig, needs: Needs, shard: usize, s: &RawSample, out: &mut [f32]) -> Result<EvalItem, Rejected> {
     let captions = if needs.captions { sample::captions(s)? } else { sample::captions(s).unwrap_or_default() };
     let label = sample::label(s)?;
     if needs.label && label.is_none() {
         return Err(Rejected { reason: super::skips::reason::BAD_LABEL, detail: format!("no cls field in shard {}", shards[shard]) });
     }
-    let mut image = Vec::new();
     if needs.image {
         let bytes = sample::image_bytes(s)?;
         let img =
             decode(bytes, decode_min_side(cfg, false), cfg.max_pixels).map_err(|e| Rejected { reason: e.reason, detail: e.detail })?;
-        image = vec![0.0; cfg.numel()];
-        eval_transform(&img, cfg, &mut image);
+        eval_transform(&img, cfg, out);
     }
-    Ok(EvalItem { key: s.key.clone(), image, captions, label })
+    Ok(EvalItem { key: s.key.clone(), captions, label })
 }
 
 impl Iterator for EvalReader {
-    type Item = Vec<EvalItem>;
+    type Item = EvalBatch;
 
-    fn next(&mut self) -> Option<Vec<EvalItem>> {
+    fn next(&mut self) -> Option<EvalBatch> {
         loop {
-            let chunk = self.rx.as_ref()?.recv().ok()?;
-            self.skips.merge(&chunk.skips);
-            let (shards, cfg, needs) = (&self.shards, &self.cfg, self.needs);
-            let results: Vec<Result<EvalItem, Rejected>> =
-                chunk.samples.par_iter().map(|(i, s)| prepare(shards, cfg, needs, *i, s)).collect();
-            let mut items = Vec::with_capacity(results.len());
-            for ((i, s), r) in chunk.samples.iter().zip(results) {
-                match r {
-                    Ok(item) => items.push(item),
-                    Err(rej) => {
-                        self.skips.add(rej.reason);
-                        log::warn(format!("shard {}: sample {}: {}; skipped", self.shards[*i], s.key, rej.detail));
-                    }
-                }
-            }
-            self.samples += items.len() as u64;
-            if !items.is_empty() {
-                return Some(items);
+            let prepared = self.rx.as_ref()?.recv().ok()?;
+            self.skips.merge(&prepared.skips);
+            self.samples += prepared.batch.items.len() as u64;
+            if !prepared.batch.items.is_empty() {
+                return Some(prepared.batch);
             }
         }
     }
@@ -222,14 +265,15 @@ mod tests {
         img.write_to(&mut std::io::Cursor::new(&mut jpeg), image::ImageFormat::Jpeg).unwrap();
         let sample = RawSample { key: "big".into(), index: 0, fields: [("jpg".to_string(), jpeg.clone())].into_iter().collect() };
         let cfg = ImageConfig { image_size: 64, resize: 72, ..Default::default() };
-        let item = prepare(&["s".into()], &cfg, Needs { image: true, captions: false, label: false }, 0, &sample).unwrap();
+        let mut image = vec![0.0; cfg.numel()];
+        prepare(&["s".into()], &cfg, Needs { image: true, captions: false, label: false }, 0, &sample, &mut image).unwrap();
         let at = |min_side: u32| {
             let mut out = vec![0.0; cfg.numel()];
             eval_transform(&decode(&jpeg, min_side, cfg.max_pixels).unwrap(), &cfg, &mut out);
             out
         };
-        assert_eq!(item.image, at(super::super::transform::FULL_RESOLUTION));
-        assert_ne!(item.image, at(cfg.resize as u32), "the reduced scale gives the same pixels here: the test shows nothing");
+        assert_eq!(image, at(super::super::transform::FULL_RESOLUTION));
+        assert_ne!(image, at(cfg.resize as u32), "the reduced scale gives the same pixels here: the test shows nothing");
     }
 
     #[test]
@@ -251,11 +295,18 @@ mod tests {
         }
         let cfg = ImageConfig { image_size: 4, resize: 4, ..Default::default() };
         let mut r = EvalReader::new(shards, cfg, Needs { image: true, captions: true, label: false }, 3);
-        let items: Vec<EvalItem> = r.by_ref().flatten().collect();
+        let batches: Vec<EvalBatch> = r.by_ref().collect();
+        let items: Vec<&EvalItem> = batches.iter().flat_map(|b| &b.items).collect();
         let keys: Vec<&str> = items.iter().map(|i| i.key.as_str()).collect();
         assert_eq!(keys, ["0-0", "0-1", "0-2", "0-3", "0-4", "1-0", "1-1", "1-3", "1-4"]);
         assert_eq!(items[3].captions, vec!["a", "b3"]);
         assert_eq!(r.skips().get("corrupt_image"), 1);
-        assert_eq!(items[1].image.len(), 48);
+        // Each batch's pixels are its usable images, in order: the skipped one's slot was closed up.
+        let reds: Vec<f32> = batches.iter().flat_map(|b| b.pixels.chunks(48).map(|p| p[0])).collect();
+        let want: Vec<f32> = [0, 1, 2, 3, 4, 0, 1, 3, 4].iter().map(|&i| (i as f32 / 255.0 - 0.5) / 0.5).collect();
+        assert_eq!(reds.len(), 9);
+        for (r, w) in reds.iter().zip(&want) {
+            assert!((r - w).abs() < 1e-6, "{reds:?}");
+        }
     }
 }

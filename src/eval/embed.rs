@@ -15,15 +15,34 @@ use crate::data::transform::ImageConfig;
 use crate::model::dual_encoder::DualEncoder;
 use crate::util::progress::Progress;
 
+/// The forward-only batch for a model: 64 images (and texts), the fastest measured on the CPU
+/// for ViT-B/32, ViT-B/16 and BERT-base, in less memory than PyTorch at the same batch; 32 for
+/// an EfficientNet at 256 px or more, whose early expanded activations take 10+ MB per image
+/// (B3 at 300 px ran as fast at 32 as at 64, in 2.8 GB against 4.5 GB; BENCHMARKS.md).
+pub fn auto_batch(spec: &crate::model::dual_encoder::ModelSpec) -> usize {
+    match &spec.image {
+        crate::model::dual_encoder::ImageSpec::EfficientNet(e) if e.image_size >= 256 => 32,
+        _ => 64,
+    }
+}
+
 /// Embeds `n` preprocessed images (`n × 3 × S × S` floats); `names` names them in an error.
 pub fn embed_images(model: &DualEncoder, pixels: &[f32], image_size: usize, device: &Device, names: &[&str]) -> Result<Tensor> {
+    embed_pixels(model, pixels.to_vec(), image_size, device, names).and_then(|v| {
+        let n = v.len() / model.spec.embed_dim.max(1);
+        Ok(Tensor::from_vec(v, (n, model.spec.embed_dim), &Device::Cpu)?)
+    })
+}
+
+/// The embeddings (row-major) of a batch buffer of preprocessed images, which becomes the input
+/// tensor without a copy.
+fn embed_pixels(model: &DualEncoder, pixels: Vec<f32>, image_size: usize, device: &Device, names: &[&str]) -> Result<Vec<f32>> {
     let per = 3 * image_size * image_size;
     let n = pixels.len() / per;
-    let x = Tensor::from_slice(pixels, (n, 3, image_size, image_size), &Device::Cpu)?.to_device(device)?;
-    let e = model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?;
-    let values = e.flatten_all()?.to_vec1::<f32>()?;
+    let x = Tensor::from_vec(pixels, (n, 3, image_size, image_size), &Device::Cpu)?.to_device(device)?;
+    let values = model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
     check_finite(&values, model.spec.embed_dim, |row| format!("image {}", names.get(row).copied().unwrap_or("?")))?;
-    Ok(e)
+    Ok(values)
 }
 
 /// Fails on the first row of `values` (rows of `dim`) holding NaN or ±inf, naming it.
@@ -51,15 +70,32 @@ pub fn embed_texts(
     let mut data = Vec::with_capacity(texts.len() * model.spec.embed_dim);
     for chunk in texts.chunks(batch.max(1)) {
         let tb = tokenizer.encode_batch(chunk)?;
-        let shape = (chunk.len(), tb.max_len);
-        let ids = Tensor::from_vec(tb.ids, shape, device)?;
-        let mask = Tensor::from_vec(tb.mask, shape, device)?;
+        // A tower that masks its padding gives the same embeddings for a batch cut to its longest
+        // text; web captions are a fraction of the padded length.
+        let width = if model.spec.text.masks_padding() { longest(&tb.mask, tb.max_len) } else { tb.max_len };
+        let (ids, mask) = (narrow_rows(&tb.ids, tb.max_len, width), narrow_rows(&tb.mask, tb.max_len, width));
+        let shape = (chunk.len(), width);
+        let ids = Tensor::from_vec(ids, shape, device)?;
+        let mask = Tensor::from_vec(mask, shape, device)?;
         let e = model.text_embeddings(&ids, &mask)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
         check_finite(&e, model.spec.embed_dim, |row| format!("text {:?}", chunk[row]))?;
         data.extend(e);
         progress(chunk.len());
     }
     Ok(Embeddings { data, dim: model.spec.embed_dim })
+}
+
+/// The length of the longest row of a padding mask (`rows × width`, ones then zeros).
+fn longest(mask: &[u32], width: usize) -> usize {
+    mask.chunks(width.max(1)).map(|row| row.iter().filter(|&&m| m == 1).count()).max().unwrap_or(0).max(1)
+}
+
+/// The first `keep` columns of each row of a `rows × width` matrix.
+fn narrow_rows(values: &[u32], width: usize, keep: usize) -> Vec<u32> {
+    if keep == width {
+        return values.to_vec();
+    }
+    values.chunks(width.max(1)).flat_map(|row| row[..keep].iter().copied()).collect()
 }
 
 /// The images of a data source embedded, in the data's order, with what came with them.
@@ -69,6 +105,9 @@ pub struct EmbeddedImages {
     pub captions: Vec<Vec<String>>,
     pub labels: Vec<Option<i64>>,
     pub skipped: SkipCounts,
+    /// The captions' embeddings, every caption of every image in order, when asked for
+    /// ([`embed_pairs`]).
+    pub caption_embeddings: Option<Embeddings>,
 }
 
 pub fn embed_source(
@@ -80,21 +119,63 @@ pub fn embed_source(
     device: &Device,
     quiet: bool,
 ) -> Result<EmbeddedImages> {
+    embed_data(model, None, source, image_cfg, needs, batch, device, quiet)
+}
+
+/// [`embed_source`] with each batch's captions embedded right after its images, while the reader
+/// prepares the next batch: images and texts go through the towers interleaved, and neither
+/// waits for all of the other.
+#[allow(clippy::too_many_arguments)]
+pub fn embed_pairs(
+    model: &DualEncoder,
+    tokenizer: &TextTokenizer,
+    source: EvalSource,
+    image_cfg: &ImageConfig,
+    needs: Needs,
+    batch: usize,
+    device: &Device,
+    quiet: bool,
+) -> Result<EmbeddedImages> {
+    embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, quiet)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn embed_data(
+    model: &DualEncoder,
+    tokenizer: Option<&TextTokenizer>,
+    source: EvalSource,
+    image_cfg: &ImageConfig,
+    needs: Needs,
+    batch: usize,
+    device: &Device,
+    quiet: bool,
+) -> Result<EmbeddedImages> {
+    let total = match &source {
+        EvalSource::Files(f) => Some(f.len() as u64),
+        EvalSource::Shards(_) => None,
+    };
     let mut reader = EvalReader::from_source(source, image_cfg.clone(), Needs { image: true, ..needs }, batch);
-    let bar = Progress::spinner("embedding images", quiet);
+    let bar = match total {
+        Some(n) => Progress::bar(n, "embedding images", quiet),
+        None => Progress::spinner("embedding images", quiet),
+    };
+    let dim = model.spec.embed_dim;
     let mut out = EmbeddedImages {
-        embeddings: Embeddings { data: Vec::new(), dim: model.spec.embed_dim },
+        embeddings: Embeddings { data: Vec::new(), dim },
         keys: Vec::new(),
         captions: Vec::new(),
         labels: Vec::new(),
         skipped: SkipCounts::default(),
+        caption_embeddings: tokenizer.map(|_| Embeddings { data: Vec::new(), dim }),
     };
-    for items in reader.by_ref() {
-        let pixels: Vec<f32> = items.iter().flat_map(|it| it.image.iter().copied()).collect();
-        let names: Vec<&str> = items.iter().map(|it| it.key.as_str()).collect();
-        let e = embed_images(model, &pixels, image_cfg.image_size, device, &names)?;
-        out.embeddings.data.extend(e.flatten_all()?.to_vec1::<f32>()?);
-        for it in items {
+    for b in reader.by_ref() {
+        let names: Vec<&str> = b.items.iter().map(|it| it.key.as_str()).collect();
+        out.embeddings.data.extend(embed_pixels(model, b.pixels, image_cfg.image_size, device, &names)?);
+        if let (Some(tokenizer), Some(texts)) = (tokenizer, out.caption_embeddings.as_mut()) {
+            let captions: Vec<String> = b.items.iter().flat_map(|it| it.captions.iter().cloned()).collect();
+            texts.data.extend(embed_texts(model, tokenizer, &captions, batch, device, |_| {})?.data);
+        }
+        for it in b.items {
             out.keys.push(it.key);
             out.captions.push(it.captions);
             out.labels.push(it.label);

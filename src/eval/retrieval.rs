@@ -3,14 +3,13 @@
 use anyhow::Result;
 use candle_core::Device;
 
-use super::embed::{embed_source, embed_texts};
+use super::embed::embed_pairs;
 use super::metrics::{retrieval_ranks, Ranks, RetrievalReport};
 use crate::data::eval_reader::{EvalSource, Needs};
 use crate::data::skips::SkipCounts;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::ImageConfig;
 use crate::model::dual_encoder::DualEncoder;
-use crate::util::progress::Progress;
 
 pub struct RetrievalRun {
     pub report: RetrievalReport,
@@ -28,12 +27,10 @@ pub fn run(
     device: &Device,
     quiet: bool,
 ) -> Result<RetrievalRun> {
-    let images = embed_source(model, source, image_cfg, Needs { image: true, captions: true, label: false }, batch, device, quiet)?;
-    let (texts, links): (Vec<String>, Vec<usize>) =
-        images.captions.iter().enumerate().flat_map(|(i, caps)| caps.iter().map(move |c| (c.clone(), i))).unzip();
-    let bar = Progress::bar(texts.len() as u64, "embedding captions", quiet);
-    let text_emb = embed_texts(model, tokenizer, &texts, batch, device, |n| bar.inc(n as u64))?;
-    bar.finish();
+    let mut images =
+        embed_pairs(model, tokenizer, source, image_cfg, Needs { image: true, captions: true, label: false }, batch, device, quiet)?;
+    let links: Vec<usize> = images.captions.iter().enumerate().flat_map(|(i, caps)| caps.iter().map(move |_| i)).collect();
+    let text_emb = images.caption_embeddings.take().expect("embed_pairs embeds the captions");
     let ranks = retrieval_ranks(&images.embeddings, &text_emb, &links, 1024)?;
     Ok(RetrievalRun { report: RetrievalReport::from_ranks(&ranks), ranks, skipped: images.skipped })
 }

@@ -143,6 +143,13 @@ impl TextSpec {
         }
     }
 
+    /// Whether padding never changes an embedding, so a batch may be cut to its longest text:
+    /// BERT and CLIP mask their padding (CLIP's causal mask hides it from the end token too);
+    /// SigLIP's text tower attends to its padding and pools the last position.
+    pub fn masks_padding(&self) -> bool {
+        !matches!(self, TextSpec::Siglip(_))
+    }
+
     /// The BERT config, where the tower is one.
     pub fn bert(&self) -> Option<&BertConfig> {
         match self {

@@ -1,14 +1,16 @@
-//! `align bench`: the training step (`model`), the sigmoid loss across ranks (`loss`), the
+//! `align bench`: the training step (`model`), forward-only embedding (`embed`), the sigmoid loss across ranks (`loss`), the
 //! loader (`loader`), EfficientNet's depthwise layers (`depthwise`) and every per-op kernel on a
 //! device against the CPU (`ops`).
 
 mod depthwise;
+mod embed;
 mod loader;
 mod loss;
 mod model;
 mod ops;
 
 pub use depthwise::{depthwise, DepthwiseArgs};
+pub use embed::{embed, EmbedArgs};
 pub use loader::{loader, LoaderArgs};
 pub use loss::{loss, LossArgs};
 pub use model::{model, ModelArgs};

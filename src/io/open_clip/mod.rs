@@ -64,7 +64,7 @@ fn weights_file(dir: &Path) -> Option<PathBuf> {
 /// checkpoint's `state_dict` and a DistributedDataParallel `module.` prefix.
 fn state_dict(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let raw: Vec<(String, Tensor)> = if path.extension().is_some_and(|e| e == "safetensors") {
-        candle_core::safetensors::load(path, device).with_context(|| format!("reading {}", path.display()))?.into_iter().collect()
+        crate::io::tensors::read_tensors(path, device)?.into_iter().collect()
     } else {
         let all = candle_core::pickle::read_all_with_key(path, None);
         let all = match all {

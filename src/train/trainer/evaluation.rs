@@ -7,10 +7,9 @@ use super::logging::RunLog;
 use super::setup::Run;
 use crate::config::Config;
 use crate::eval::suite::{self, EvalResults};
-use crate::io::tensors::load_strict;
+use crate::io::tensors::var_tensors;
 use crate::model::dual_encoder::DualEncoder;
-use crate::model::init::SeededVars;
-use crate::train::ema::WeightEma;
+use crate::model::init::FixedVars;
 use crate::util::log;
 
 /// Whether `step` evaluates: evaluation data is configured, and it is an `eval_every` step or the
@@ -23,7 +22,7 @@ pub(super) fn due(cfg: &Config, step: u64) -> bool {
 /// that diverged, unreadable evaluation data) is logged, as a warning and in the metrics log, and
 /// training goes on: the loss decides whether the run is lost.
 pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mut RunLog) -> Result<EvalResults> {
-    let results = match suite::run(&run.model, &run.tokenizer, cfg, &run.device, true) {
+    let results = match forward_only(run, var_tensors(&run.varmap)).and_then(|m| suite::run(&m, &run.tokenizer, cfg, &run.device, true)) {
         Ok(r) => r,
         Err(e) => {
             let e = format!("{e:#}");
@@ -37,7 +36,7 @@ pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mu
     }
     log.record(serde_json::json!({"step": step, "eval": results}))?;
     if let (true, Some(ema)) = (cfg.train.ema_eval, &run.ema) {
-        match ema_model(run, ema).and_then(|m| suite::run(&m, &run.tokenizer, cfg, &run.device, true)) {
+        match forward_only(run, ema.tensors()).and_then(|m| suite::run(&m, &run.tokenizer, cfg, &run.device, true)) {
             Ok(r) => {
                 if !quiet {
                     log::info(format!("step {step} (weight average): {}", r.line()));
@@ -50,10 +49,9 @@ pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mu
     Ok(results)
 }
 
-/// The model with the weights' moving average in place of the weights.
-fn ema_model(run: &Run, ema: &WeightEma) -> Result<DualEncoder> {
-    let vm = candle_nn::VarMap::new();
-    let model = DualEncoder::new(&run.spec, SeededVars::builder(&vm, 0, &run.device))?;
-    load_strict(&vm, &ema.tensors(), std::path::Path::new("the weight average"))?;
-    Ok(model)
+/// A forward-only model on `weights` (the run's, detached, or their moving average): the same
+/// path `align eval` takes, recording no graph, so an evaluation keeps no activations alive.
+fn forward_only(run: &Run, weights: std::collections::HashMap<String, candle_core::Tensor>) -> Result<DualEncoder> {
+    let detached = weights.into_iter().map(|(k, t)| (k, t.detach())).collect();
+    Ok(DualEncoder::new(&run.spec, FixedVars::builder(detached, candle_core::DType::F32, &run.device))?)
 }

@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""The PyTorch side of `align bench embed`: forward-only embedding throughput and peak memory of a
+checkpoint on the CPU, measured the way align measures it, with the checkpoint's own libraries.
+
+Reads every sample of a webdataset tar in order (members grouped by key as webdataset groups them:
+the part of the name before the first dot; the image is the jpg/jpeg/png/webp member, the caption
+the txt member), and in batches of --batch:
+1. decodes each image with PIL (`Image.open(...).convert("RGB")`),
+2. preprocesses the batch with the checkpoint's own image processor,
+3. tokenises the batch's captions with the checkpoint's own tokenizer,
+4. computes the image embeddings and the text embeddings under torch.inference_mode(),
+all in this one process, one batch after the other, as a DataLoader with num_workers=0 would
+(decoding never overlaps the forward passes). The last batch may be short.
+
+--library transformers: AutoModel.from_pretrained(DIR) and AutoProcessor.from_pretrained(DIR)
+(CLIPModel, AlignModel, SiglipModel, ...); images through processor.image_processor(images=...),
+captions through processor.tokenizer, embeddings from model.get_image_features(pixel_values) and
+model.get_text_features(input_ids, attention_mask[, token_type_ids]) (their pooler_output in
+transformers 5.x; not normalised). In transformers 5.x AutoProcessor gives the torchvision-backed
+image processors (CLIPImageProcessor, EfficientNetImageProcessor, ...), which run on torch and so
+on torch's threads.
+--library open_clip: open_clip.create_model_and_transforms("local-dir:DIR") and
+open_clip.get_tokenizer("local-dir:DIR"), i.e. a folder in open_clip's own format
+(open_clip_config.json + open_clip_model.safetensors or open_clip_pytorch_model.bin); the val
+transform per image, then torch.stack; model.encode_image and model.encode_text. open_clip reads
+a transformers CLIPModel folder only through "hf-hub:ORG/NAME", which needs the Hub; such a
+--checkpoint is passed through as it is and works only from the local Hugging Face cache
+(HF_HUB_OFFLINE is set). A transformers folder with --library open_clip is refused.
+
+Captions are padded to a fixed length and truncated to it by default (--padding max_length): the
+tokenizer's model_max_length (CLIP 77, ALIGN 64), as align pads and as open_clip always does; with
+--padding longest, to the longest caption of each batch (what CLIPProcessor(text, padding=True)
+callers get). --text-len overrides the length.
+
+Reported: images and texts embedded, seconds (wall clock from the first tar read and image decode
+to the last text embedding of the last batch; model loading excluded and reported apart),
+images_per_s (= images / seconds: one image and one caption make a pair), peak_rss_mib (the
+process's peak resident set size from getrusage's ru_maxrss, model loading included, in MiB), and
+load_peak_rss_mib (the same just before the timed loop, so the part the loop adds shows), the time
+spent per phase (decode = tar read + PIL decode, preprocess, tokenize, image forward, text forward),
+each batch's seconds (there is no warm-up batch: the first one carries torch's one-time costs)
+and the embedding widths. torch uses all cores by default (torch's own default), --threads N sets
+torch.set_num_threads(N). --json prints one JSON object whose first keys are those `align bench
+embed --json` prints: {"images", "texts", "seconds", "images_per_s", "peak_rss_mib"}. --limit N
+embeds only the first N samples; --save-embeddings FILE writes the embeddings (safetensors:
+image_embeds, text_embeds, float32, in tar order) to compare with align's.
+
+    pip install torch transformers pillow safetensors        # and open_clip_torch for open_clip
+    python3 scripts/make_bench_embed_inputs.py --out /tmp/align-bench-embed
+    python3 scripts/bench_embed.py --checkpoint /tmp/align-bench-embed/clip-vit-b32 \\
+        --data /tmp/align-bench-embed/data/shard-000.tar --batch 32 --library transformers --json
+    python3 scripts/bench_embed.py --checkpoint /tmp/align-bench-embed/clip-vit-b32-open_clip \\
+        --data /tmp/align-bench-embed/data/shard-000.tar --batch 32 --library open_clip --json
+    align bench embed --checkpoint /tmp/align-bench-embed/clip-vit-b32 \\
+        --data /tmp/align-bench-embed/data/shard-000.tar --batch 32 --json
+
+Run by hand, not by CI; nothing is downloaded. Written with torch 2.15.0, transformers 5.24.0,
+open_clip_torch 3.3.0, Pillow 13.0.0.
+"""
+import argparse
+import io
+import json
+import os
+import re
+import resource
+import sys
+import tarfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+# webdataset's base_plus_ext: the key is the name up to the first dot of its last component
+KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="a transformers model folder, or an open_clip folder "
+                   "(open_clip_config.json), or with --library open_clip hf-hub:ORG/NAME from the local cache")
+    p.add_argument("--data", required=True, help="a webdataset tar (KEY.jpg + KEY.txt per sample)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--library", choices=["transformers", "open_clip"],
+                   help="default: open_clip for a folder with open_clip_config.json, else transformers")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's, all cores)")
+    p.add_argument("--limit", type=int, default=0, help="embed only the first N samples")
+    p.add_argument("--padding", choices=["max_length", "longest"], default="max_length",
+                   help="transformers tokenizers: pad every caption to the text length (default) or each batch to its longest")
+    p.add_argument("--text-len", type=int, default=0, help="text length (default: the tokenizer's model_max_length / context_length)")
+    p.add_argument("--save-embeddings", metavar="FILE", help="write image_embeds and text_embeds (safetensors)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def peak_rss_mib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def samples(path, limit):
+    """(key, image bytes, caption) for each sample, in tar order, read as a stream."""
+    count = 0
+    key, fields = None, {}
+
+    def finish():
+        image = next((fields[e] for e in IMAGE_EXTS if e in fields), None)
+        if image is None or "txt" not in fields:
+            raise SystemExit(f"{path}: sample {key!r} lacks an image or a txt member ({sorted(fields)})")
+        return key, image, fields["txt"].decode("utf-8")
+
+    with tarfile.open(path, "r|") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            m = KEY_EXT.match(member.name)
+            if not m:
+                continue
+            k, ext = m.group(1), m.group(2).lower()
+            if k != key and key is not None:
+                yield finish()
+                count += 1
+                if limit and count >= limit:
+                    return
+                fields = {}
+            key = k
+            fields[ext] = tar.extractfile(member).read()
+    if key is not None:
+        yield finish()
+
+
+def batches(path, size, limit):
+    batch = []
+    for sample in samples(path, limit):
+        batch.append(sample)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def features(out):
+    """get_*_features returns a tensor in transformers 4.x, a model output (pooler_output) in 5.x."""
+    return out if hasattr(out, "shape") else out.pooler_output
+
+
+class Transformers:
+    def __init__(self, a):
+        from transformers import AutoModel, AutoProcessor
+
+        self.model = AutoModel.from_pretrained(a.checkpoint).eval()
+        self.processor = AutoProcessor.from_pretrained(a.checkpoint)
+        self.image_processor = self.processor.image_processor
+        self.tokenizer = self.processor.tokenizer
+        self.text_len = a.text_len or self.tokenizer.model_max_length
+        self.padding = a.padding
+        self.describe = {
+            "model": type(self.model).__name__,
+            "processor": type(self.processor).__name__,
+            "image_processor": type(self.image_processor).__name__,
+            "tokenizer": type(self.tokenizer).__name__,
+            "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+        }
+
+    def preprocess(self, images):
+        return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+
+    def tokenize(self, captions):
+        t = self.tokenizer(captions, padding=self.padding, truncation=True, max_length=self.text_len, return_tensors="pt")
+        return {k: v for k, v in t.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+
+    def embed_images(self, pixels):
+        return features(self.model.get_image_features(pixel_values=pixels))
+
+    def embed_texts(self, tokens):
+        return features(self.model.get_text_features(**tokens))
+
+
+class OpenClip:
+    def __init__(self, a):
+        import open_clip
+
+        name = a.checkpoint
+        if not name.startswith("hf-hub:"):
+            if not os.path.isfile(os.path.join(name, "open_clip_config.json")):
+                raise SystemExit(f"{name} has no open_clip_config.json: open_clip reads its own folder format only "
+                                 "(a transformers folder needs --library transformers)")
+            name = "local-dir:" + os.path.abspath(name)
+        self.model, _, self.transform = open_clip.create_model_and_transforms(name)
+        self.model.eval()
+        self.tokenizer = open_clip.get_tokenizer(name)
+        self.text_len = a.text_len or self.tokenizer.context_length
+        self.describe = {
+            "model": "open_clip " + type(self.model).__name__,
+            "processor": "open_clip val transform: " + " -> ".join(type(t).__name__ for t in self.transform.transforms),
+            "image_processor": repr(self.transform).replace("\n", " "),
+            "tokenizer": type(self.tokenizer).__name__,
+        }
+
+    def preprocess(self, images):
+        import torch
+        return torch.stack([self.transform(img) for img in images])
+
+    def tokenize(self, captions):
+        return self.tokenizer(captions, context_length=self.text_len)
+
+    def embed_images(self, pixels):
+        return self.model.encode_image(pixels)
+
+    def embed_texts(self, tokens):
+        return self.model.encode_text(tokens)
+
+
+def measure(a):
+    import torch
+    from PIL import Image
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    library = a.library
+    if library is None:
+        library = "open_clip" if os.path.isfile(os.path.join(a.checkpoint, "open_clip_config.json")) else "transformers"
+    t0 = time.perf_counter()
+    runner = Transformers(a) if library == "transformers" else OpenClip(a)
+    load_seconds = time.perf_counter() - t0
+    load_peak = peak_rss_mib()
+    params = sum(p.numel() for p in runner.model.parameters())
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in runner.model.parameters()})
+
+    phases = dict.fromkeys(["decode", "preprocess", "tokenize", "image_forward", "text_forward"], 0.0)
+    images = texts = 0
+    batch_seconds = []
+    kept_images, kept_texts = [], []
+    non_finite = 0
+    image_dim = text_dim = None
+    text_shape = None
+    with torch.inference_mode():
+        start = time.perf_counter()
+        data = iter(batches(a.data, a.batch, a.limit))
+        while True:
+            t = time.perf_counter()
+            batch = next(data, None)
+            if batch is None:
+                phases["decode"] += time.perf_counter() - t
+                break
+            pil = [Image.open(io.BytesIO(b)).convert("RGB") for _, b, _ in batch]
+            t1 = time.perf_counter()
+            pixels = runner.preprocess(pil)
+            t2 = time.perf_counter()
+            tokens = runner.tokenize([c for _, _, c in batch])
+            t3 = time.perf_counter()
+            image_embeds = runner.embed_images(pixels)
+            t4 = time.perf_counter()
+            text_embeds = runner.embed_texts(tokens)
+            t5 = time.perf_counter()
+            for key, dt in zip(phases, (t1 - t, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                phases[key] += dt
+            batch_seconds.append(round(t5 - t, 4))
+            images += image_embeds.shape[0]
+            texts += text_embeds.shape[0]
+            image_dim, text_dim = image_embeds.shape[-1], text_embeds.shape[-1]
+            ids = tokens["input_ids"] if isinstance(tokens, dict) else tokens
+            text_shape = list(ids.shape)
+            non_finite += int((~torch.isfinite(image_embeds)).sum()) + int((~torch.isfinite(text_embeds)).sum())
+            if a.save_embeddings:
+                kept_images.append(image_embeds.float().clone())
+                kept_texts.append(text_embeds.float().clone())
+        seconds = time.perf_counter() - start
+
+    if a.save_embeddings:
+        from safetensors.torch import save_file
+        save_file({"image_embeds": torch.cat(kept_images).contiguous(), "text_embeds": torch.cat(kept_texts).contiguous()},
+                  a.save_embeddings)
+
+    import PIL
+    versions = {"torch": torch.__version__, "Pillow": PIL.__version__}
+    if library == "transformers":
+        import transformers
+        versions["transformers"] = transformers.__version__
+    else:
+        import open_clip
+        versions["open_clip"] = open_clip.__version__
+    return {
+        "images": images,
+        "texts": texts,
+        "seconds": round(seconds, 4),
+        "images_per_s": round(images / seconds, 3) if seconds > 0 else None,
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "load_peak_rss_mib": round(load_peak, 1),
+        "load_seconds": round(load_seconds, 3),
+        "phases_s": {k: round(v, 4) for k, v in phases.items()},
+        "batch_seconds": batch_seconds,
+        "library": library,
+        "checkpoint": a.checkpoint,
+        "data": a.data,
+        "batch": a.batch,
+        "threads": torch.get_num_threads(),
+        "padding": "max_length" if library == "open_clip" else a.padding,
+        "text_len": runner.text_len,
+        "last_text_batch_shape": text_shape,
+        "parameters": params,
+        "dtypes": dtypes,
+        "image_embed_dim": image_dim,
+        "text_embed_dim": text_dim,
+        "non_finite_values": non_finite,
+        **runner.describe,
+        "versions": versions,
+    }
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    if a.batch < 1:
+        raise SystemExit("--batch must be at least 1")
+    r = measure(a)
+    if r["non_finite_values"]:
+        print(f"warning: {r['non_finite_values']} embedding values are not finite", file=sys.stderr)
+    if a.json:
+        print(json.dumps(r))
+        return
+    rows = [
+        ("library", f"{r['library']} ({', '.join(f'{k} {v}' for k, v in r['versions'].items())})"),
+        ("checkpoint", f"{r['checkpoint']}: {r['model']}, {r['parameters']:,} parameters ({'/'.join(r['dtypes'])})"),
+        ("processor", f"{r['processor']}: {r['image_processor']}, {r['tokenizer']}"),
+        *([("attention", r["attn_implementation"])] if r.get("attn_implementation") else []),
+        ("text", f"padding {r['padding']}, length {r['text_len']}"),
+        ("batch", r["batch"]),
+        ("threads", r["threads"]),
+        ("images", r["images"]),
+        ("texts", r["texts"]),
+        ("seconds", f"{r['seconds']:.3f}"),
+        ("images_per_s", f"{r['images_per_s']:.2f}" if r["images_per_s"] is not None else "-"),
+        ("peak_rss_mib", f"{r['peak_rss_mib']:.1f}"),
+        ("load_peak_rss_mib", f"{r['load_peak_rss_mib']:.1f}"),
+        ("load_seconds", f"{r['load_seconds']:.2f}"),
+        ("phases (s)", ", ".join(f"{k} {v:.3f}" for k, v in r["phases_s"].items())),
+        ("batches (s)", ", ".join(f"{v:.3f}" for v in r["batch_seconds"])),
+        ("embedding widths", f"image {r['image_embed_dim']}, text {r['text_embed_dim']}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+//! `align bench embed`: forward-only throughput and peak memory of embedding a data set's images
+//! and captions with a checkpoint, through the same path `align embed`, `align eval`, scoring and
+//! training's evaluation take. `scripts/bench_embed.py` measures the same work in PyTorch
+//! (transformers or open_clip) for a side-by-side figure.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use align::data::eval_reader::{EvalSource, Needs};
+use align::eval::embed::embed_pairs;
+use align::io::load::load_model;
+use anyhow::Result;
+use clap::Args;
+use serde::Serialize;
+
+use crate::cli::table::Table;
+
+#[derive(Args)]
+pub struct EmbedArgs {
+    /// The model: any checkpoint `--checkpoint` reads.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Shards whose images and captions are embedded.
+    #[arg(long)]
+    pub data: String,
+    /// Images (and texts) per forward pass (default: the model's, as `align embed` chooses).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct EmbedBench {
+    checkpoint: String,
+    batch: usize,
+    images: usize,
+    texts: usize,
+    /// From the first read to the last embedding (the model's loading excluded).
+    seconds: f64,
+    images_per_s: f64,
+    peak_rss_mib: Option<f64>,
+}
+
+pub fn embed(a: &EmbedArgs) -> Result<()> {
+    let device = crate::cli::default_device();
+    let m = load_model(&a.checkpoint, &device)?;
+    let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
+    let start = Instant::now();
+    let needs = Needs { image: true, captions: true, label: false };
+    let source = EvalSource::Shards(align::data::spec::expand(&a.data)?);
+    let e = embed_pairs(&m.model, &m.tokenizer, source, &m.usage.image, needs, batch, &device, a.json)?;
+    let seconds = start.elapsed().as_secs_f64();
+    let images = e.keys.len();
+    let r = EmbedBench {
+        checkpoint: a.checkpoint.display().to_string(),
+        batch,
+        images,
+        texts: e.captions.iter().map(Vec::len).sum(),
+        seconds,
+        images_per_s: images as f64 / seconds,
+        peak_rss_mib: super::model::rss_mib("VmHWM:"),
+    };
+    if align::util::profile::enabled() {
+        let batches = images.div_ceil(batch.max(1));
+        eprintln!("profile (per batch):\n{}", align::util::profile::report(&align::util::profile::take(), batches));
+    }
+    if a.json {
+        return crate::cli::print_json(&r);
+    }
+    let mut t = Table::new(&format!("embedding with {} (batch {})", r.checkpoint, r.batch));
+    t.row("images / texts", format!("{} / {}", r.images, r.texts));
+    t.row("wall time", format!("{:.2} s", r.seconds));
+    t.row("images/s", format!("{:.1}", r.images_per_s));
+    t.row("peak memory", r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.0} MiB")));
+    t.print();
+    Ok(())
+}
