@@ -25,6 +25,7 @@
 #            fits: samples/s, peak GPU memory, MFU; and the same models in PyTorch (timm +
 #            transformers, bf16 autocast, AdamW) at the same batch, with align's ratio to it
 #         4. align bench loader with 16 workers: images/s and per core
+#         5. align bench embed: forward-only images/s and peak memory of a trained checkpoint
 #       and prints a table with the targets, written to DIR/gpu-proof.table, and
 #       DIR/gpu-proof.json; every step's raw output is under DIR/raw/. --copy-to DIR2 copies the
 #       table, the JSON, the log and raw/ as one .tar.gz to DIR2 (for the lent machine's $OUT,
@@ -433,6 +434,15 @@ done
 wait
 run_cmd 4-loader/loader "$STEP_END" 60 "$BIN" bench loader --data "$WORK/loader/*/train-*.tar" --workers "$LOADER_WORKERS" \
     --batch "$LOADER_BATCH" --batches "$LOADER_BATCHES" --json || true
+
+# --- 5. Forward-only embedding: the path evaluation, embed, search and scoring share --------------
+
+note "5. align bench embed with a device f32 run's checkpoint on the loader's shards"
+STEP_END=$(deadline_in 60)
+EMBED_CKPT=$(ls -d "$WORK"/runs/*-f32-* 2>/dev/null | head -n 1)
+[ -n "$EMBED_CKPT" ] || EMBED_CKPT="$WORK/runs/cpu-f32"
+run_cmd 5-embed/embed "$STEP_END" 50 "$BIN" --device "$DEVICE" bench embed --checkpoint "$EMBED_CKPT" \
+    --data "$WORK/loader/0/train-*.tar" --json || true
 
 # --- 3. Model throughput, align and PyTorch ------------------------------------------------------
 

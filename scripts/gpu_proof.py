@@ -767,6 +767,16 @@ def report_loader(raw, commands):
             "image_size": doc.get("image_size"), "seconds": doc.get("seconds"), "skipped": doc.get("skipped")}
 
 
+def report_embed(raw, commands):
+    c = commands.get("5-embed/embed")
+    doc = read_json(raw / "5-embed" / "embed.out")
+    if not doc or "images_per_s" not in doc:
+        note = command_note(c) or "no JSON"
+        return {"status": "error", "error": join_notes(note, last_line(read_text(raw / "5-embed" / "embed.err")))}
+    return {"status": "done", "images": doc["images"], "texts": doc["texts"], "images_per_s": doc["images_per_s"],
+            "batch": doc.get("batch"), "peak_rss_mib": doc.get("peak_rss_mib")}
+
+
 def find_row(models, key, precision):
     for r in models.get("rows", []):
         if r.get("model") == key and r.get("precision") == precision:
@@ -915,6 +925,12 @@ def render(doc):
                  f"{ld.get('image_size')} px crops, batch {ld.get('batch')})")
     else:
         L.append(f"4. Loader (align bench loader): ERROR: {ld.get('error')}")
+    em = steps["embed"]
+    if em["status"] == "done":
+        L.append(f"5. Forward-only embedding (align bench embed): {em['images_per_s']:.1f} images/s, {em['images']} images "
+                 f"and {em['texts']} texts at batch {em['batch']}, peak {em['peak_rss_mib'] or 0:.0f} MiB host memory")
+    else:
+        L.append(f"5. Forward-only embedding (align bench embed): ERROR: {em.get('error')}")
     L.append("")
 
     L.append("Targets")
@@ -958,6 +974,7 @@ def report(a):
         "training": report_training(raw, commands, env),
         "model": report_models(raw, mode),
         "loader": report_loader(raw, commands),
+        "embed": report_embed(raw, commands),
     }
     failures = []
     if steps["ops"]["status"] != "pass":
@@ -969,6 +986,8 @@ def report(a):
         failures.append("step 3: " + ("; ".join(steps["model"].get("errors") or []) or steps["model"].get("error", "error")))
     if steps["loader"]["status"] == "error":
         failures.append("step 4: " + steps["loader"].get("error", "error"))
+    if steps["embed"]["status"] == "error":
+        failures.append("step 5: " + steps["embed"].get("error", "error"))
     libs = read_kv(raw / "libs.txt")
     doc = {
         "device": env,

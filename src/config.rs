@@ -91,6 +91,9 @@ pub struct DataConfig {
     /// How much the loader threads lower their scheduling priority (Linux nice, 0-19): they
     /// then use the cycles compute leaves idle without delaying a step.
     pub worker_nice: i32,
+    /// Seconds a `pipe:` shard may send nothing before it is abandoned (a warning names it, and it
+    /// counts as a skipped shard).
+    pub stall_timeout_s: f64,
     /// Decoding and augmentation. The defaults (`data::transform::ImageConfig`) are ALIGN §5's:
     /// a square resize, a random crop with horizontal flip for training, the central crop for
     /// evaluation, at the same size for every EfficientNet variant.
@@ -107,6 +110,7 @@ impl Default for DataConfig {
             resampled: false,
             prefetch: 2,
             worker_nice: 10,
+            stall_timeout_s: 300.0,
             image: ImageConfig::default(),
         }
     }
@@ -559,6 +563,9 @@ impl Config {
         }
         if self.data.workers == 0 {
             bail!("data.workers must be at least 1");
+        }
+        if !(self.data.stall_timeout_s > 0.0 && self.data.stall_timeout_s.is_finite()) {
+            bail!("data.stall_timeout_s must be a positive number of seconds, got {}", self.data.stall_timeout_s);
         }
         if !(0..=19).contains(&self.data.worker_nice) {
             bail!("data.worker_nice must be between 0 and 19, got {}", self.data.worker_nice);

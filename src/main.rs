@@ -144,7 +144,11 @@ enum BenchCommand {
 fn main() {
     // A user's mistake (a missing file, a bad config value) is one line naming what is wrong, not
     // a stack trace, whatever RUST_BACKTRACE says; a panic (a bug) still prints its own.
-    if let Err(e) = run() {
+    // Pipe commands feeding shards must not outlive the process, however it ends.
+    align::util::interrupt::before_exit(align::data::pipe_source::kill_all);
+    let result = run();
+    align::util::interrupt::run_before_exit();
+    if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }

@@ -36,13 +36,19 @@ fn the_gpu_proof_dry_run_passes_on_the_cpu_and_writes_its_report() {
 
     let table = std::fs::read_to_string(out.join("gpu-proof.table")).unwrap();
     assert_eq!(table, stdout, "the table printed is the table written");
-    for heading in ["1. Kernels", "2. Demo model", "3. Training step", "4. Loader", "Targets", "Overall: PASS"] {
+    for heading in ["1. Kernels", "2. Demo model", "3. Training step", "4. Loader", "5. Forward-only embedding", "Targets", "Overall: PASS"]
+    {
         assert!(table.contains(heading), "{heading:?} missing from\n{table}");
     }
 
     let v: Value = serde_json::from_str(&std::fs::read_to_string(out.join("gpu-proof.json")).unwrap()).unwrap();
     assert_eq!(v["device"]["mode"], "cpu", "{v}");
     assert_eq!(v["passed"], true, "{}", v["failures"]);
+
+    // 5: the trained checkpoint embeds the loader's shards on the forward-only path.
+    let embed = &v["steps"]["embed"];
+    assert_eq!(embed["status"], "done", "{embed}");
+    assert!(embed["images"].as_u64().unwrap() > 0 && embed["images_per_s"].as_f64().unwrap() > 0.0, "{embed}");
 
     // 1: every kernel within the tolerance.
     let ops = &v["steps"]["ops"];

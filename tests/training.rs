@@ -179,7 +179,9 @@ fn a_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint() {
         &dir.path().join("run"),
         &["train.steps=40", "train.lr=1e30", "train.warmup_steps=0", "optimizer.kind=\"adamw\""],
     );
-    let err = train(&bad, &opts(true, None)).unwrap_err().to_string();
+    let mut resume = opts(true, None);
+    resume.allow_change = vec!["train.steps".into()];
+    let err = train(&bad, &resume).unwrap_err().to_string();
     assert!(err.contains("non-finite"), "{err}");
     assert!(err.contains("step-2"), "{err}");
     assert_eq!(run_dir::latest(&cfg.run_dir()).unwrap().unwrap(), cfg.run_dir().join("step-2"));

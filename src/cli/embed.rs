@@ -108,7 +108,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     }
     align::io::tensors::write_tensors(&tensors, &a.out)?;
     let sidecar = sidecar_path(&a.out);
-    std::fs::write(&sidecar, serde_json::to_string(&side)?).with_context(|| format!("writing {}", sidecar.display()))?;
+    align::io::tensors::write_atomic(&sidecar, serde_json::to_string(&side)?.as_bytes())?;
     println!("{} images, {} texts → {} (+ {})", side.image_keys.len(), side.texts.len(), a.out.display(), sidecar_path(&a.out).display());
     Ok(())
 }

@@ -92,7 +92,7 @@ impl EvalRecord {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
         }
-        std::fs::write(path, serde_json::to_string_pretty(&v)?).with_context(|| format!("writing {}", path.display()))
+        align::io::tensors::write_atomic(path, serde_json::to_string_pretty(&v)?.as_bytes())
     }
 }
 

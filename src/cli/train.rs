@@ -58,7 +58,8 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "auto", value_name = "auto")]
     resume: Option<Resume>,
     /// With --resume: let the run change this field of its checkpoint's config (`run.seed`,
-    /// `train.batch_size`, `data.train`, `model`), which breaks exact continuation (repeatable).
+    /// `train.batch_size`, `train.steps`, `data.train`, `model`), which breaks exact continuation,
+    /// or restart a missing weight average (`train.ema_decay`) (repeatable).
     #[arg(long, value_name = "FIELD")]
     allow_change: Vec<String>,
     /// Print the summary as JSON.
@@ -105,6 +106,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
         eprintln!("\nprofile (rank threads summed):\n{}", align::util::profile::report(&totals, steps));
     }
     if let Some(status) = summary.exit_status {
+        align::util::interrupt::run_before_exit();
         // 128 + the signal, as a shell reports a process the signal ended: scripts see that the
         // run did not finish (and requeue it with --resume).
         std::process::exit(status);

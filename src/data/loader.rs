@@ -27,7 +27,7 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
 pub use super::batch::Batch;
@@ -116,11 +116,29 @@ enum Msg {
     },
 }
 
+/// How long a stop signal lets the loader go on waiting for a batch before giving up on it.
+const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A stop signal arrived while the loader waited for its workers: the step that wanted the
+/// batch cannot finish, and the run stops at its last checkpoint.
+#[derive(Debug)]
+pub struct LoaderStopped;
+
+impl std::fmt::Display for LoaderStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stopped while waiting for data")
+    }
+}
+
+impl std::error::Error for LoaderStopped {}
+
 pub struct TrainLoader {
     receivers: Vec<Receiver<Msg>>,
     handles: Vec<JoinHandle<()>>,
     pos: LoaderPosition,
     samples_this_epoch: u64,
+    /// Epoch ends received for the current epoch by this loader (not those before a resume).
+    ends_this_epoch: usize,
     /// Each worker's skips at its last epoch end, for the error of an epoch without a sample.
     epoch_end_skips: Vec<SkipCounts>,
 }
@@ -184,7 +202,7 @@ impl TrainLoader {
             handles.push(handle);
         }
         let epoch_end_skips = vec![SkipCounts::default(); placement.workers];
-        Ok(TrainLoader { receivers, handles, pos, samples_this_epoch: 0, epoch_end_skips })
+        Ok(TrainLoader { receivers, handles, pos, samples_this_epoch: 0, ends_this_epoch: 0, epoch_end_skips })
     }
 
     /// The next batch, in an order fixed by the seed and worker count.
@@ -192,7 +210,10 @@ impl TrainLoader {
         let n = self.receivers.len();
         loop {
             if self.pos.exhausted.iter().all(|&e| e) {
-                if self.samples_this_epoch == 0 && !self.pos.workers.iter().any(|w| w.samples > 0) {
+                // Any epoch, not only the first: shards that vanish mid-run would otherwise make
+                // the workers race through empty epochs forever. An epoch some of whose ends came
+                // before a resume cannot be judged (their counts were not saved).
+                if self.samples_this_epoch == 0 && self.ends_this_epoch == n {
                     bail!(
                         "epoch {} produced no usable sample: every shard is unreadable or empty (skipped: {})",
                         self.pos.epoch,
@@ -208,13 +229,14 @@ impl TrainLoader {
                 self.pos.epoch += 1;
                 self.pos.exhausted.iter_mut().for_each(|e| *e = false);
                 self.samples_this_epoch = 0;
+                self.ends_this_epoch = 0;
             }
             let w = self.pos.next_worker;
             if self.pos.exhausted[w] {
                 self.pos.next_worker = (w + 1) % n;
                 continue;
             }
-            let msg = self.receivers[w].recv().map_err(|_| anyhow!("loader worker {w} stopped unexpectedly"))?;
+            let msg = self.receive(w)?;
             match msg {
                 Msg::Batch(batch, state) => {
                     self.pos.workers[w] = *state;
@@ -227,8 +249,30 @@ impl TrainLoader {
                 Msg::EpochEnd { samples_in_epoch, skips, .. } => {
                     self.epoch_end_skips[w] = skips;
                     self.samples_this_epoch += samples_in_epoch;
+                    self.ends_this_epoch += 1;
                     self.pos.exhausted[w] = true;
                     self.pos.next_worker = (w + 1) % n;
+                }
+            }
+        }
+    }
+
+    /// Worker `w`'s next message. After a stop signal the wait goes on a few seconds more (the
+    /// step in progress finishes and is saved, as any stop does), then ends with
+    /// [`LoaderStopped`]: a shard source that sends nothing cannot hold the run.
+    fn receive(&self, w: usize) -> Result<Msg> {
+        let mut stop_seen: Option<std::time::Instant> = None;
+        loop {
+            match self.receivers[w].recv_timeout(std::time::Duration::from_millis(200)) {
+                Ok(msg) => return Ok(msg),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => bail!("loader worker {w} stopped unexpectedly"),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if crate::util::interrupt::requested() {
+                        let since = *stop_seen.get_or_insert_with(std::time::Instant::now);
+                        if since.elapsed() >= STOP_GRACE {
+                            return Err(LoaderStopped.into());
+                        }
+                    }
                 }
             }
         }
@@ -577,6 +621,20 @@ mod tests {
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("corrupt_image=1, missing_caption=1"), "{err}");
+    }
+
+    /// Shards that vanish after the first epoch (deleted, a mount gone) make the next epoch an
+    /// error, not workers racing through empty epochs forever.
+    #[test]
+    fn an_empty_epoch_after_good_ones_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = make_shards(dir.path(), 1, 4);
+        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false };
+        let mut l = TrainLoader::start(plan, Placement::single(1), settings(4, 0), tokenizer(), None).unwrap();
+        l.next_batch().unwrap();
+        std::fs::remove_file(dir.path().join("shard-0.tar")).unwrap();
+        let err = (0..6).find_map(|_| l.next_batch().err()).expect("an epoch without samples must fail").to_string();
+        assert!(err.contains("produced no usable sample") && err.contains("unreadable_shard"), "{err}");
     }
 
     #[test]

@@ -7,6 +7,7 @@ pub mod distribute;
 pub mod eval_reader;
 pub mod folders;
 pub mod loader;
+pub mod pipe_source;
 pub mod reader_thread;
 pub mod sample;
 pub mod sentencepiece;

@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, BufReader, Read};
-use std::process::{Child, Command, Stdio};
 
 use super::skips::reason;
 use super::spec::ShardSource;
@@ -57,14 +56,14 @@ pub fn split_key(path: &str) -> Option<(&str, String)> {
 
 enum Input {
     File(BufReader<File>),
-    Pipe { child: Child, stdout: BufReader<std::process::ChildStdout>, cmd: String },
+    Pipe(super::pipe_source::PipeReader),
 }
 
 impl Read for Input {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Input::File(f) => f.read(buf),
-            Input::Pipe { stdout, .. } => stdout.read(buf),
+            Input::Pipe(p) => p.read(buf),
         }
     }
 }
@@ -72,11 +71,7 @@ impl Read for Input {
 fn open_input(source: &ShardSource) -> io::Result<Input> {
     match source {
         ShardSource::File(path) => Ok(Input::File(BufReader::with_capacity(1 << 20, File::open(path)?))),
-        ShardSource::Pipe(cmd) => {
-            let mut child = Command::new("sh").arg("-c").arg(cmd).stdout(Stdio::piped()).stdin(Stdio::null()).spawn()?;
-            let stdout = BufReader::with_capacity(1 << 20, child.stdout.take().expect("piped stdout"));
-            Ok(Input::Pipe { child, stdout, cmd: cmd.clone() })
-        }
+        ShardSource::Pipe(cmd) => Ok(Input::Pipe(super::pipe_source::PipeReader::spawn(cmd)?)),
     }
 }
 
@@ -107,6 +102,15 @@ pub fn read_shard(source: &ShardSource, mut sink: impl FnMut(ShardEvent) -> bool
             if let Some(ev) = ev {
                 sink(ev);
             }
+            let mut input = input;
+            // A command that failed is why its stream broke: say so.
+            let detail = match &mut input {
+                Input::Pipe(p) => match p.ended() {
+                    Some(status) if !status.success() => format!("{detail}; command {:?} exited with {status}", p.cmd),
+                    _ => detail,
+                },
+                Input::File(_) => detail,
+            };
             sink(ShardEvent::Failed { reason: reason::TRUNCATED_SHARD, detail });
             stop(input);
         }
@@ -174,19 +178,19 @@ fn printable(s: &str) -> String {
     s.chars().map(|c| if c.is_control() && c != ' ' { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
 
-/// Ends a pipe's command early (a stopped or broken read).
+/// Ends a pipe's command early (a stopped, broken or abandoned read).
 fn stop(input: Input) {
-    if let Input::Pipe { mut child, .. } = input {
-        let _ = child.kill();
-        let _ = child.wait();
+    if let Input::Pipe(p) = input {
+        p.kill();
     }
 }
 
 /// After the last member: a pipe whose command failed cuts its last sample short; otherwise the
 /// last sample is complete.
 fn finish(input: Input, mut grouper: Grouper, sink: &mut impl FnMut(ShardEvent) -> bool) {
-    if let Input::Pipe { mut child, cmd, .. } = input {
-        match child.wait() {
+    if let Input::Pipe(p) = input {
+        let cmd = p.cmd.clone();
+        match p.wait() {
             Ok(status) if !status.success() => {
                 if let Some(ev) = grouper.pending_as_bad("pipe command failed") {
                     sink(ev);
@@ -371,5 +375,27 @@ mod tests {
         assert_eq!(samples(&ev).len(), 1);
         let ev = read_shard_events(&ShardSource::Pipe("exit 3".into()));
         assert!(matches!(ev.last(), Some(ShardEvent::Failed { .. })), "{ev:?}");
+        // A cut tar whose command then fails: the cut and the command's status are both told.
+        let cut = format!("head -c 700 {}; exit 4", path.display());
+        let ev = read_shard_events(&ShardSource::Pipe(cut));
+        let failed: Vec<String> =
+            ev.iter().filter_map(|e| if let ShardEvent::Failed { detail, .. } = e { Some(detail.clone()) } else { None }).collect();
+        assert!(failed.iter().any(|d| d.contains("exit status: 4")), "{failed:?}");
+    }
+
+    /// A command that sends nothing is abandoned after the stall timeout, with an error saying
+    /// so, and its process is gone afterwards.
+    #[test]
+    fn a_silent_pipe_is_abandoned_and_killed() {
+        super::super::pipe_source::set_stall_timeout(std::time::Duration::from_millis(600));
+        // A duration no other process uses marks the command in the process table.
+        let marker = format!("sleep 60.{}", std::process::id());
+        let started = std::time::Instant::now();
+        let ev = read_shard_events(&ShardSource::Pipe(marker.clone()));
+        super::super::pipe_source::set_stall_timeout(std::time::Duration::from_secs(300));
+        assert!(started.elapsed() < std::time::Duration::from_secs(10), "took {:?}", started.elapsed());
+        assert!(matches!(ev.last(), Some(ShardEvent::Failed { detail, .. }) if detail.contains("sent nothing")), "{ev:?}");
+        let ps = std::process::Command::new("ps").args(["-eo", "args"]).output().unwrap();
+        assert!(!String::from_utf8_lossy(&ps.stdout).lines().any(|l| l.trim() == marker), "the stalled command still runs");
     }
 }

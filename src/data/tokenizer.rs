@@ -44,6 +44,8 @@ pub struct TextTokenizer {
 /// naming it (the `tokenizers` crate panics on some malformed vocabularies instead of failing).
 pub fn read_tokenizer_json(path: &Path) -> Result<Tokenizer> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading tokenizer {}", path.display()))?;
+    // Malformed JSON fails here, cleanly; the tokenizers crate panics on some of it.
+    serde_json::from_str::<serde_json::Value>(&text).with_context(|| format!("tokenizer {} is damaged: not JSON", path.display()))?;
     let parsed = std::panic::catch_unwind(|| text.parse::<Tokenizer>());
     match parsed {
         Ok(Ok(t)) => Ok(t),

@@ -105,6 +105,7 @@ pub fn apply_run_settings(spec: &mut ModelSpec, cfg: &Config) -> Result<()> {
     if let Some(p) = patch.filter(|p| !size.is_multiple_of(*p)) {
         bail!("data.image.image_size {size} is not a multiple of the image tower's patch size {p}");
     }
+    crate::model::lock::validate(spec, &cfg.model.lock()).map_err(anyhow::Error::msg)?;
     if cfg.model.lock_image && cfg.model.lock_image_freeze_bn_stats {
         match &mut spec.image {
             ImageSpec::EfficientNet(e) => e.bn_frozen = true,
@@ -182,7 +183,8 @@ pub fn load_weights(cfg: &Config, run_spec: &ModelSpec, vm: &VarMap, device: &De
     if let Some(s) = start(cfg)? {
         let (dir, format) = (&s.located.dir, s.located.format);
         let origin = format!("model.init {}", cfg.model.init);
-        super::limits::check_against_weights(&s.spec, &format.weight_shapes(dir)?, &origin)?;
+        let sizes = dir.join(format.config_file()).display().to_string();
+        super::limits::check_against_weights(&s.spec, &format.weight_shapes(dir)?, &sizes)?;
         let mut weights = format.weights(dir, &s.spec, device)?;
         if let Some(line) = crate::model::pos_embed::resample_for(&s.spec, run_spec, &mut weights)? {
             done.push(line);

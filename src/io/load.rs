@@ -55,7 +55,7 @@ pub fn load_model_with(path: &Path, device: &Device, ema: bool) -> Result<Loaded
     let located = locate(&path.to_string_lossy())?;
     let (dir, format) = (located.dir.clone(), located.format);
     let spec = format.spec(&dir)?;
-    let origin = dir.display().to_string();
+    let origin = dir.join(format.config_file()).display().to_string();
     super::limits::check_against_weights(&spec, &format.weight_shapes(&dir)?, &origin)?;
     let weights = if ema {
         match format.ema_weights(&dir, device)? {

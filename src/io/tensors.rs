@@ -13,10 +13,11 @@ use candle_nn::VarMap;
 /// Writes `bytes` to `path` and syncs the file.
 pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }
+
+pub use crate::util::files::{temporary_beside, write_atomic};
 
 /// Syncs a directory so that renames inside it are durable.
 pub fn sync_dir(dir: &Path) {
@@ -29,8 +30,15 @@ pub fn sync_dir(dir: &Path) {
 /// Writes tensors as safetensors, readable as any file the process creates (the safetensors crate
 /// writes through a private temporary file, which would leave it readable by its owner only).
 pub fn write_tensors(map: &HashMap<String, Tensor>, path: &Path) -> Result<()> {
-    candle_core::safetensors::save(map, path).with_context(|| format!("writing {}", path.display()))?;
-    set_default_mode(path)
+    let tmp = temporary_beside(path)?;
+    let written = candle_core::safetensors::save(map, &tmp)
+        .with_context(|| format!("writing {}", path.display()))
+        .and_then(|()| set_default_mode(&tmp))
+        .and_then(|()| std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display())));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Writes tensors as safetensors and syncs the file.

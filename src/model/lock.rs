@@ -59,8 +59,7 @@ fn group_in_tower(rest: &str, layers: usize) -> usize {
 /// variables of neither tower (the temperature, the logit bias).
 fn group_of(name: &str, spec: &ModelSpec) -> Option<(Tower, usize, usize)> {
     let (il, tl) = (image_layers(spec), text_layers(spec));
-    let image_groups = il + 1 + usize::from(spec.image_projection);
-    let text_groups = tl + 1 + usize::from(!matches!(spec.text, TextSpec::Siglip(_)));
+    let (image_groups, text_groups) = group_counts(spec);
     if let Some(rest) = name.strip_prefix("vision_model.") {
         return Some((Tower::Image, group_in_tower(rest, il), image_groups));
     }
@@ -85,6 +84,31 @@ enum Tower {
 fn is_layer_norm(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
     n.contains("layernorm") || n.contains("layer_norm") || n.contains("pre_layrnorm")
+}
+
+/// The groups of each tower (embeddings, each layer or block, the projection).
+pub fn group_counts(spec: &ModelSpec) -> (usize, usize) {
+    let (il, tl) = (image_layers(spec), text_layers(spec));
+    (il + 1 + usize::from(spec.image_projection), tl + 1 + usize::from(!matches!(spec.text, TextSpec::Siglip(_))))
+}
+
+/// Unlocked group counts within their tower's: more than a tower has would unlock it whole,
+/// which `lock_* = false` says plainly; a count past the end is a mistake, not a setting.
+pub fn validate(spec: &ModelSpec, lock: &LockConfig) -> Result<(), String> {
+    let (image, text) = group_counts(spec);
+    if lock.lock_image && lock.lock_image_unlocked_groups > image {
+        return Err(format!(
+            "model.lock_image_unlocked_groups is {}, but the image tower has {image} groups (embeddings, its layers or blocks, the projection)",
+            lock.lock_image_unlocked_groups
+        ));
+    }
+    if lock.lock_text && lock.lock_text_unlocked_layers > text {
+        return Err(format!(
+            "model.lock_text_unlocked_layers is {}, but the text tower has {text} groups (embeddings, its layers, the projection)",
+            lock.lock_text_unlocked_layers
+        ));
+    }
+    Ok(())
 }
 
 /// Whether `name` trains under `lock`.

@@ -12,6 +12,25 @@ use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
 /// The first stop signal received (0: none).
 static RECEIVED: AtomicI32 = AtomicI32::new(0);
 
+/// When the first stop signal arrived.
+static RECEIVED_AT: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+/// What must happen before the process quits at a second signal (killing the pipe commands
+/// that feed the loader, which would outlive it).
+static BEFORE_EXIT: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Runs `f` before the process quits at a second signal (set once).
+pub fn before_exit(f: fn()) {
+    let _ = BEFORE_EXIT.set(f);
+}
+
+/// Runs what [`before_exit`] set, for any early exit of the process.
+pub fn run_before_exit() {
+    if let Some(f) = BEFORE_EXIT.get() {
+        f();
+    }
+}
+
 /// Installs the handler (once per process; later calls do nothing).
 pub fn install() {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -25,8 +44,10 @@ pub fn install() {
         };
         let spawned = std::thread::Builder::new().name("signals".into()).spawn(move || {
             for signal in signals.forever() {
+                let _ = RECEIVED_AT.set(std::time::Instant::now());
                 if RECEIVED.compare_exchange(0, signal, Ordering::SeqCst, Ordering::SeqCst).is_err() {
                     eprintln!("\n{} again: quitting now", name(signal));
+                    run_before_exit();
                     std::process::exit(128 + signal);
                 }
                 eprintln!("\n{}: stopping after this step and saving a checkpoint (send it again to quit at once)", name(signal));
@@ -41,6 +62,11 @@ pub fn install() {
 /// Whether a stop was asked for.
 pub fn requested() -> bool {
     received().is_some()
+}
+
+/// How long ago the stop was asked for.
+pub fn requested_for() -> Option<std::time::Duration> {
+    RECEIVED_AT.get().map(|t| t.elapsed())
 }
 
 /// The signal that asked for the stop.

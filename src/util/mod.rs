@@ -1,5 +1,6 @@
 pub mod clock;
 pub mod device;
+pub mod files;
 pub mod interrupt;
 pub mod log;
 pub mod profile;

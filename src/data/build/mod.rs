@@ -524,7 +524,7 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
         seconds: t0.elapsed().as_secs_f64(),
     };
     let path = o.out.join("build-report.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&report)?).with_context(|| format!("writing {}", path.display()))?;
+    crate::util::files::write_atomic(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
     Ok(report)
 }
 

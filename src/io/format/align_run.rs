@@ -34,6 +34,10 @@ impl Format for AlignRun {
         dir.join(SPEC_FILE).is_file()
     }
 
+    fn config_file(&self) -> &'static str {
+        SPEC_FILE
+    }
+
     fn has_weights(&self, dir: &Path) -> bool {
         dir.join(MODEL_FILE).is_file()
     }

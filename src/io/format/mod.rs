@@ -64,6 +64,11 @@ pub trait Format: Sync {
     /// Whether the config files in `dir` say it holds this format (its weights may be absent).
     fn claims(&self, dir: &Path) -> bool;
 
+    /// The file that states the model's sizes (named when they disagree with the weights).
+    fn config_file(&self) -> &'static str {
+        "config.json"
+    }
+
     /// Whether the weights this format reads are in `dir`.
     fn has_weights(&self, dir: &Path) -> bool;
 

@@ -104,6 +104,10 @@ impl Format for OpenClip {
         dir.join(CONFIG).is_file() && !dir.join(crate::io::run_dir::SPEC_FILE).is_file()
     }
 
+    fn config_file(&self) -> &'static str {
+        CONFIG
+    }
+
     fn has_weights(&self, dir: &Path) -> bool {
         weights_file(dir).is_some()
     }

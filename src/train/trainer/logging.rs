@@ -49,7 +49,7 @@ impl RunLog {
         let tb = if lead { Some(EventWriter::create(&run.run_dir.join("tb"))?) } else { None };
         if lead {
             let config_toml = cfg.to_toml()?;
-            std::fs::write(run.run_dir.join("config.toml"), &config_toml)?;
+            crate::io::tensors::write_atomic(&run.run_dir.join("config.toml"), config_toml.as_bytes())?;
             if let Some(tb) = &tb {
                 tb.text(step, "config", &format!("```toml\n{config_toml}\n```"));
             }

@@ -71,6 +71,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
         log::warn(format!("keeping {line}"));
     }
     cfg.validate()?;
+    crate::data::pipe_source::set_stall_timeout(std::time::Duration::from_secs_f64(cfg.data.stall_timeout_s));
     let cfg = &cfg;
     let threads = crate::util::threads::set_compute_threads(cfg.train.compute_threads);
     if !opts.quiet {

@@ -92,7 +92,7 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
     }
     broadcast_weights(&varmap, group)?;
     let ema = match EmaSchedule::from_config(&cfg.train) {
-        Some(s) if group.rank() == 0 => Some(start_ema(&varmap, s, resumed_from.as_deref(), &device, opts.quiet)?),
+        Some(s) if group.rank() == 0 => Some(start_ema(&varmap, s, resumed_from.as_deref(), &device, opts)?),
         _ => None,
     };
     let loader = start_loader(cfg, group, tokenizer.clone(), &start)?;
@@ -136,7 +136,9 @@ fn resume_point(opts: &TrainOptions, run_dir: &Path, world: usize) -> Result<(Op
 
 /// The fields whose change breaks a resumed run's promise (the same batches and weights as one
 /// uninterrupted run): what `--allow-change FIELD` must name to change them.
-const RESUME_FIELDS: [&str; 4] = ["run.seed", "train.batch_size", "data.train", "model"];
+/// The schedule's length is one of them: a longer `train.steps` re-stretches the learning rate's
+/// decay under the steps already taken.
+const RESUME_FIELDS: [&str; 5] = ["run.seed", "train.batch_size", "train.steps", "data.train", "model"];
 
 /// What `cfg` changes of the config the checkpoint at `dir` was trained with: an error naming
 /// every change not allowed, else the allowed ones.
@@ -239,16 +241,32 @@ fn restore(dir: &Path, varmap: &VarMap, opt: &mut Optimizer, start: &TrainState,
     Ok(())
 }
 
-/// The weights' moving average: the checkpoint's when resuming from one that has it, else one
-/// starting at the weights (which its first update overwrites anyway).
-fn start_ema(varmap: &VarMap, schedule: EmaSchedule, resumed_from: Option<&Path>, device: &Device, quiet: bool) -> Result<WeightEma> {
+/// The weights' moving average: the checkpoint's when resuming, else one starting at the
+/// weights (which its first update overwrites anyway). A resumed checkpoint without one is an
+/// error (the average would silently restart) unless `--allow-change train.ema_decay` says to
+/// start a new one.
+fn start_ema(
+    varmap: &VarMap,
+    schedule: EmaSchedule,
+    resumed_from: Option<&Path>,
+    device: &Device,
+    opts: &TrainOptions,
+) -> Result<WeightEma> {
     let mut ema = WeightEma::new(varmap, schedule)?;
     if let Some(dir) = resumed_from {
         let path = dir.join(EMA_FILE);
         if path.is_file() {
             ema.restore(&read_tensors(&path, device)?, &path)?;
-        } else if !quiet {
-            log::info(format!("{} has no weight average: starting one from its weights", dir.display()));
+        } else if opts.allow_change.iter().any(|f| f == "train.ema_decay") {
+            log::warn(format!(
+                "{} is missing: starting a new weight average from the weights (--allow-change train.ema_decay)",
+                path.display()
+            ));
+        } else {
+            bail!(
+                "{} is missing: the run keeps a moving average of the weights (train.ema_decay) and resuming would restart it; restore the file, or add --allow-change train.ema_decay to start a new average",
+                path.display()
+            );
         }
     }
     Ok(ema)

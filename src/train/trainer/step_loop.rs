@@ -54,7 +54,23 @@ pub(super) fn run(cfg: &Config, opts: &TrainOptions, group: &Arc<dyn Collective>
     }
     while at.step < end {
         out.lr = lr_at(at.step, cfg.train.lr, cfg.train.warmup_steps, total, cfg.train.schedule);
-        let samples = one_step(cfg, group, run, log, &mut at, &mut out)?;
+        let samples = match one_step(cfg, group, run, log, &mut at, &mut out) {
+            Ok(s) => s,
+            // A stop signal while waiting for data: the step cannot finish, and the last
+            // checkpoint is where --resume continues (its loader position matches it exactly).
+            Err(e) if e.downcast_ref::<crate::data::loader::LoaderStopped>().is_some() => {
+                let signal = crate::util::interrupt::received().unwrap_or(libc::SIGTERM);
+                let at_checkpoint = out.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
+                log::warn(format!(
+                    "{} while waiting for data at step {}: stopping without a new checkpoint; --resume continues from {at_checkpoint}",
+                    crate::util::interrupt::name(signal),
+                    at.step + 1
+                ));
+                out.stopped_by = Some(signal);
+                break;
+            }
+            Err(e) => return Err(e),
+        };
         at.seconds = started.elapsed().as_secs_f64();
         let last = at.step == end;
         if at.step.is_multiple_of(cfg.train.log_every.max(1)) || last {
