@@ -96,8 +96,12 @@ enum DataCommand {
     Synth(cli::data::SynthArgs),
     /// Count samples, skips by reason, caption lengths and image sizes.
     Stats(cli::data::StatsArgs),
-    /// Filter raw image/alt-text pairs into clean training shards (CC3M / CC12M / ALIGN presets).
+    /// Filter raw image/alt-text pairs into clean training shards (CC3M / CC12M / ALIGN presets,
+    /// CLIP-score, MetaCLIP and deduplication filters).
     Build(cli::data::BuildArgs),
+    /// Score every sample's image-text cosine with a checkpoint into Parquet files, for the
+    /// model-based filters of `data build`.
+    Score(cli::data::ScoreArgs),
     /// Convert a Karpathy split (Flickr30K, MSCOCO) and its image folder into shards.
     FromKarpathy(cli::data::FromKarpathyArgs),
 }
@@ -162,7 +166,13 @@ fn run() -> Result<()> {
     align::util::profile::init_from_env();
     if matches!(
         cli.command,
-        Command::Demo(_) | Command::Train(_) | Command::Eval(_) | Command::Embed(_) | Command::Search(_) | Command::Bench(_)
+        Command::Demo(_)
+            | Command::Train(_)
+            | Command::Eval(_)
+            | Command::Embed(_)
+            | Command::Search(_)
+            | Command::Bench(_)
+            | Command::Data(DataCommand::Score(_))
     ) {
         cli::select_device(cli.device.as_deref())?;
     }
@@ -173,6 +183,7 @@ fn run() -> Result<()> {
         Command::Data(DataCommand::Stats(a)) => cli::data::stats(&a),
         Command::Data(DataCommand::FromKarpathy(a)) => cli::data::from_karpathy(&a),
         Command::Data(DataCommand::Build(a)) => cli::data::build(&a),
+        Command::Data(DataCommand::Score(a)) => cli::data::score(&a),
         Command::Tokenizer(TokenizerCommand::Train(a)) => cli::data::tokenizer_train(&a),
         Command::Eval(EvalCommand::Retrieval(a)) => cli::eval::retrieval(&a),
         Command::Eval(EvalCommand::Zeroshot(a)) => cli::eval::zeroshot(&a),

@@ -235,6 +235,15 @@ pub fn build(a: &BuildArgs) -> Result<()> {
     if a.json {
         return super::print_json(&r);
     }
+    if r.kept == 0 {
+        let why: Vec<String> = r.removed.iter().filter(|x| x.samples > 0).map(|x| format!("{} {}", x.filter, x.samples)).collect();
+        anyhow::bail!(
+            "the build kept none of {} input samples (removed: {}); see {}",
+            r.input_samples,
+            if why.is_empty() { "none".to_string() } else { why.join(", ") },
+            a.out.join("build-report.json").display()
+        );
+    }
     let mut t = Table::new(&format!("Built {} ({})", a.out.display(), a.filters.display()));
     t.row("input samples", r.input_samples.to_string());
     for rm in r.removed.iter().filter(|r| r.samples > 0) {
@@ -247,6 +256,56 @@ pub fn build(a: &BuildArgs) -> Result<()> {
     t.row("shorter side before → after", format!("{} → {}", d(&r.before.shorter_side), d(&r.after.shorter_side)));
     t.row("shards written", r.shards.len().to_string());
     t.row("time", format!("{:.1} s", r.seconds));
+    t.print();
+    Ok(())
+}
+
+#[derive(Args)]
+pub struct ScoreArgs {
+    /// The scoring model: any checkpoint align reads (an align run, a Hugging Face or open_clip
+    /// folder, `hf:ORG/NAME`).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// The shards to score (a shard spec).
+    #[arg(long)]
+    pub data: String,
+    /// Output directory: one `SHARD.parquet` per input shard.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Also keep each sample's image and text embeddings (for deduplication).
+    #[arg(long)]
+    pub embeddings: bool,
+    /// Images (and captions) per forward pass (default: the model's, 64 or 32).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `align data score`: each sample's image-text cosine, as Parquet files beside the shards'.
+pub fn score(a: &ScoreArgs) -> Result<()> {
+    let device = super::default_device();
+    let m = align::io::load::load_model(&a.checkpoint, &device)?;
+    let shards = align::data::spec::expand(&a.data)?;
+    let o = align::eval::score::ScoreOptions {
+        out: a.out.clone(),
+        embeddings: a.embeddings,
+        batch: a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec())),
+        quiet: a.json,
+        checkpoint: a.checkpoint.display().to_string(),
+    };
+    let r = align::eval::score::score_shards(&m, &shards, &o, &device)?;
+    align::util::files::write_atomic(&a.out.join("score-report.json"), serde_json::to_string_pretty(&r)?.as_bytes())?;
+    if a.json {
+        return super::print_json(&r);
+    }
+    let mut t = Table::new(&format!("Scored {} with {}", a.data, a.checkpoint.display()));
+    t.row("shards", format!("{} ({} already scored)", r.shards, r.already_scored));
+    t.row("samples scored", r.samples.to_string());
+    t.row("skipped", r.skipped.summary());
+    t.row("images/s", format!("{:.1}", r.images_per_s));
+    t.row("score files", a.out.display().to_string());
     t.print();
     Ok(())
 }

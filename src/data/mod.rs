@@ -3,6 +3,7 @@
 pub mod batch;
 pub mod build;
 pub mod clip_bpe;
+pub mod curate;
 pub mod distribute;
 pub mod eval_reader;
 pub mod folders;

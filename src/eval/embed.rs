@@ -119,7 +119,11 @@ pub fn embed_source(
     device: &Device,
     quiet: bool,
 ) -> Result<EmbeddedImages> {
-    embed_data(model, None, source, image_cfg, needs, batch, device, quiet)
+    let out = embed_data(model, None, source, image_cfg, needs, batch, device, quiet)?;
+    if out.keys.is_empty() {
+        bail!("no usable image (skipped: {})", out.skipped.summary());
+    }
+    Ok(out)
 }
 
 /// [`embed_source`] with each batch's captions embedded right after its images, while the reader
@@ -136,7 +140,26 @@ pub fn embed_pairs(
     device: &Device,
     quiet: bool,
 ) -> Result<EmbeddedImages> {
-    embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, quiet)
+    let out = embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, quiet)?;
+    if out.keys.is_empty() {
+        bail!("no usable image (skipped: {})", out.skipped.summary());
+    }
+    Ok(out)
+}
+
+/// [`embed_pairs`] without the error for data that holds no usable image (a shard of a corpus
+/// may have none; the corpus's report counts why).
+#[allow(clippy::too_many_arguments)]
+pub fn embed_pairs_of_part(
+    model: &DualEncoder,
+    tokenizer: &TextTokenizer,
+    source: EvalSource,
+    image_cfg: &ImageConfig,
+    needs: Needs,
+    batch: usize,
+    device: &Device,
+) -> Result<EmbeddedImages> {
+    embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, true)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -184,8 +207,5 @@ fn embed_data(
     }
     bar.finish();
     out.skipped = reader.skips().clone();
-    if out.keys.is_empty() {
-        bail!("no usable image (skipped: {})", out.skipped.summary());
-    }
     Ok(out)
 }

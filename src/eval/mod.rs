@@ -5,5 +5,6 @@ pub mod knn;
 pub mod linear_probe;
 pub mod metrics;
 pub mod retrieval;
+pub mod score;
 pub mod suite;
 pub mod zeroshot;

@@ -16,7 +16,61 @@ pub struct Filters {
     pub text: TextFilters,
     pub frequency: FrequencyFilters,
     pub dedup: DedupFilters,
+    /// Model-based curation: CLIP-score filters, MetaCLIP balancing, semantic deduplication.
+    pub curate: CurateFilters,
     pub output: OutputOptions,
+}
+
+/// The model-based filters, applied after the rule filters in this order: CLIP score, MetaCLIP
+/// balancing, semantic deduplication.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CurateFilters {
+    /// The score files of the input (`align data score --out DIR`), which the CLIP-score filters
+    /// and deduplication read.
+    pub scores: std::path::PathBuf,
+    /// Keep samples whose image-text cosine is at least this (0: off; LAION-400M 0.3, LAION-5B
+    /// 0.28 with OpenAI's ViT-B/32).
+    pub min_score: f64,
+    /// Keep the samples in the top this fraction of the whole input by score (0: off; DataComp's
+    /// best simple baseline: 0.3). With `min_score` too, both must hold.
+    pub top_fraction: f64,
+    pub metaclip: MetaClipFilter,
+    pub semdedup: SemDedupFilter,
+}
+
+/// MetaCLIP's balancing (`data::curate::metaclip`).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetaClipFilter {
+    /// Metadata entries, one per line (UTF-8).
+    pub entries: std::path::PathBuf,
+    /// The cap per entry (0: off; MetaCLIP 400M: 20,000).
+    pub t: u64,
+    pub seed: u64,
+}
+
+/// SemDeDup (`data::curate::semdedup`) over the score files' image embeddings.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SemDedupFilter {
+    /// k-means clusters (0: off).
+    pub clusters: usize,
+    /// Cosine similarity at which two images are duplicates.
+    pub threshold: f32,
+    pub seed: u64,
+}
+
+impl Default for SemDedupFilter {
+    fn default() -> Self {
+        SemDedupFilter { clusters: 0, threshold: 0.95, seed: 0 }
+    }
+}
+
+impl CurateFilters {
+    pub fn needs_scores(&self) -> bool {
+        self.min_score > 0.0 || self.top_fraction > 0.0 || self.semdedup.clusters > 0
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -136,6 +190,18 @@ impl Filters {
     }
 
     pub fn validate(&self) -> Result<()> {
+        let c = &self.curate;
+        anyhow::ensure!((0.0..=1.0).contains(&c.top_fraction), "curate.top_fraction must be in [0, 1] (0: off)");
+        anyhow::ensure!((-1.0..=1.0).contains(&c.min_score), "curate.min_score must be a cosine in [-1, 1] (0: off)");
+        anyhow::ensure!(
+            !c.needs_scores() || !c.scores.as_os_str().is_empty(),
+            "curate.min_score, curate.top_fraction and curate.semdedup read scores: set curate.scores to the directory `align data score --out` wrote"
+        );
+        anyhow::ensure!(
+            c.metaclip.t == 0 || !c.metaclip.entries.as_os_str().is_empty(),
+            "curate.metaclip.t balances over metadata entries: set curate.metaclip.entries to a file of them"
+        );
+        anyhow::ensure!((-1.0..=1.0).contains(&c.semdedup.threshold), "curate.semdedup.threshold must be a cosine in [-1, 1]");
         let t = &self.text;
         anyhow::ensure!(
             t.max_words == 0 || t.min_words <= t.max_words,
@@ -159,7 +225,8 @@ impl Filters {
 
     /// Whether a first pass over the corpus is needed for counts.
     pub fn needs_counts(&self) -> bool {
-        self.text.rare.min_count > 0
+        self.curate.metaclip.t > 0
+            || self.text.rare.min_count > 0
             || self.text.rare.top_ngrams > 0
             || self.frequency.max_images_per_caption > 0
             || self.frequency.max_captions_per_image > 0
@@ -296,5 +363,9 @@ mod tests {
         assert_eq!((cc12m.image.max_aspect_ratio, cc12m.text.min_words, cc12m.text.max_words), (2.5, 3, 256));
         assert_eq!((cc12m.text.max_repeated_fraction, cc12m.text.rare.min_count), (0.2, 20));
         assert!(!cc12m.text.require_capitalized_first_word);
+        let curated = Filters::load(&root.join("datacomp-metaclip.toml")).unwrap();
+        assert_eq!((curated.curate.top_fraction, curated.curate.metaclip.t, curated.curate.semdedup.threshold), (0.3, 20_000, 0.95));
+        let entries = Path::new(env!("CARGO_MANIFEST_DIR")).join(&curated.curate.metaclip.entries);
+        assert!(crate::data::curate::metaclip::Matcher::from_file(&entries).unwrap().entries.len() >= 20);
     }
 }

@@ -24,6 +24,8 @@ use xxhash_rust::xxh3::xxh3_128;
 use self::filters::Filters;
 use self::input::{Candidate, Input, Item};
 use self::phash::NearIndex;
+use super::curate::metaclip::Matcher;
+use super::curate::scores::ScoreTable;
 use super::shard_writer::ShardWriter;
 use super::spec::ShardSource;
 use super::stats::Distribution;
@@ -34,7 +36,7 @@ use crate::util::progress::Progress;
 use crate::util::rng::{hash_str, mix64, Rng};
 
 /// The filters in the order they are applied; the report lists removals in this order.
-pub const FILTER_ORDER: [&str; 14] = [
+pub const FILTER_ORDER: [&str; 17] = [
     "unreadable",
     "image_format",
     "image_size",
@@ -49,6 +51,9 @@ pub const FILTER_ORDER: [&str; 14] = [
     "undecodable",
     "duplicate_image",
     "near_duplicate_eval",
+    "clip_score",
+    "metaclip_balance",
+    "semantic_duplicate",
 ];
 
 fn filter_index(name: &str) -> usize {
@@ -79,6 +84,36 @@ pub struct Distributions {
     pub aspect_ratio: Distribution,
 }
 
+/// The CLIP-score filters' part of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScoreFilterReport {
+    /// The score a sample needed: `min_score`, or the top fraction's cut, whichever is higher.
+    pub threshold: f32,
+    pub before: Distribution,
+    pub after: Distribution,
+}
+
+/// MetaCLIP balancing's part of the report (per-entry counts in `metaclip-counts.tsv`).
+#[derive(Debug, Clone, Serialize)]
+pub struct MetaClipReport {
+    pub entries: usize,
+    pub t: u64,
+    /// Input samples whose caption matched at least one entry.
+    pub matched_samples: u64,
+    /// The share of all matches that went to head entries (count above t), before and after.
+    pub head_share_before: f64,
+    pub head_share_after: f64,
+    pub counts_file: PathBuf,
+}
+
+/// Semantic deduplication's part of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct DedupReport {
+    /// Groups of near-duplicates among the scored samples, and the members they drop.
+    pub groups: usize,
+    pub duplicates: usize,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct BuildReport {
     pub filters: String,
@@ -88,8 +123,68 @@ pub struct BuildReport {
     pub before: Distributions,
     pub after: Distributions,
     pub eval_hashes: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_score: Option<ScoreFilterReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metaclip: Option<MetaClipReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub semdedup: Option<DedupReport>,
     pub shards: Vec<PathBuf>,
     pub seconds: f64,
+}
+
+/// What the model-based filters read before the pass: the score table and its threshold, the
+/// duplicates to drop, the MetaCLIP matcher.
+#[derive(Default)]
+struct Curation {
+    table: Option<ScoreTable>,
+    threshold: Option<f32>,
+    duplicates: HashSet<String>,
+    dedup_groups: usize,
+    matcher: Option<Matcher>,
+}
+
+impl Curation {
+    fn prepare(f: &Filters, quiet: bool) -> Result<Curation> {
+        let c = &f.curate;
+        let mut cur = Curation::default();
+        if c.needs_scores() {
+            let table = ScoreTable::load(&c.scores, c.semdedup.clusters > 0)?;
+            let mut threshold = None;
+            if c.min_score > 0.0 {
+                threshold = Some(c.min_score as f32);
+            }
+            if c.top_fraction > 0.0 {
+                let cut = table.quantile_threshold(c.top_fraction);
+                threshold = Some(threshold.map_or(cut, |t: f32| t.max(cut)));
+            }
+            if c.semdedup.clusters > 0 {
+                let mut keys = vec![String::new(); table.scores.len()];
+                for (k, &i) in &table.by_key {
+                    keys[i] = k.clone();
+                }
+                let embeddings = table.image_embeddings.as_deref().unwrap_or_default();
+                let bar = Progress::spinner("deduplicating", quiet);
+                let d = crate::data::curate::semdedup::semdedup(
+                    &keys,
+                    embeddings,
+                    table.dim,
+                    c.semdedup.clusters,
+                    c.semdedup.threshold,
+                    c.semdedup.seed,
+                );
+                bar.finish();
+                cur.dedup_groups = d.groups;
+                cur.duplicates = keys.into_iter().zip(d.removed).filter(|(_, r)| *r).map(|(k, _)| k).collect();
+            }
+            cur.threshold = threshold;
+            cur.table = Some(table);
+        }
+        if c.metaclip.t > 0 {
+            cur.matcher = Some(Matcher::from_file(&c.metaclip.entries)?);
+        }
+        Ok(cur)
+    }
 }
 
 /// A uniform sample of at most `CAP` values (deterministic), for the report's quantiles without
@@ -160,14 +255,20 @@ struct Counts {
     top_ngrams: Option<HashSet<String>>,
     caption_images: HashMap<u64, u32>,
     image_captions: HashMap<u128, u32>,
+    /// Matches per MetaCLIP entry over the whole input, and input samples matching any.
+    metaclip: Vec<u64>,
+    metaclip_matched: u64,
 }
 
 fn caption_key(caption: &str) -> u64 {
     hash_str(&caption.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase())
 }
 
-fn count_corpus(input: &Input, f: &Filters, quiet: bool) -> (Counts, u64) {
+fn count_corpus(input: &Input, f: &Filters, matcher: Option<&Matcher>, quiet: bool) -> (Counts, u64) {
     let mut c = Counts::default();
+    if let Some(m) = matcher {
+        c.metaclip = vec![0; m.entries.len()];
+    }
     let mut ngrams: HashMap<String, u64> = HashMap::new();
     let mut pairs: HashSet<u128> = HashSet::new();
     let rare = &f.text.rare;
@@ -179,6 +280,13 @@ fn count_corpus(input: &Input, f: &Filters, quiet: bool) -> (Counts, u64) {
         bar.inc(1);
         let Item::Sample(s) = item else { continue };
         let caption = filters::trim_boilerplate(&s.caption, &f.text.trim_boilerplate);
+        if let Some(m) = matcher {
+            let matched = m.matches(&caption);
+            c.metaclip_matched += u64::from(!matched.is_empty());
+            for e in matched {
+                c.metaclip[e as usize] += 1;
+            }
+        }
         let words = filters::norm_words(&caption);
         if rare.min_count > 0 {
             for w in &words {
@@ -219,6 +327,8 @@ struct Checked {
 }
 
 struct Prepared {
+    /// The MetaCLIP entries the caption matches.
+    matched: Vec<u32>,
     caption: String,
     image: Vec<u8>,
     ext: &'static str,
@@ -248,7 +358,7 @@ impl Header {
     }
 }
 
-fn check(s: Candidate, f: &Filters, counts: &Counts, near: &NearIndex) -> Checked {
+fn check(s: Candidate, f: &Filters, counts: &Counts, near: &NearIndex, matcher: Option<&Matcher>) -> Checked {
     let caption = filters::trim_boilerplate(&s.caption, &f.text.trim_boilerplate);
     let words = filters::word_count(&caption);
     let mut out = Checked { key: s.key, origin: s.origin, words, dims: None, verdict: Err(("unreadable", String::new())) };
@@ -266,7 +376,8 @@ fn check(s: Candidate, f: &Filters, counts: &Counts, near: &NearIndex) -> Checke
         .and_then(|()| check_frequency(&caption, xxh3_128(&image), f, counts))
         .and_then(|image_hash| {
             let (image, ext, near_eval) = pixels(image, &header, f, near)?;
-            Ok(Prepared { caption, image, ext, json, image_hash, near_eval })
+            let matched = matcher.map(|m| m.matches(&caption)).unwrap_or_default();
+            Ok(Prepared { matched, caption, image, ext, json, image_hash, near_eval })
         });
     out
 }
@@ -474,8 +585,9 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
     let input = Input::open(&o.input, o.image_root.as_deref())?;
     std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
     let near = index_eval_sets(&o.exclude_near, f.image.max_pixels, o.quiet)?;
+    let curation = Curation::prepare(f, o.quiet)?;
     let (counts, total) = if f.needs_counts() {
-        let (c, n) = count_corpus(&input, f, o.quiet);
+        let (c, n) = count_corpus(&input, f, curation.matcher.as_ref(), o.quiet);
         (c, Some(n))
     } else {
         (Counts::default(), None)
@@ -495,13 +607,13 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
         let checked: Vec<Result<Checked, (String, String, String)>> = chunk
             .into_par_iter()
             .map(|item| match item {
-                Item::Sample(s) => Ok(check(s, f, &counts, &near)),
+                Item::Sample(s) => Ok(check(s, f, &counts, &near, curation.matcher.as_ref())),
                 Item::Bad { origin, key, reason } => Err((origin, key, reason)),
             })
             .collect();
         bar.inc(checked.len() as u64);
         for c in checked {
-            if let Some((c, p)) = tally.admit(c, f) {
+            if let Some((c, p)) = tally.admit(c, f, &curation, &counts) {
                 let json = p
                     .json
                     .unwrap_or_else(|| serde_json::to_vec(&serde_json::json!({"key": c.key, "caption": p.caption})).unwrap_or_default());
@@ -511,7 +623,27 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
         }
     }
     bar.finish();
+    if tally.missing_scores > 0 {
+        anyhow::bail!(
+            "{} input samples have no score in {} (the first: {}): score this input with `align data score --data ... --out {}`",
+            tally.missing_scores,
+            f.curate.scores.display(),
+            tally.first_missing.clone().unwrap_or_default(),
+            f.curate.scores.display()
+        );
+    }
     let shards = output.finish(f.output.seed, o.quiet)?;
+    let clip_score = curation.table.as_ref().map(|t| ScoreFilterReport {
+        threshold: curation.threshold.unwrap_or(f32::NEG_INFINITY),
+        before: Distribution::of(t.scores.iter().map(|&x| x as f64).collect()),
+        after: Distribution::of(std::mem::take(&mut tally.scores_after)),
+    });
+    let metaclip = match &curation.matcher {
+        Some(m) => Some(metaclip_report(o, m, &counts, &tally.metaclip_after, f.curate.metaclip.t)?),
+        None => None,
+    };
+    let semdedup =
+        (f.curate.semdedup.clusters > 0).then_some(DedupReport { groups: curation.dedup_groups, duplicates: curation.duplicates.len() });
     let report = BuildReport {
         filters: f.description.clone(),
         input_samples: tally.input_samples,
@@ -520,12 +652,39 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
         before: tally.before.finish(),
         after: tally.after.finish(),
         eval_hashes: near.len(),
+        clip_score,
+        metaclip,
+        semdedup,
         shards,
         seconds: t0.elapsed().as_secs_f64(),
     };
     let path = o.out.join("build-report.json");
     crate::util::files::write_atomic(&path, serde_json::to_string_pretty(&report)?.as_bytes())?;
     Ok(report)
+}
+
+/// MetaCLIP's report, with every entry's count before and after in `metaclip-counts.tsv`.
+fn metaclip_report(o: &BuildOptions, m: &Matcher, counts: &Counts, after: &[u64], t: u64) -> Result<MetaClipReport> {
+    let after: Vec<u64> = (0..m.entries.len()).map(|e| after.get(e).copied().unwrap_or(0)).collect();
+    let head = |c: &[u64]| -> f64 {
+        let total: u64 = c.iter().sum();
+        let head: u64 = c.iter().zip(&counts.metaclip).filter(|(_, &n)| n > t).map(|(x, _)| x).sum();
+        head as f64 / total.max(1) as f64
+    };
+    let mut tsv = String::from("entry\tbefore\tafter\n");
+    for (e, entry) in m.entries.iter().enumerate() {
+        tsv.push_str(&format!("{entry}\t{}\t{}\n", counts.metaclip[e], after[e]));
+    }
+    let counts_file = o.out.join("metaclip-counts.tsv");
+    crate::util::files::write_atomic(&counts_file, tsv.as_bytes())?;
+    Ok(MetaClipReport {
+        entries: m.entries.len(),
+        t,
+        matched_samples: counts.metaclip_matched,
+        head_share_before: head(&counts.metaclip),
+        head_share_after: head(&after),
+        counts_file,
+    })
 }
 
 /// Counts of the build so far: samples read and kept, removals by filter, the distributions
@@ -537,6 +696,13 @@ struct Tally {
     seen_images: HashSet<u128>,
     input_samples: u64,
     kept: u64,
+    /// Scores of the kept samples, for the report.
+    scores_after: Vec<f64>,
+    /// Matches per MetaCLIP entry among the kept samples.
+    metaclip_after: Vec<u64>,
+    /// Samples the score files have no score for, and the first of them.
+    missing_scores: u64,
+    first_missing: Option<String>,
 }
 
 impl Default for Tally {
@@ -548,6 +714,10 @@ impl Default for Tally {
             seen_images: HashSet::new(),
             input_samples: 0,
             kept: 0,
+            scores_after: Vec::new(),
+            metaclip_after: Vec::new(),
+            missing_scores: 0,
+            first_missing: None,
         }
     }
 }
@@ -556,7 +726,13 @@ impl Tally {
     /// Counts a checked sample; the ones to keep come back with what to write. A removed sample
     /// is charged to the first filter it fails; exact duplicates and near-duplicates of the
     /// evaluation images come last.
-    fn admit(&mut self, c: Result<Checked, (String, String, String)>, f: &Filters) -> Option<(Checked, Prepared)> {
+    fn admit(
+        &mut self,
+        c: Result<Checked, (String, String, String)>,
+        f: &Filters,
+        cur: &Curation,
+        counts: &Counts,
+    ) -> Option<(Checked, Prepared)> {
         self.input_samples += 1;
         let mut c = match c {
             Ok(c) => c,
@@ -585,6 +761,37 @@ impl Tally {
         if p.near_eval.is_some() {
             self.removed[filter_index("near_duplicate_eval")] += 1;
             return None;
+        }
+        let mut score = None;
+        if let Some(table) = &cur.table {
+            let Some(s) = table.score(&c.key) else {
+                self.missing_scores += 1;
+                self.first_missing.get_or_insert_with(|| format!("{} in {}", c.key, c.origin));
+                return None;
+            };
+            if cur.threshold.is_some_and(|t| s < t) {
+                self.removed[filter_index("clip_score")] += 1;
+                return None;
+            }
+            score = Some(s);
+        }
+        let mc = &f.curate.metaclip;
+        if mc.t > 0 && !super::curate::metaclip::keep(&c.key, &p.matched, &counts.metaclip, mc.t, mc.seed) {
+            self.removed[filter_index("metaclip_balance")] += 1;
+            return None;
+        }
+        if cur.duplicates.contains(&c.key) {
+            self.removed[filter_index("semantic_duplicate")] += 1;
+            return None;
+        }
+        if let Some(s) = score {
+            self.scores_after.push(s as f64);
+        }
+        if mc.t > 0 {
+            self.metaclip_after.resize(counts.metaclip.len(), 0);
+            for &e in &p.matched {
+                self.metaclip_after[e as usize] += 1;
+            }
         }
         self.kept += 1;
         self.after.add(c.words, c.dims);

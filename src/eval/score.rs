@@ -1,0 +1,131 @@
+//! `align data score`: the CLIP score of every sample of a corpus (the cosine between its image's
+//! and its caption's embeddings) with any checkpoint align reads, through its own preprocessing
+//! and tokenizer, one Parquet file per input shard (`data::curate::scores`). It runs the
+//! forward-only path evaluation runs (decoding on the reader's thread, images and captions
+//! interleaved), so it goes at the speed of `align bench embed`.
+//!
+//! A shard whose score file exists for the same checkpoint is skipped: a killed run, run again,
+//! scores what was left and gives the same files.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use candle_core::Device;
+use serde::Serialize;
+
+use crate::data::curate::scores::{self, ShardScores};
+use crate::data::eval_reader::{EvalSource, Needs};
+use crate::data::skips::SkipCounts;
+use crate::data::spec::ShardSource;
+use crate::io::load::LoadedModel;
+use crate::util::log;
+use crate::util::progress::Progress;
+
+pub struct ScoreOptions {
+    pub out: PathBuf,
+    /// Also keep the image and text embeddings (for deduplication and clustering).
+    pub embeddings: bool,
+    pub batch: usize,
+    pub quiet: bool,
+    /// The checkpoint as the user named it, recorded in each file.
+    pub checkpoint: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ScoreReport {
+    pub checkpoint: String,
+    pub shards: usize,
+    /// Shards whose score file was already there (a resumed run).
+    pub already_scored: usize,
+    pub samples: u64,
+    pub skipped: SkipCounts,
+    pub seconds: f64,
+    pub images_per_s: f64,
+    pub out: PathBuf,
+}
+
+/// Whether `path` already holds the scores of `shard` by `checkpoint`.
+fn done(path: &Path, shard: &str, checkpoint: &str) -> bool {
+    scores::read(path, false).is_ok_and(|s| s.meta("shard") == Some(shard) && s.meta("checkpoint") == Some(checkpoint))
+}
+
+/// Scores every shard of `shards` with `m` into `o.out`.
+pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, device: &Device) -> Result<ScoreReport> {
+    std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
+    let started = Instant::now();
+    let mut report = ScoreReport {
+        checkpoint: o.checkpoint.clone(),
+        shards: shards.len(),
+        already_scored: 0,
+        samples: 0,
+        skipped: SkipCounts::default(),
+        seconds: 0.0,
+        images_per_s: 0.0,
+        out: o.out.clone(),
+    };
+    let mut names: std::collections::HashMap<PathBuf, String> = std::collections::HashMap::new();
+    let bar = Progress::bar(shards.len() as u64, "scoring shards", o.quiet);
+    let dim = m.spec().embed_dim;
+    for shard in shards {
+        let name = shard.to_string();
+        let path = scores::score_path(&o.out, &name);
+        if let Some(other) = names.insert(path.clone(), name.clone()) {
+            anyhow::bail!("shards {other} and {name} would both be scored into {}: give shards distinct file names", path.display());
+        }
+        if done(&path, &name, &o.checkpoint) {
+            report.already_scored += 1;
+            bar.inc(1);
+            continue;
+        }
+        let needs = Needs { image: true, captions: true, label: false };
+        let e = crate::eval::embed::embed_pairs_of_part(
+            &m.model,
+            &m.tokenizer,
+            EvalSource::Shards(vec![shard.clone()]),
+            &m.usage.image,
+            needs,
+            o.batch,
+            device,
+        )
+        .with_context(|| format!("scoring {name}"))?;
+        let texts = e.caption_embeddings.as_ref().expect("embed_pairs embeds the captions");
+        // Each image's first caption is the one scored (web pairs have one).
+        let mut s = ShardScores { dim, ..Default::default() };
+        let mut at = 0;
+        let (mut image_rows, mut text_rows) = (Vec::new(), Vec::new());
+        for (i, caps) in e.captions.iter().enumerate() {
+            let img = &e.embeddings.data[i * dim..(i + 1) * dim];
+            let txt = &texts.data[at * dim..(at + 1) * dim];
+            at += caps.len();
+            s.keys.push(e.keys[i].clone());
+            s.captions.push(caps[0].clone());
+            s.scores.push(img.iter().zip(txt).map(|(a, b)| a * b).sum());
+            if o.embeddings {
+                image_rows.extend_from_slice(img);
+                text_rows.extend_from_slice(txt);
+            }
+        }
+        if o.embeddings {
+            s.image_embeddings = Some(image_rows);
+            s.text_embeddings = Some(text_rows);
+        }
+        s.meta = vec![
+            ("shard".into(), name.clone()),
+            ("checkpoint".into(), o.checkpoint.clone()),
+            ("samples".into(), s.keys.len().to_string()),
+            ("skipped".into(), e.skipped.summary()),
+        ];
+        scores::write(&path, &s)?;
+        report.samples += s.keys.len() as u64;
+        report.skipped.merge(&e.skipped);
+        if !e.skipped.is_empty() {
+            log::warn(format!("{name}: skipped {}", e.skipped.summary()));
+        }
+        bar.inc(1);
+    }
+    bar.finish();
+    report.seconds = started.elapsed().as_secs_f64();
+    report.images_per_s = report.samples as f64 / report.seconds.max(1e-9);
+    Ok(report)
+}
