@@ -254,6 +254,26 @@ pub fn build(a: &BuildArgs) -> Result<()> {
     let d = |x: &stats::Distribution| format!("median {} / p90 {} / max {}", x.p50, x.p90, x.max);
     t.row("caption words before → after", format!("{} → {}", d(&r.before.caption_words), d(&r.after.caption_words)));
     t.row("shorter side before → after", format!("{} → {}", d(&r.before.shorter_side), d(&r.after.shorter_side)));
+    let cos = |x: &stats::Distribution| format!("min {:.3} / median {:.3} / p90 {:.3}", x.min, x.p50, x.p90);
+    if let Some(c) = &r.clip_score {
+        t.row("CLIP score threshold", format!("{:.4}", c.threshold));
+        t.row("CLIP score before → after", format!("{} → {}", cos(&c.before), cos(&c.after)));
+    }
+    if let Some(i) = &r.image_based {
+        t.row(
+            "image-based clusters kept",
+            format!("{} of {} (nearest to {} target images)", i.target_clusters, i.clusters, i.target_images),
+        );
+    }
+    if let Some(m) = &r.metaclip {
+        t.row(
+            "MetaCLIP head share before → after",
+            format!("{:.1}% → {:.1}% (t = {})", 100.0 * m.head_share_before, 100.0 * m.head_share_after, m.t),
+        );
+    }
+    if let Some(s) = &r.semdedup {
+        t.row("near-duplicate groups", format!("{} ({} copies removed)", s.groups, s.duplicates));
+    }
     t.row("shards written", r.shards.len().to_string());
     t.row("time", format!("{:.1} s", r.seconds));
     t.print();

@@ -21,8 +21,8 @@ pub struct Filters {
     pub output: OutputOptions,
 }
 
-/// The model-based filters, applied after the rule filters in this order: CLIP score, MetaCLIP
-/// balancing, semantic deduplication.
+/// The model-based filters, applied after the rule filters in this order: CLIP score, DataComp's
+/// image-based filter, MetaCLIP balancing, semantic deduplication.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CurateFilters {
@@ -35,8 +35,24 @@ pub struct CurateFilters {
     /// Keep the samples in the top this fraction of the whole input by score (0: off; DataComp's
     /// best simple baseline: 0.3). With `min_score` too, both must hold.
     pub top_fraction: f64,
+    pub image_based: ImageBasedFilter,
     pub metaclip: MetaClipFilter,
     pub semdedup: SemDedupFilter,
+}
+
+/// DataComp's image-based filter (`data::curate::image_based`) over the score files' image
+/// embeddings.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ImageBasedFilter {
+    /// The target set's image embeddings by the checkpoint that scored the input: an
+    /// `align embed --data TARGET --out FILE.safetensors` output (DataComp: ImageNet's training
+    /// images).
+    pub target: std::path::PathBuf,
+    /// k-means clusters over the input's image embeddings (0: off; DataComp: 100,000 for its
+    /// 12.8M-sample pool).
+    pub clusters: usize,
+    pub seed: u64,
 }
 
 /// MetaCLIP's balancing (`data::curate::metaclip`).
@@ -69,7 +85,12 @@ impl Default for SemDedupFilter {
 
 impl CurateFilters {
     pub fn needs_scores(&self) -> bool {
-        self.min_score > 0.0 || self.top_fraction > 0.0 || self.semdedup.clusters > 0
+        self.min_score > 0.0 || self.top_fraction > 0.0 || self.needs_embeddings()
+    }
+
+    /// Whether a filter reads the score files' image embeddings.
+    pub fn needs_embeddings(&self) -> bool {
+        self.semdedup.clusters > 0 || self.image_based.clusters > 0
     }
 }
 
@@ -195,7 +216,11 @@ impl Filters {
         anyhow::ensure!((-1.0..=1.0).contains(&c.min_score), "curate.min_score must be a cosine in [-1, 1] (0: off)");
         anyhow::ensure!(
             !c.needs_scores() || !c.scores.as_os_str().is_empty(),
-            "curate.min_score, curate.top_fraction and curate.semdedup read scores: set curate.scores to the directory `align data score --out` wrote"
+            "curate.min_score, curate.top_fraction, curate.image_based and curate.semdedup read scores: set curate.scores to the directory `align data score --out` wrote"
+        );
+        anyhow::ensure!(
+            c.image_based.clusters == 0 || !c.image_based.target.as_os_str().is_empty(),
+            "curate.image_based keeps samples near a target set: set curate.image_based.target to its `align embed` output"
         );
         anyhow::ensure!(
             c.metaclip.t == 0 || !c.metaclip.entries.as_os_str().is_empty(),

@@ -36,7 +36,7 @@ use crate::util::progress::Progress;
 use crate::util::rng::{hash_str, mix64, Rng};
 
 /// The filters in the order they are applied; the report lists removals in this order.
-pub const FILTER_ORDER: [&str; 17] = [
+pub const FILTER_ORDER: [&str; 18] = [
     "unreadable",
     "image_format",
     "image_size",
@@ -52,6 +52,7 @@ pub const FILTER_ORDER: [&str; 17] = [
     "duplicate_image",
     "near_duplicate_eval",
     "clip_score",
+    "image_based",
     "metaclip_balance",
     "semantic_duplicate",
 ];
@@ -106,6 +107,15 @@ pub struct MetaClipReport {
     pub counts_file: PathBuf,
 }
 
+/// The image-based filter's part of the report.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageBasedReport {
+    pub clusters: usize,
+    pub target_images: usize,
+    /// Clusters nearest to at least one target image: their members are kept.
+    pub target_clusters: usize,
+}
+
 /// Semantic deduplication's part of the report.
 #[derive(Debug, Clone, Serialize)]
 pub struct DedupReport {
@@ -126,6 +136,8 @@ pub struct BuildReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub clip_score: Option<ScoreFilterReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_based: Option<ImageBasedReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub metaclip: Option<MetaClipReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub semdedup: Option<DedupReport>,
@@ -134,11 +146,13 @@ pub struct BuildReport {
 }
 
 /// What the model-based filters read before the pass: the score table and its threshold, the
-/// duplicates to drop, the MetaCLIP matcher.
+/// samples away from the image-based target, the duplicates to drop, the MetaCLIP matcher.
 #[derive(Default)]
 struct Curation {
     table: Option<ScoreTable>,
     threshold: Option<f32>,
+    off_target: HashSet<String>,
+    image_based: Option<ImageBasedReport>,
     duplicates: HashSet<String>,
     dedup_groups: usize,
     matcher: Option<Matcher>,
@@ -149,7 +163,7 @@ impl Curation {
         let c = &f.curate;
         let mut cur = Curation::default();
         if c.needs_scores() {
-            let table = ScoreTable::load(&c.scores, c.semdedup.clusters > 0)?;
+            let table = ScoreTable::load(&c.scores, c.needs_embeddings())?;
             let mut threshold = None;
             if c.min_score > 0.0 {
                 threshold = Some(c.min_score as f32);
@@ -158,12 +172,25 @@ impl Curation {
                 let cut = table.quantile_threshold(c.top_fraction);
                 threshold = Some(threshold.map_or(cut, |t: f32| t.max(cut)));
             }
+            let keys = table.keys();
+            let embeddings = table.image_embeddings.as_deref().unwrap_or_default();
+            if c.image_based.clusters > 0 {
+                let (target, dim) = crate::data::curate::image_based::read_target(&c.image_based.target)?;
+                anyhow::ensure!(
+                    dim == table.dim,
+                    "the target embeddings {} have {dim} dimensions, the scores in {} {}: embed the target with the checkpoint that scored the input",
+                    c.image_based.target.display(),
+                    c.scores.display(),
+                    table.dim
+                );
+                let bar = Progress::spinner("clustering for the image-based filter", quiet);
+                let s = crate::data::curate::image_based::select(embeddings, &target, dim, c.image_based.clusters, c.image_based.seed);
+                bar.finish();
+                cur.off_target = keys.iter().zip(&s.keep).filter(|(_, &k)| !k).map(|(k, _)| k.clone()).collect();
+                cur.image_based =
+                    Some(ImageBasedReport { clusters: s.clusters, target_images: s.target_images, target_clusters: s.target_clusters });
+            }
             if c.semdedup.clusters > 0 {
-                let mut keys = vec![String::new(); table.scores.len()];
-                for (k, &i) in &table.by_key {
-                    keys[i] = k.clone();
-                }
-                let embeddings = table.image_embeddings.as_deref().unwrap_or_default();
                 let bar = Progress::spinner("deduplicating", quiet);
                 let d = crate::data::curate::semdedup::semdedup(
                     &keys,
@@ -653,6 +680,7 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
         after: tally.after.finish(),
         eval_hashes: near.len(),
         clip_score,
+        image_based: curation.image_based.clone(),
         metaclip,
         semdedup,
         shards,
@@ -774,6 +802,10 @@ impl Tally {
                 return None;
             }
             score = Some(s);
+        }
+        if cur.off_target.contains(&c.key) {
+            self.removed[filter_index("image_based")] += 1;
+            return None;
         }
         let mc = &f.curate.metaclip;
         if mc.t > 0 && !super::curate::metaclip::keep(&c.key, &p.matched, &counts.metaclip, mc.t, mc.seed) {

@@ -23,9 +23,25 @@ pub struct Clusters {
     pub assignment: Vec<usize>,
     pub centres: Vec<f32>,
     pub k: usize,
+    pub dim: usize,
 }
 
-/// Clusters `n` unit vectors (`data`: `n × dim`) into at most `k` clusters.
+impl Clusters {
+    /// The centre most similar to `v` (the first of equals).
+    pub fn nearest(&self, v: &[f32]) -> usize {
+        nearest(v, &self.centres, self.k, self.dim)
+    }
+}
+
+fn nearest(v: &[f32], centres: &[f32], k: usize, dim: usize) -> usize {
+    (0..k)
+        .map(|c| (c, dot(v, &centres[c * dim..(c + 1) * dim])))
+        .fold((0, f32::NEG_INFINITY), |best, (c, s)| if s > best.1 { (c, s) } else { best })
+        .0
+}
+
+/// Clusters `n` unit vectors (`data`: `n × dim`) into at most `k` clusters, with at most
+/// `max_iter` updates of the centres.
 pub fn kmeans(data: &[f32], dim: usize, k: usize, seed: u64, max_iter: usize) -> Clusters {
     let n = data.len().checked_div(dim).unwrap_or(0);
     let k = k.clamp(1, n.max(1));
@@ -62,19 +78,12 @@ pub fn kmeans(data: &[f32], dim: usize, k: usize, seed: u64, max_iter: usize) ->
     }
     let k = centres.len() / dim.max(1);
     let mut assignment = vec![usize::MAX; n];
-    for _ in 0..max_iter.max(1) {
-        let next: Vec<usize> = (0..n)
-            .into_par_iter()
-            .map(|i| {
-                (0..k)
-                    .map(|c| (c, dot(row(i), &centres[c * dim..(c + 1) * dim])))
-                    .fold((0, f32::NEG_INFINITY), |best, (c, s)| if s > best.1 { (c, s) } else { best })
-                    .0
-            })
-            .collect();
+    for iteration in 0..=max_iter.max(1) {
+        let next: Vec<usize> = (0..n).into_par_iter().map(|i| nearest(row(i), &centres, k, dim)).collect();
         let changed = next != assignment;
         assignment = next;
-        if !changed {
+        // The last pass only assigns, so every vector's centre is its nearest one.
+        if !changed || iteration == max_iter.max(1) {
             break;
         }
         let mut sums = vec![0f32; k * dim];
@@ -90,7 +99,7 @@ pub fn kmeans(data: &[f32], dim: usize, k: usize, seed: u64, max_iter: usize) ->
             }
         }
     }
-    Clusters { assignment, centres, k }
+    Clusters { assignment, centres, k, dim }
 }
 
 #[cfg(test)]

@@ -191,6 +191,15 @@ impl ScoreTable {
         Ok(t)
     }
 
+    /// The keys in row order.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys = vec![String::new(); self.scores.len()];
+        for (k, &i) in &self.by_key {
+            keys[i] = k.clone();
+        }
+        keys
+    }
+
     pub fn score(&self, key: &str) -> Option<f32> {
         self.by_key.get(key).map(|&i| self.scores[i])
     }
