@@ -43,7 +43,10 @@ and the embedding widths. torch uses all cores by default (torch's own default),
 torch.set_num_threads(N). --json prints one JSON object whose first keys are those `align bench
 embed --json` prints: {"images", "texts", "seconds", "images_per_s", "peak_rss_mib"}. --limit N
 embeds only the first N samples; --save-embeddings FILE writes the embeddings (safetensors:
-image_embeds, text_embeds, float32, in tar order) to compare with align's.
+image_embeds, text_embeds, float32, in tar order) to compare with align's. --scores-out FILE is the
+PyTorch side of `align bench`'s scoring comparison (`align data score`): each pair's cosine of its
+normalised embeddings, written with its key and caption as Parquet (pyarrow) before the clock
+stops.
 
     pip install torch transformers pillow safetensors        # and open_clip_torch for open_clip
     python3 scripts/make_bench_embed_inputs.py --out /tmp/align-bench-embed
@@ -89,6 +92,8 @@ def parser():
                    help="transformers tokenizers: pad every caption to the text length (default) or each batch to its longest")
     p.add_argument("--text-len", type=int, default=0, help="text length (default: the tokenizer's model_max_length / context_length)")
     p.add_argument("--save-embeddings", metavar="FILE", help="write image_embeds and text_embeds (safetensors)")
+    p.add_argument("--scores-out", metavar="FILE", help="score as `align data score` does: each pair's cosine, written "
+                   "with its key and caption to this Parquet file (pyarrow) inside the timed loop")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -231,6 +236,7 @@ def measure(a):
     images = texts = 0
     batch_seconds = []
     kept_images, kept_texts = [], []
+    scored = {"key": [], "caption": [], "clip_score": []}
     non_finite = 0
     image_dim = text_dim = None
     text_shape = None
@@ -265,6 +271,18 @@ def measure(a):
             if a.save_embeddings:
                 kept_images.append(image_embeds.float().clone())
                 kept_texts.append(text_embeds.float().clone())
+            if a.scores_out:
+                unit = lambda x: torch.nn.functional.normalize(x.float(), dim=-1)
+                cosines = (unit(image_embeds) * unit(text_embeds)).sum(-1)
+                scored["key"].extend(k for k, _, _ in batch)
+                scored["caption"].extend(c for _, _, c in batch)
+                scored["clip_score"].extend(cosines.tolist())
+        if a.scores_out:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            table = pa.table({"key": scored["key"], "caption": scored["caption"],
+                              "clip_score": pa.array(scored["clip_score"], pa.float32())})
+            pq.write_table(table, a.scores_out)
         seconds = time.perf_counter() - start
 
     if a.save_embeddings:

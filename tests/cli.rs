@@ -185,6 +185,35 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     assert_eq!((p["task"].as_str(), p["images"].as_u64(), p["classes"].as_u64()), (Some("linear_probe"), Some(36), Some(36)));
     assert!((0.0..=1.0).contains(&p["metrics"]["lp_acc1"].as_f64().unwrap()), "{p}");
     assert!(p["metrics"]["weight_decay"].as_f64().unwrap() > 0.0, "{p}");
+    // KNN prints the same record as every evaluation, and writes it with --output.
+    let knn_file = dir.path().join("knn.json");
+    let (ok, k, err) = align(&[
+        "eval",
+        "knn",
+        "--checkpoint",
+        run,
+        "--train",
+        &data.test,
+        "--val",
+        &data.test,
+        "--k",
+        "5",
+        "--json",
+        "--strict",
+        "--output",
+        knn_file.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let k: serde_json::Value = serde_json::from_str(&k).unwrap();
+    assert_eq!(
+        (k["task"].as_str(), k["images"].as_u64(), k["neighbours"].as_u64(), k["complete"].as_bool()),
+        (Some("knn"), Some(36), Some(5), Some(true))
+    );
+    assert_eq!((k["step"].as_u64(), k["unit"].as_str()), (p["step"].as_u64(), Some("fraction")));
+    // Each query is in the index, so it is its own nearest neighbour.
+    assert_eq!(k["metrics"]["knn_recall@1"].as_f64(), Some(1.0), "{k}");
+    let written: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&knn_file).unwrap()).unwrap();
+    assert_eq!((written["task"].as_str(), &written["metrics"]), (Some("knn"), &k["metrics"]));
     // The suite: the same three evaluations for two checkpoints in one command give the single
     // commands' numbers, one CLIP_benchmark file each.
     let step2 = std::path::Path::new(run).join("step-2");
@@ -348,6 +377,29 @@ fn embed_then_search_finds_the_captioned_image() {
     assert!(ok, "{err}");
     let hits: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(hits[0]["row"], 0, "{out}");
+
+    // Another checkpoint, of the same or another dimension, is refused in one line naming both.
+    let search_with = |run: &Path| {
+        align(&["search", "--index", index.to_str().unwrap(), "--checkpoint", run.to_str().unwrap(), "--text", "a red circle"])
+    };
+    let (_, other, other_path) = common::tiny_run(&dir.path().join("other"), &["train.steps=2", "run.seed=7"]);
+    assert!(align(&["train", "--config", other_path.to_str().unwrap(), "--quiet"]).0);
+    let (ok, _, err) = search_with(&other.run_dir());
+    assert!(!ok && err.contains("was embedded with") && err.contains("index.safetensors"), "{err}");
+    let (_, narrow, narrow_path) = common::tiny_run(&dir.path().join("narrow"), &["train.steps=2", "model.embed_dim=8"]);
+    assert!(align(&["train", "--config", narrow_path.to_str().unwrap(), "--quiet"]).0);
+    let (ok, _, err) = search_with(&narrow.run_dir());
+    assert!(!ok && err.contains("16-dimensional") && err.contains("embeds in 8") && !err.contains("matmul"), "{err}");
+    // An index written before the sidecar recorded its model: the matrix's width still tells.
+    let sidecar = dir.path().join("index.json");
+    let mut side: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&sidecar).unwrap()).unwrap();
+    for field in ["checkpoint", "dim", "ema"] {
+        side.as_object_mut().unwrap().remove(field);
+    }
+    std::fs::write(&sidecar, side.to_string()).unwrap();
+    let (ok, _, err) = search_with(&narrow.run_dir());
+    assert!(!ok && err.contains("16-dimensional") && err.contains("embeds in 8"), "{err}");
+    assert!(search_with(&run).0);
 }
 
 #[test]

@@ -46,10 +46,51 @@ pub struct Sidecar {
     pub texts: Vec<String>,
     /// For each text, the row of the image it came with (None for texts from a file).
     pub text_image: Vec<Option<usize>>,
+    /// The checkpoint directory that embedded the rows (as loaded), whether its moving average
+    /// did, and the embedding dimension: a search with another model is refused. Absent in
+    /// indexes written before they were recorded.
+    #[serde(default)]
+    pub checkpoint: Option<PathBuf>,
+    #[serde(default)]
+    pub ema: bool,
+    #[serde(default)]
+    pub dim: Option<usize>,
 }
 
 fn sidecar_path(out: &Path) -> PathBuf {
     out.with_extension("json")
+}
+
+fn canonical(dir: &Path) -> PathBuf {
+    dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf())
+}
+
+/// Refuses to search an index with another model than the one that wrote it: the scores would be
+/// meaningless (or, across dimensions, fail inside the matrix product).
+fn check_same_model(side: &Sidecar, index: &Path, dir: &Path, ema: bool, dim: usize, rows_dim: usize) -> Result<()> {
+    let written = side.dim.unwrap_or(rows_dim);
+    if written != dim || rows_dim != dim {
+        bail!(
+            "{} holds {written}-dimensional embeddings and {} embeds in {dim}: search with the checkpoint that wrote the index{}",
+            index.display(),
+            dir.display(),
+            side.checkpoint.as_ref().map_or(String::new(), |c| format!(" ({})", c.display()))
+        );
+    }
+    if let Some(c) = &side.checkpoint {
+        if *c != canonical(dir) || side.ema != ema {
+            let avg = |e: bool| if e { " (its moving average)" } else { "" };
+            bail!(
+                "{} was embedded with {}{}, not {}{}: search with the same checkpoint, or embed again",
+                index.display(),
+                c.display(),
+                avg(side.ema),
+                canonical(dir).display(),
+                avg(ema)
+            );
+        }
+    }
+    Ok(())
 }
 
 fn to_tensor(e: &Embeddings) -> Result<Tensor> {
@@ -61,7 +102,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
     let mut tensors = HashMap::new();
-    let mut side = Sidecar::default();
+    let mut side = Sidecar { checkpoint: Some(canonical(&m.dir)), ema: a.ema, dim: Some(m.spec().embed_dim), ..Default::default() };
     match (&a.data, &a.texts) {
         (Some(d), _) => {
             let mut images = embed_pairs(
@@ -214,6 +255,7 @@ pub fn search(a: &SearchArgs) -> Result<()> {
         Target::Texts => ("text_embeddings", &side.texts),
     };
     let matrix = index.get(name).with_context(|| format!("{} has no {name}", a.index.display()))?;
+    check_same_model(&side, &a.index, &m.dir, a.ema, query.len(), matrix.dims().last().copied().unwrap_or(0))?;
     let scores = matrix.matmul(&Tensor::from_slice(&query, (query.len(), 1), &Device::Cpu)?)?.flatten_all()?.to_vec1::<f32>()?;
     let hits: Vec<Hit> = top_k(&scores, a.k)
         .into_iter()

@@ -5,7 +5,6 @@ pub mod data;
 pub mod demo;
 pub mod embed;
 pub mod eval;
-pub mod eval_record;
 pub mod eval_suite;
 pub mod inspect;
 pub mod launch;

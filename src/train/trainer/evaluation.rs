@@ -6,7 +6,7 @@ use anyhow::Result;
 use super::logging::RunLog;
 use super::setup::Run;
 use crate::config::Config;
-use crate::eval::suite::{self, EvalResults};
+use crate::eval::periodic::{self, EvalResults};
 use crate::io::tensors::var_tensors;
 use crate::model::dual_encoder::DualEncoder;
 use crate::model::init::FixedVars;
@@ -15,14 +15,15 @@ use crate::util::log;
 /// Whether `step` evaluates: evaluation data is configured, and it is an `eval_every` step or the
 /// schedule's last.
 pub(super) fn due(cfg: &Config, step: u64) -> bool {
-    suite::configured(cfg) && ((cfg.train.eval_every > 0 && step.is_multiple_of(cfg.train.eval_every)) || step == cfg.train.steps)
+    periodic::configured(cfg) && ((cfg.train.eval_every > 0 && step.is_multiple_of(cfg.train.eval_every)) || step == cfg.train.steps)
 }
 
 /// Evaluates and logs the results. An evaluation that fails (non-finite embeddings of a model
 /// that diverged, unreadable evaluation data) is logged, as a warning and in the metrics log, and
 /// training goes on: the loss decides whether the run is lost.
 pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mut RunLog) -> Result<EvalResults> {
-    let results = match forward_only(run, var_tensors(&run.varmap)).and_then(|m| suite::run(&m, &run.tokenizer, cfg, &run.device, true)) {
+    let results = match forward_only(run, var_tensors(&run.varmap)).and_then(|m| periodic::run(&m, &run.tokenizer, cfg, &run.device, true))
+    {
         Ok(r) => r,
         Err(e) => {
             let e = format!("{e:#}");
@@ -36,7 +37,7 @@ pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mu
     }
     log.record(serde_json::json!({"step": step, "eval": results}))?;
     if let (true, Some(ema)) = (cfg.train.ema_eval, &run.ema) {
-        match forward_only(run, ema.tensors()).and_then(|m| suite::run(&m, &run.tokenizer, cfg, &run.device, true)) {
+        match forward_only(run, ema.tensors()).and_then(|m| periodic::run(&m, &run.tokenizer, cfg, &run.device, true)) {
             Ok(r) => {
                 if !quiet {
                     log::info(format!("step {step} (weight average): {}", r.line()));

@@ -15,7 +15,7 @@ use super::setup::{self, Run};
 use super::{coll, evaluation, TrainOptions};
 use crate::config::{Config, Precision};
 use crate::data::loader::Batch;
-use crate::eval::suite::EvalResults;
+use crate::eval::periodic::EvalResults;
 use crate::train::collective::Collective;
 use crate::train::schedule::lr_at;
 use crate::train::step::{self, MicroBatch};
@@ -49,7 +49,7 @@ pub(super) fn run(cfg: &Config, opts: &TrainOptions, group: &Arc<dyn Collective>
         data_wait: 0.0,
     };
     // The starting model's figures, logged at step 0, before it has trained (train.eval_at_start).
-    if cfg.train.eval_at_start && at.step == 0 && group.rank() == 0 && crate::eval::suite::configured(cfg) {
+    if cfg.train.eval_at_start && at.step == 0 && group.rank() == 0 && crate::eval::periodic::configured(cfg) {
         out.eval = evaluation::evaluate(cfg, run, 0, opts.quiet, log)?;
     }
     while at.step < end {

@@ -14,7 +14,7 @@ use super::setup::Run;
 use super::step_loop::LoopEnd;
 use crate::config::Config;
 use crate::data::skips::SkipCounts;
-use crate::eval::suite::EvalResults;
+use crate::eval::periodic::EvalResults;
 use crate::train::collective::Collective;
 use crate::train::metrics_log;
 

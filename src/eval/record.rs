@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use align::data::skips::SkipCounts;
+use crate::data::skips::SkipCounts;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -21,13 +21,17 @@ pub struct EvalRecord {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dataset: Option<String>,
     /// CLIP_benchmark's task name: `zeroshot_retrieval`, `zeroshot_classification` or
-    /// `linear_probe`.
+    /// `linear_probe`; `knn` for ALIGN's nearest-neighbour classification, which CLIP_benchmark
+    /// does not have.
     pub task: &'static str,
     pub images: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub texts: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub classes: Option<usize>,
+    /// The neighbours that vote (KNN).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub neighbours: Option<usize>,
     pub skipped: SkipCounts,
     pub skipped_total: u64,
     /// False when samples were skipped: the numbers are over part of the set.
@@ -39,7 +43,7 @@ pub struct EvalRecord {
 
 impl EvalRecord {
     pub fn new(checkpoint: &Path, data: &str, task: &'static str, images: usize, skipped: &SkipCounts) -> EvalRecord {
-        let step = align::io::run_dir::read_state(checkpoint).ok().map(|s| s.step);
+        let step = crate::io::run_dir::read_state(checkpoint).ok().map(|s| s.step);
         EvalRecord {
             checkpoint: checkpoint.display().to_string(),
             step,
@@ -49,6 +53,7 @@ impl EvalRecord {
             images,
             texts: None,
             classes: None,
+            neighbours: None,
             skipped: skipped.clone(),
             skipped_total: skipped.total(),
             complete: skipped.is_empty(),
@@ -92,8 +97,20 @@ impl EvalRecord {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
         }
-        align::io::tensors::write_atomic(path, serde_json::to_string_pretty(&v)?.as_bytes())
+        crate::io::tensors::write_atomic(path, serde_json::to_string_pretty(&v)?.as_bytes())
     }
+}
+
+/// CLIP_benchmark's file name for a result: `{dataset}_{pretrained}_{model}_{language}_{task}.json`,
+/// with the characters a file name cannot hold replaced.
+pub fn result_file_name(r: &EvalRecord) -> String {
+    let clean = |s: &str| -> String {
+        let s: String = s.chars().map(|c| if c.is_ascii_alphanumeric() || "-.".contains(c) { c } else { '-' }).collect();
+        s.trim_matches('-').to_string()
+    };
+    let dataset = r.dataset.as_deref().unwrap_or(&r.data);
+    let pretrained = r.step.map_or_else(|| "pretrained".to_string(), |s| format!("step-{s}"));
+    format!("{}_{}_{}_en_{}.json", clean(dataset), pretrained, clean(&r.checkpoint), r.task)
 }
 
 /// `--recall-k 1,5,10`.

@@ -1,0 +1,61 @@
+//! The evaluations a config asks for (`[eval]`), run on an in-memory model: used during training
+//! and by `align eval` / `align demo`.
+
+use anyhow::Result;
+use candle_core::Device;
+use serde::Serialize;
+
+use super::metrics::{ClassificationReport, RetrievalReport};
+use super::{retrieval, zeroshot};
+use crate::config::Config;
+use crate::data::eval_reader::EvalSource;
+use crate::data::spec;
+use crate::data::tokenizer::TextTokenizer;
+use crate::model::dual_encoder::DualEncoder;
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct EvalResults {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zeroshot: Option<ClassificationReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retrieval: Option<RetrievalReport>,
+}
+
+impl EvalResults {
+    pub fn is_empty(&self) -> bool {
+        self.zeroshot.is_none() && self.retrieval.is_none()
+    }
+
+    /// A short one-line summary for logs.
+    pub fn line(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(z) = &self.zeroshot {
+            parts.push(format!("zero-shot top1 {:.3} top5 {:.3}", z.top1, z.top5));
+        }
+        if let Some(r) = &self.retrieval {
+            parts.push(format!("i2t R@1 {:.3} t2i R@1 {:.3} rsum {:.1}", r.i2t.r1, r.t2i.r1, r.rsum));
+        }
+        parts.join("; ")
+    }
+}
+
+pub fn configured(cfg: &Config) -> bool {
+    !cfg.eval.zeroshot.is_empty() || !cfg.eval.retrieval.is_empty()
+}
+
+pub fn run(model: &DualEncoder, tokenizer: &TextTokenizer, cfg: &Config, device: &Device, quiet: bool) -> Result<EvalResults> {
+    let mut out = EvalResults::default();
+    let e = &cfg.eval;
+    if !e.zeroshot.is_empty() {
+        let classes = zeroshot::read_lines(&e.classes)?;
+        let templates = zeroshot::read_lines(&e.templates)?;
+        let source = EvalSource::Shards(spec::expand(&e.zeroshot)?);
+        out.zeroshot =
+            Some(zeroshot::run(model, tokenizer, source, &classes, &templates, &cfg.data.image, e.batch_size, device, quiet)?.report);
+    }
+    if !e.retrieval.is_empty() {
+        let source = EvalSource::Shards(spec::expand(&e.retrieval)?);
+        out.retrieval = Some(retrieval::run(model, tokenizer, source, &cfg.data.image, e.batch_size, device, quiet)?.report);
+    }
+    Ok(out)
+}
