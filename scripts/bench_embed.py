@@ -281,7 +281,7 @@ def measure(a):
             import pyarrow as pa
             import pyarrow.parquet as pq
             table = pa.table({"key": scored["key"], "caption": scored["caption"],
-                              "clip_score": pa.array(scored["clip_score"], pa.float32())})
+                              "score": pa.array(scored["clip_score"], pa.float32())})
             pq.write_table(table, a.scores_out)
         seconds = time.perf_counter() - start
 

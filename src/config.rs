@@ -86,6 +86,11 @@ pub struct DataConfig {
     pub shuffle_shards: bool,
     /// Draw shards with replacement forever instead of epochs.
     pub resampled: bool,
+    /// With `resampled`: one weight per source that `::` joins in `train` (open_clip's
+    /// `--train-data-upsampling-factors`): every shard of a source is drawn with its source's
+    /// factor, so `[1.0, 2.0]` reads the second source's samples twice as often as the first's.
+    /// Empty: uniform over shards.
+    pub upsampling_factors: Vec<f64>,
     /// Ready batches each worker may hold.
     pub prefetch: usize,
     /// How much the loader threads lower their scheduling priority (Linux nice, 0-19): they
@@ -108,6 +113,7 @@ impl Default for DataConfig {
             shuffle_buffer: 2000,
             shuffle_shards: true,
             resampled: false,
+            upsampling_factors: Vec::new(),
             prefetch: 2,
             worker_nice: 10,
             stall_timeout_s: 300.0,
@@ -543,6 +549,19 @@ impl Config {
         if !(t.lr > 0.0 && t.lr.is_finite()) {
             bail!("train.lr must be a positive number, got {}", t.lr);
         }
+        let factors = &self.data.upsampling_factors;
+        if !factors.is_empty() {
+            if !self.data.resampled {
+                bail!("data.upsampling_factors weights sources drawn with replacement: set data.resampled = true (as open_clip needs --dataset-resampled)");
+            }
+            let sources = crate::data::spec::source_count(&self.data.train);
+            if factors.len() != sources {
+                bail!("data.upsampling_factors has {} factors for the {sources} sources `::` joins in data.train", factors.len());
+            }
+            if factors.iter().any(|f| !(f.is_finite() && *f >= 0.0)) || factors.iter().all(|f| *f == 0.0) {
+                bail!("data.upsampling_factors must be non-negative numbers, not all zero: {factors:?}");
+            }
+        }
         if !(0.0..1.0).contains(&self.loss.label_smoothing) {
             bail!("loss.label_smoothing must be in [0, 1), got {}", self.loss.label_smoothing);
         }
@@ -733,6 +752,22 @@ mod tests {
             Config::from_str_with_overrides("", "x.toml", &["train.batch_size=10".into(), "train.accum_steps=3".into()]).unwrap_err()
         );
         assert!(err.contains("accum_steps"), "{err}");
+    }
+
+    #[test]
+    fn upsampling_factors_need_resampling_and_one_factor_per_source() {
+        let with = |extra: &[&str]| {
+            let mut o: Vec<String> = vec!["data.train=a/{0..3}.tar::b/{0..9}.tar".into()];
+            o.extend(extra.iter().map(|s| s.to_string()));
+            Config::from_str_with_overrides("", "x.toml", &o).map_err(|e| format!("{e:#}"))
+        };
+        let e = with(&["data.upsampling_factors=[1.0, 2.0]"]).unwrap_err();
+        assert!(e.contains("data.resampled"), "{e}");
+        let e = with(&["data.resampled=true", "data.upsampling_factors=[1.0]"]).unwrap_err();
+        assert!(e.contains("1 factors for the 2 sources"), "{e}");
+        let e = with(&["data.resampled=true", "data.upsampling_factors=[1.0, -2.0]"]).unwrap_err();
+        assert!(e.contains("non-negative"), "{e}");
+        assert_eq!(with(&["data.resampled=true", "data.upsampling_factors=[1.0, 0.5]"]).unwrap().data.upsampling_factors, [1.0, 0.5]);
     }
 
     fn shipped_configs() -> Vec<PathBuf> {

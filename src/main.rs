@@ -1,7 +1,7 @@
 //! The `align` command line: parse, then call one function per subcommand.
 
-use anyhow::Result;
-use clap::{Parser, Subcommand};
+use anyhow::{Context, Result};
+use clap::{CommandFactory, Parser, Subcommand};
 
 mod cli;
 
@@ -88,6 +88,17 @@ enum Command {
     Plot(cli::plot::PlotArgs),
     /// Start the local ranks of a multi-process job (torchrun's variables), stopping all if one fails.
     Launch(cli::launch::LaunchArgs),
+    /// Print a shell's completion script: `align completions bash > ~/.local/share/bash-completion/completions/align`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages: `align.1` and one per subcommand (`align-train.1`, ...), into a directory.
+    Man {
+        /// The directory (created if missing), e.g. ~/.local/share/man/man1.
+        #[arg(long)]
+        out: std::path::PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -153,7 +164,7 @@ fn main() {
     let result = run();
     align::util::interrupt::run_before_exit();
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", align::util::errors::one_line(&e));
         std::process::exit(1);
     }
 }
@@ -196,6 +207,18 @@ fn run() -> Result<()> {
         Command::Search(a) => cli::embed::search(&a),
         Command::Export(a) => cli::embed::export(&a),
         Command::Inspect(a) => cli::inspect::run(&a),
+        Command::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "align", &mut script);
+            use std::io::Write;
+            std::io::stdout().write_all(&script).context("writing the completion script")
+        }
+        Command::Man { out } => {
+            std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+            clap_mangen::generate_to(Cli::command(), &out).with_context(|| format!("writing man pages into {}", out.display()))?;
+            println!("man pages written to {} (read one with: man -l {}/align.1)", out.display(), out.display());
+            Ok(())
+        }
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),

@@ -271,7 +271,7 @@ fn the_average_evaluated_in_training_is_the_one_ema_loads() {
     std::fs::write(&cfg_path, cfg.to_toml().unwrap()).unwrap();
     let (ok, _, err) = align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]);
     assert!(ok, "{err}");
-    let log = align::train::metrics_log::read(&cfg.run_dir().join("metrics.jsonl")).unwrap();
+    let log = align::io::metrics_log::read(&cfg.run_dir().join("metrics.jsonl")).unwrap();
     let evals = |key: &str| {
         log.iter().filter(|r| r.get(key).is_some()).map(|r| (r["step"].as_u64().unwrap(), r[key]["retrieval"].clone())).collect::<Vec<_>>()
     };
@@ -560,4 +560,24 @@ fn inspect_describes_every_format_and_export_refuses_to_overwrite() {
     assert!(align(&forced).0);
     let (ok, _, err) = align(&["inspect", "/nonexistent/model"]);
     assert!(!ok && err.lines().count() == 1 && err.contains("does not exist"), "{err}");
+}
+
+#[test]
+fn completions_and_man_pages_cover_every_subcommand() {
+    let (ok, bash, err) = align(&["completions", "bash"]);
+    assert!(ok, "{err}");
+    for sub in ["train", "export", "inspect", "knn", "score"] {
+        assert!(bash.contains(sub), "bash completion lacks {sub}");
+    }
+    let (ok, zsh, _) = align(&["completions", "zsh"]);
+    assert!(ok && zsh.contains("#compdef align"), "{zsh}");
+    let dir = tempfile::tempdir().unwrap();
+    let (ok, _, err) = align(&["man", "--out", dir.path().to_str().unwrap()]);
+    assert!(ok, "{err}");
+    for page in ["align.1", "align-train.1", "align-data-score.1", "align-eval-knn.1"] {
+        let text = std::fs::read_to_string(dir.path().join(page)).unwrap_or_else(|_| panic!("no {page}"));
+        assert!(text.contains(".TH"), "{page} is not a man page");
+    }
+    let train = std::fs::read_to_string(dir.path().join("align-train.1")).unwrap();
+    assert!(train.contains("resume"), "the train page lists its options");
 }

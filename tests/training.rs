@@ -4,13 +4,13 @@ mod common;
 
 use std::collections::HashMap;
 
+use align::io::metrics_log;
 use align::io::{load, run_dir, tensors};
-use align::train::metrics_log;
 use align::train::trainer::{train, TrainOptions};
 use candle_core::{Device, Tensor};
 
 fn opts(resume: bool, stop_after: Option<u64>) -> TrainOptions {
-    TrainOptions { resume, quiet: true, device: Device::Cpu, stop_after, nproc: 1, allow_change: Vec::new() }
+    TrainOptions { resume, resume_from: None, quiet: true, device: Device::Cpu, stop_after, nproc: 1, allow_change: Vec::new() }
 }
 
 fn weights(dir: &std::path::Path) -> HashMap<String, Tensor> {
@@ -65,6 +65,30 @@ fn resumed_run_matches_uninterrupted_run_bit_for_bit() {
     assert!(e.contains("--ema") && e.contains("ema_decay"), "{e}");
 }
 
+/// `--resume PATH`: an earlier checkpoint of one run continues into another run's directory bit
+/// for bit; within its own run, the later checkpoints it would replace block it; a run that has
+/// checkpoints of its own refuses another run's.
+#[test]
+fn resume_from_a_chosen_checkpoint_branches_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let a = common::tiny_config(&data, &tok, &dir.path().join("a"), &["train.keep_last=10"]);
+    let straight = train(&a, &opts(false, None)).unwrap();
+    let step4 = a.run_dir().join("step-4");
+    let from_step4 = TrainOptions { resume_from: Some(step4.clone()), ..opts(true, None) };
+    let e = format!("{:#}", train(&a, &from_step4).unwrap_err());
+    assert!(e.contains("step-6") && e.contains("step-8") && e.contains("replace"), "{e}");
+
+    let b = common::tiny_config(&data, &tok, &dir.path().join("b"), &["train.keep_last=10"]);
+    let branch = train(&b, &from_step4).unwrap();
+    assert_eq!((branch.steps, branch.samples_seen), (8, straight.samples_seen));
+    assert_identical(&weights(&straight.checkpoint), &weights(&branch.checkpoint));
+    assert!(!b.run_dir().join("step-2").exists(), "the branch starts at step 4");
+    let e = format!("{:#}", train(&b, &from_step4).unwrap_err());
+    assert!(e.contains("already has checkpoints"), "{e}");
+}
+
 /// Patch dropout's draws and the weights' moving average come back exactly on resume, through
 /// the switch to unmasked tuning (the last 2 steps); `--ema` loads the average.
 #[test]
@@ -97,7 +121,7 @@ fn tensorboard_events_carry_the_metrics_log_records() {
     let log = metrics_log::read(&cfg.run_dir().join("metrics.jsonl")).unwrap();
     let files: Vec<_> = std::fs::read_dir(cfg.run_dir().join("tb")).unwrap().map(|e| e.unwrap().path()).collect();
     assert_eq!(files.len(), 1, "{files:?}");
-    let events = align::train::tensorboard::read_scalars(&files[0]).unwrap();
+    let events = align::io::tensorboard::read_scalars(&files[0]).unwrap();
     let mut compared = 0;
     for r in &log {
         let step = r["step"].as_i64().unwrap();

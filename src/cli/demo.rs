@@ -70,7 +70,15 @@ pub fn run(a: &DemoArgs) -> Result<()> {
     }
     let summary = train(
         &cfg,
-        &TrainOptions { resume: false, quiet, device: super::default_device(), stop_after: None, nproc: 1, allow_change: Vec::new() },
+        &TrainOptions {
+            resume: false,
+            resume_from: None,
+            quiet,
+            device: super::default_device(),
+            stop_after: None,
+            nproc: 1,
+            allow_change: Vec::new(),
+        },
     )?;
     let plot = run_dir.join("plot.png");
     align::plot::figure::render(&[align::plot::runs::load(&run_dir)?], 1500)?

@@ -37,12 +37,11 @@ pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
     t
 }
 
-/// How `--resume` continues.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Resume {
-    /// From the latest checkpoint if the run has one, else from the start (what a requeued job
-    /// wants).
-    Auto,
+/// Where `--resume` continues from: `auto` / `latest` (the run's latest checkpoint, or the start
+/// when there is none: what a requeued job wants), or a checkpoint (`RUN/step-N`) or run
+/// directory, as open_clip's `--resume latest` / `--resume PATH`.
+fn resume_from(value: &str) -> Option<PathBuf> {
+    (!matches!(value, "auto" | "latest")).then(|| PathBuf::from(value))
 }
 
 #[derive(clap::Args)]
@@ -53,10 +52,12 @@ pub struct TrainArgs {
     /// Override a config field: `--set train.lr=1e-4` (repeatable).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     overrides: Vec<String>,
-    /// Continue from the run's latest checkpoint (`--resume` or `--resume auto`: start from
-    /// scratch when there is none yet).
-    #[arg(long, num_args = 0..=1, default_missing_value = "auto", value_name = "auto")]
-    resume: Option<Resume>,
+    /// Continue exactly where a checkpoint stopped: `--resume` (or `auto`, `latest`) from the
+    /// run's latest checkpoint, starting from scratch when there is none yet; `--resume PATH`
+    /// from that checkpoint (`RUN/step-N`) or run directory: an earlier step of this run, or
+    /// another run's checkpoint continued into this run's directory.
+    #[arg(long, num_args = 0..=1, default_missing_value = "auto", value_name = "auto|latest|PATH")]
+    resume: Option<String>,
     /// With --resume: let the run change this field of its checkpoint's config (`run.seed`,
     /// `train.batch_size`, `train.steps`, `data.train`, `model`), which breaks exact continuation,
     /// or restart a missing weight average (`train.ema_decay`) (repeatable).
@@ -88,6 +89,7 @@ pub fn run(a: &TrainArgs) -> Result<()> {
     align::util::interrupt::install();
     let opts = TrainOptions {
         resume: a.resume.is_some(),
+        resume_from: a.resume.as_deref().and_then(resume_from),
         quiet: a.quiet,
         device: super::default_device(),
         stop_after: a.stop_after,

@@ -7,8 +7,10 @@
 //! taking batches round-robin from the workers that still have data, so nothing is dropped, and
 //! the deal changes every epoch so no shard is systematically late.
 //!
-//! Resampled mode (open_clip's `--dataset-resampled`): each worker draws shards uniformly with
-//! replacement, forever; the `c`-th draw of a worker is a pure function of (seed, rank, worker, c).
+//! Resampled mode (open_clip's `--dataset-resampled`): each worker draws shards with replacement,
+//! forever, uniformly or in proportion to per-shard weights (open_clip's
+//! `--train-data-upsampling-factors`: every shard of a source weighs its source's factor); the
+//! `c`-th draw of a worker is a pure function of (seed, rank, worker, c).
 
 use serde::{Deserialize, Serialize};
 
@@ -47,6 +49,8 @@ pub struct ShardPlan {
     pub seed: u64,
     pub shuffle: bool,
     pub resampled: bool,
+    /// Resampled mode: each shard's weight (empty: uniform).
+    pub weights: Vec<f64>,
 }
 
 const EPOCH_ORDER: u64 = 0x5348_4152_4445_5053; // "SHARDEPS"
@@ -71,7 +75,18 @@ impl ShardPlan {
     pub fn shard_at(&self, epoch: u64, at: Placement, cursor: usize, cached: &mut Option<(u64, Vec<usize>)>) -> Option<usize> {
         if self.resampled {
             let mut rng = Rng::derived(self.seed, &[RESAMPLE, at.global_worker(), cursor as u64]);
-            return Some(rng.below(self.shards.len()));
+            if self.weights.is_empty() {
+                return Some(rng.below(self.shards.len()));
+            }
+            let total: f64 = self.weights.iter().sum();
+            let mut x = rng.uniform(0.0, total);
+            for (i, &w) in self.weights.iter().enumerate() {
+                if x < w {
+                    return Some(i);
+                }
+                x -= w;
+            }
+            return Some(self.weights.iter().rposition(|&w| w > 0.0).unwrap_or(0));
         }
         if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
             *cached = Some((epoch, self.worker_shards(epoch, at)));
@@ -97,6 +112,7 @@ mod tests {
             seed: 42,
             shuffle,
             resampled: false,
+            weights: Vec::new(),
         }
     }
 
@@ -162,5 +178,29 @@ mod tests {
         }
         let other: Vec<usize> = (0..400).map(|c| p.shard_at(0, at.with_worker(1), c, &mut cache).unwrap()).collect();
         assert_ne!(draws, other);
+    }
+
+    #[test]
+    fn weighted_resampling_follows_the_upsampling_factors() {
+        // Source A: shards 0-1 with factor 1; source B: shards 2-5 with factor 0.25. A shard of A
+        // is drawn 4 times as often as one of B, and A as a whole twice as often as B.
+        let mut p = plan(6, true);
+        p.resampled = true;
+        p.weights = vec![1.0, 1.0, 0.25, 0.25, 0.25, 0.25];
+        let at = Placement::single(1);
+        let mut cache = None;
+        let n = 60_000;
+        let mut counts = [0usize; 6];
+        for c in 0..n {
+            counts[p.shard_at(0, at, c, &mut cache).unwrap()] += 1;
+        }
+        let share = |range: std::ops::Range<usize>| counts[range].iter().sum::<usize>() as f64 / n as f64;
+        assert!((share(0..2) - 2.0 / 3.0).abs() < 0.01, "{counts:?}");
+        for s in 2..6 {
+            let expected = n as f64 / 12.0;
+            assert!((counts[s] as f64 - expected).abs() < 0.05 * expected, "{counts:?}");
+        }
+        let again: Vec<usize> = (0..50).map(|c| p.shard_at(0, at, c, &mut cache).unwrap()).collect();
+        assert_eq!(again, (0..50).map(|c| p.shard_at(0, at, c, &mut None).unwrap()).collect::<Vec<_>>());
     }
 }

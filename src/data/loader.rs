@@ -516,7 +516,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // Three workers with two shards of five each: six batches of five are exactly one epoch.
         let shards = make_shards(dir.path(), 6, 5);
-        let plan = ShardPlan { shards, seed: 3, shuffle: true, resampled: false };
+        let plan = ShardPlan { shards, seed: 3, shuffle: true, resampled: false, weights: Vec::new() };
         let mut a = TrainLoader::start(plan.clone(), Placement::single(3), settings(5, 4), tokenizer(), None).unwrap();
         let ka = keys(&mut a, 6);
         let mut all: Vec<String> = ka.iter().flatten().cloned().collect();
@@ -531,7 +531,7 @@ mod tests {
     fn the_shuffle_buffer_mixes_samples_within_a_worker() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 30);
-        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false };
+        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false, weights: Vec::new() };
         let mut l = TrainLoader::start(plan.clone(), Placement::single(1), settings(30, 0), tokenizer(), None).unwrap();
         let sequential = l.next_batch().unwrap().keys;
         let want: Vec<String> = (0..30).map(|i| format!("s0-{i:03}")).collect();
@@ -548,8 +548,8 @@ mod tests {
     fn a_restored_position_continues_with_exactly_the_same_batches() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 5, 7);
-        for resampled in [false, true] {
-            let plan = ShardPlan { shards: shards.clone(), seed: 5, shuffle: true, resampled };
+        for (resampled, weights) in [(false, vec![]), (true, vec![]), (true, vec![3.0, 1.0, 1.0, 0.5, 0.5])] {
+            let plan = ShardPlan { shards: shards.clone(), seed: 5, shuffle: true, resampled, weights };
             let mut full = TrainLoader::start(plan.clone(), Placement::single(2), settings(4, 6), tokenizer(), None).unwrap();
             let reference: Vec<Batch> = (0..25).map(|_| full.next_batch().unwrap()).collect();
             for stop in [1, 4, 9, 17] {
@@ -586,7 +586,7 @@ mod tests {
         // Cut inside the 5000-byte caption of the last sample.
         let at = bytes.windows(4).position(|w| w == b"xxxx").unwrap() + 100;
         std::fs::write(&path, &bytes[..at]).unwrap();
-        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false };
+        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let b = l.next_batch().unwrap();
         assert_eq!(b.keys, vec!["good1", "good2"]);
@@ -607,7 +607,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("empty.tar");
         ShardWriter::create(&path).unwrap().finish().unwrap();
-        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false };
+        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("no usable sample") && err.contains("skipped: none"), "{err}");
@@ -617,7 +617,7 @@ mod tests {
         w.write_sample("corrupt", &[("png", b"not a png".to_vec()), ("txt", b"ok".to_vec())]).unwrap();
         w.write_sample("nocap", &[("png", png(2))]).unwrap();
         w.finish().unwrap();
-        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false };
+        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("corrupt_image=1, missing_caption=1"), "{err}");
@@ -629,7 +629,7 @@ mod tests {
     fn an_empty_epoch_after_good_ones_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 4);
-        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false };
+        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(4, 0), tokenizer(), None).unwrap();
         l.next_batch().unwrap();
         std::fs::remove_file(dir.path().join("shard-0.tar")).unwrap();
@@ -641,7 +641,7 @@ mod tests {
     fn pixels_and_tokens_land_in_their_batch_rows() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 3);
-        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false };
+        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false, weights: Vec::new() };
         let mut s = settings(3, 0);
         s.image.hflip = false;
         let mut l = TrainLoader::start(plan, Placement::single(1), s, tokenizer(), None).unwrap();

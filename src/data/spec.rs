@@ -52,14 +52,30 @@ pub fn expand(spec: &str) -> Result<Vec<ShardSource>, SpecError> {
 }
 
 fn expand_in(spec: &str, base: &Path) -> Result<Vec<ShardSource>, SpecError> {
-    let mut out = Vec::new();
-    for part in spec.split("::").map(str::trim).filter(|p| !p.is_empty()) {
-        out.extend(expand_one(part, base)?);
-    }
+    let out: Vec<ShardSource> = expand_parts_in(spec, base)?.into_iter().flatten().collect();
     if out.is_empty() {
         return Err(SpecError::NoMatch { spec: spec.to_string() });
     }
     Ok(out)
+}
+
+/// The sources of a spec joined with `::`, each expanded on its own (for weighting sources, as
+/// open_clip's `--train-data-upsampling-factors` does).
+pub fn expand_parts(spec: &str) -> Result<Vec<Vec<ShardSource>>, SpecError> {
+    let parts = expand_parts_in(spec, Path::new(""))?;
+    if parts.iter().all(Vec::is_empty) {
+        return Err(SpecError::NoMatch { spec: spec.to_string() });
+    }
+    Ok(parts)
+}
+
+/// The number of sources `::` joins in a spec.
+pub fn source_count(spec: &str) -> usize {
+    spec.split("::").map(str::trim).filter(|p| !p.is_empty()).count()
+}
+
+fn expand_parts_in(spec: &str, base: &Path) -> Result<Vec<Vec<ShardSource>>, SpecError> {
+    spec.split("::").map(str::trim).filter(|p| !p.is_empty()).map(|part| expand_one(part, base)).collect()
 }
 
 fn expand_one(part: &str, base: &Path) -> Result<Vec<ShardSource>, SpecError> {

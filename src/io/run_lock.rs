@@ -1,12 +1,12 @@
-//! One writer per run directory: a trainer holds an advisory lock (`flock`) on `RUN/.lock` for
+//! One writer per run directory: a trainer holds an advisory lock (`File::try_lock`, an `flock`
+//! on Unix) on `RUN/.lock` for
 //! its whole run, and a second trainer on the same directory refuses at once, naming the holder
 //! (pid, host, start time) that the lock file records. The kernel drops the lock when its holder
 //! exits, however it exits, so a lock left by a killed process never blocks the next run; the
 //! stale file's contents are simply overwritten.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -31,10 +31,9 @@ impl RunLock {
             .truncate(false)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: flock on a descriptor this function owns.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let err = std::io::Error::last_os_error();
-            if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
                 let mut holder = String::new();
                 let _ = file.read_to_string(&mut holder);
                 let holder = holder.trim();
@@ -44,9 +43,9 @@ impl RunLock {
                     run_dir.display()
                 );
             }
-            return Err(err).with_context(|| format!("locking {}", path.display()));
+            Err(TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
         }
-        let me = format!("pid {} on host {} since {}", std::process::id(), hostname(), crate::util::clock::utc_now());
+        let me = format!("pid {} on host {} since {}", std::process::id(), crate::util::host::name(), crate::util::clock::utc_now());
         file.set_len(0)
             .and_then(|_| file.seek(SeekFrom::Start(0)))
             .and_then(|_| writeln!(file, "{me}"))
@@ -57,18 +56,6 @@ impl RunLock {
 
     pub fn path(&self) -> &Path {
         &self.path
-    }
-}
-
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes into buf.
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    if ok && end > 0 {
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        "an unknown host".into()
     }
 }
 

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
-use crate::train::{metrics_log, tensorboard};
+use crate::io::{metrics_log, tensorboard};
 
 pub type Curves = BTreeMap<String, Vec<(f64, f64)>>;
 

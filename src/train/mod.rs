@@ -4,7 +4,6 @@ pub mod collective;
 pub mod ema;
 pub mod gather;
 pub mod loss;
-pub mod metrics_log;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod optim;
@@ -12,5 +11,4 @@ pub mod rendezvous;
 pub mod schedule;
 pub mod sigmoid_loss;
 pub mod step;
-pub mod tensorboard;
 pub mod trainer;

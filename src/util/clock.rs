@@ -7,18 +7,8 @@ pub fn utc_now() -> String {
 
 /// Seconds since the epoch.
 pub fn utc(secs: i64) -> String {
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // The civil date of a day count from 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+    chrono::DateTime::from_timestamp(secs, 0)
+        .map_or_else(|| format!("{secs} s after the epoch"), |t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string())
 }
 
 /// A duration as `1h02m`, `3m05s` or `42s`.

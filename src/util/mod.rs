@@ -1,6 +1,8 @@
 pub mod clock;
 pub mod device;
+pub mod errors;
 pub mod files;
+pub mod host;
 pub mod interrupt;
 pub mod log;
 pub mod profile;

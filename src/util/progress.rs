@@ -20,19 +20,62 @@ fn interval() -> f64 {
     std::env::var("ALIGN_LOG_INTERVAL").ok().and_then(|v| v.parse::<f64>().ok()).filter(|v| *v > 0.0).unwrap_or(60.0)
 }
 
+/// A rate to three significant figures, thousands grouped: `2,689/s`, `42.3/s`, `0.427/s`.
+pub fn rate(per_s: f64) -> String {
+    if !per_s.is_finite() || per_s <= 0.0 {
+        return "-/s".into();
+    }
+    if per_s >= 999.5 {
+        let n = per_s.round() as u64;
+        let digits = n.to_string();
+        let mut grouped = String::new();
+        for (i, c) in digits.chars().enumerate() {
+            if i > 0 && (digits.len() - i).is_multiple_of(3) {
+                grouped.push(',');
+            }
+            grouped.push(c);
+        }
+        return format!("{grouped}/s");
+    }
+    let decimals = if per_s >= 99.95 {
+        0
+    } else if per_s >= 9.995 {
+        1
+    } else if per_s >= 0.9995 {
+        2
+    } else {
+        3
+    };
+    format!("{per_s:.decimals$}/s")
+}
+
+fn style(template: &str) -> ProgressStyle {
+    ProgressStyle::with_template(template).expect("valid template").with_key(
+        "rate",
+        |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+            let _ = w.write_str(&rate(s.per_sec()));
+        },
+    )
+}
+
 impl Progress {
     pub fn bar(len: u64, what: &str, quiet: bool) -> Self {
         let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(len) };
-        bar.set_style(
-            ProgressStyle::with_template("{msg:>20} [{elapsed_precise}] {wide_bar} {pos}/{len} ({per_sec}, ETA {eta})")
-                .expect("valid template"),
-        );
+        bar.set_style(style("{msg:>20} [{elapsed_precise}] {wide_bar} {pos}/{len} ({rate}, ETA {eta})"));
+        Self::start(bar, what, quiet)
+    }
+
+    /// A bar whose message is a status that changes (training's loss and rate): the status comes
+    /// last and is cut to the terminal's width, so the bar keeps its cells on 80 columns.
+    pub fn with_status(len: u64, what: &str, quiet: bool) -> Self {
+        let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(len) };
+        bar.set_style(style("[{elapsed_precise}] {bar:24} {pos}/{len} ({rate}, ETA {eta}) {wide_msg}"));
         Self::start(bar, what, quiet)
     }
 
     pub fn spinner(what: &str, quiet: bool) -> Self {
         let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new_spinner() };
-        bar.set_style(ProgressStyle::with_template("{spinner} {msg:>20} [{elapsed_precise}] {pos} ({per_sec})").expect("valid template"));
+        bar.set_style(style("{spinner} {msg:>20} [{elapsed_precise}] {pos} ({rate})"));
         bar.enable_steady_tick(std::time::Duration::from_millis(200));
         Self::start(bar, what, quiet)
     }
@@ -75,11 +118,12 @@ impl Progress {
         let rate = pos as f64 / secs;
         let line = match self.bar.length() {
             Some(len) if len > 0 && rate > 0.0 => format!(
-                "{what}: {pos}/{len} ({:.1}%), {rate:.2}/s, ETA {}",
+                "{what}: {pos}/{len} ({:.1}%), {}, ETA {}",
                 100.0 * pos as f64 / len as f64,
+                self::rate(rate),
                 super::clock::span(len.saturating_sub(pos) as f64 / rate)
             ),
-            _ => format!("{what}: {pos} ({rate:.2}/s)"),
+            _ => format!("{what}: {pos} ({})", self::rate(rate)),
         };
         log::info(line);
     }
@@ -96,5 +140,16 @@ impl Drop for Progress {
             self.bar.finish_and_clear();
             log::set_active_bar(None);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_read_as_a_person_writes_them() {
+        let got: Vec<String> = [2689.2798, 1_234_567.0, 999.6, 142.6, 42.34, 4.266, 0.4266, 0.0].into_iter().map(rate).collect();
+        assert_eq!(got, ["2,689/s", "1,234,567/s", "1,000/s", "143/s", "42.3/s", "4.27/s", "0.427/s", "-/s"]);
     }
 }

@@ -67,6 +67,7 @@ pub fn tiny_run(dir: &Path, extra: &[&str]) -> (SynthOutput, Config, PathBuf) {
 pub fn cpu_options() -> align::train::trainer::TrainOptions {
     align::train::trainer::TrainOptions {
         resume: false,
+        resume_from: None,
         quiet: true,
         device: candle_core::Device::Cpu,
         stop_after: None,

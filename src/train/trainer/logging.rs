@@ -9,9 +9,9 @@ use anyhow::Result;
 
 use super::setup::Run;
 use crate::config::Config;
-use crate::train::metrics_log::{self, MetricsLog};
+use crate::io::metrics_log::{self, MetricsLog};
+use crate::io::tensorboard::EventWriter;
 use crate::train::step::StepOutput;
-use crate::train::tensorboard::EventWriter;
 use crate::util::progress::Progress;
 
 pub(super) struct RunLog {
@@ -54,7 +54,7 @@ impl RunLog {
                 tb.text(step, "config", &format!("```toml\n{config_toml}\n```"));
             }
         }
-        let bar = Progress::bar(cfg.train.steps, "training", quiet).without_lines();
+        let bar = Progress::with_status(cfg.train.steps, "training", quiet).without_lines();
         bar.set_position(step);
         let lines = !quiet && !crate::util::log::interactive();
         Ok(RunLog { metrics, tb, bar, window: (Instant::now(), 0, 0, 0.0), lines, total: cfg.train.steps })

@@ -18,6 +18,7 @@ mod setup;
 mod step_loop;
 mod summary;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Result};
@@ -31,6 +32,9 @@ use crate::util::log;
 
 pub struct TrainOptions {
     pub resume: bool,
+    /// `--resume PATH`: this checkpoint (or this run directory's latest) instead of the run's
+    /// own latest.
+    pub resume_from: Option<PathBuf>,
     pub quiet: bool,
     pub device: Device,
     /// Stop after this many steps of this invocation (tests, benchmarks); the schedule still
@@ -47,6 +51,7 @@ impl TrainOptions {
     fn for_rank(&self, rank: usize, device: Device, nproc: usize) -> TrainOptions {
         TrainOptions {
             resume: self.resume,
+            resume_from: self.resume_from.clone(),
             quiet: self.quiet || rank > 0,
             device,
             stop_after: self.stop_after,

@@ -118,9 +118,13 @@ pub(super) fn bf16_view(cfg: &Config, run: &Run) -> Result<DualEncoder> {
     build_model(cfg, &run.spec, SeededVars::builder_dtype(&run.varmap, cfg.run.seed, DType::BF16, &run.device))
 }
 
-/// The checkpoint to resume from (with `--resume`) and its state.
+/// The checkpoint to resume from (with `--resume`, or `--resume PATH`) and its state.
 fn resume_point(opts: &TrainOptions, run_dir: &Path, world: usize) -> Result<(Option<PathBuf>, TrainState)> {
-    let resumed_from = if opts.resume { run_dir::latest(run_dir)? } else { None };
+    let resumed_from = match &opts.resume_from {
+        Some(path) => Some(chosen_checkpoint(path, run_dir)?),
+        None if opts.resume => run_dir::latest(run_dir)?,
+        None => None,
+    };
     if opts.resume && resumed_from.is_none() && !opts.quiet {
         log::info(format!("no checkpoint in {} yet: starting from scratch", run_dir.display()));
     }
@@ -134,11 +138,54 @@ fn resume_point(opts: &TrainOptions, run_dir: &Path, world: usize) -> Result<(Op
     Ok((resumed_from, start))
 }
 
+/// `--resume PATH`: a checkpoint (`RUN/step-N`) or a run directory (its latest checkpoint). An
+/// earlier checkpoint of this run continues from there, refused while later ones exist (they
+/// would be replaced); another run's checkpoint continues into this run's directory as a new
+/// branch, refused when this run already has checkpoints of its own.
+fn chosen_checkpoint(path: &Path, run_dir: &Path) -> Result<PathBuf> {
+    let dir = if path.join(run_dir::STATE_FILE).is_file() {
+        path.to_path_buf()
+    } else {
+        match run_dir::latest(path)? {
+            Some(d) => d,
+            None => bail!(
+                "--resume {}: not a checkpoint of an align run (no {}) nor a run directory with one",
+                path.display(),
+                run_dir::STATE_FILE
+            ),
+        }
+    };
+    let state = run_dir::read_state(&dir)?;
+    let canonical = |p: &Path| p.canonicalize().unwrap_or_else(|_| p.to_path_buf());
+    let own = dir.parent().is_some_and(|parent| canonical(parent) == canonical(run_dir));
+    let existing = run_dir::list_steps(run_dir)?;
+    if own {
+        let later: Vec<String> = existing.iter().filter(|(s, _)| *s > state.step).map(|(_, d)| d.display().to_string()).collect();
+        if !later.is_empty() {
+            bail!(
+                "--resume {}: this run has later checkpoints ({}) that continuing from step {} would replace; move them away first, or branch into a new run (another run.name) with --resume {}",
+                dir.display(),
+                later.join(", "),
+                state.step,
+                dir.display()
+            );
+        }
+    } else if let Some((_, d)) = existing.last() {
+        bail!(
+            "--resume {}: {} already has checkpoints of its own ({}); branch into a new run (another run.name), or resume this one with --resume",
+            dir.display(),
+            run_dir.display(),
+            d.display()
+        );
+    }
+    Ok(dir)
+}
+
 /// The fields whose change breaks a resumed run's promise (the same batches and weights as one
 /// uninterrupted run): what `--allow-change FIELD` must name to change them.
 /// The schedule's length is one of them: a longer `train.steps` re-stretches the learning rate's
 /// decay under the steps already taken.
-const RESUME_FIELDS: [&str; 5] = ["run.seed", "train.batch_size", "train.steps", "data.train", "model"];
+const RESUME_FIELDS: [&str; 6] = ["run.seed", "train.batch_size", "train.steps", "data.train", "data.upsampling_factors", "model"];
 
 /// What `cfg` changes of the config the checkpoint at `dir` was trained with: an error naming
 /// every change not allowed, else the allowed ones.
@@ -294,11 +341,19 @@ fn start_loader(cfg: &Config, group: &dyn Collective, tokenizer: Arc<TextTokeniz
     if micro == 0 || !cfg.train.batch_size.is_multiple_of(world * cfg.train.accum_steps) {
         bail!("train.batch_size {} does not split over {world} ranks × {} accumulation steps", cfg.train.batch_size, cfg.train.accum_steps);
     }
+    let parts = spec::expand_parts(&cfg.data.train)?;
+    let factors = &cfg.data.upsampling_factors;
+    let weights: Vec<f64> = if factors.is_empty() {
+        Vec::new()
+    } else {
+        parts.iter().zip(factors).flat_map(|(p, &f)| std::iter::repeat_n(f, p.len())).collect()
+    };
     let plan = ShardPlan {
-        shards: spec::expand(&cfg.data.train)?,
+        shards: parts.into_iter().flatten().collect(),
         seed: cfg.run.seed,
         shuffle: cfg.data.shuffle_shards,
         resampled: cfg.data.resampled,
+        weights,
     };
     let settings = LoaderSettings {
         image: cfg.data.image.clone(),

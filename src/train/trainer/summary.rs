@@ -15,8 +15,8 @@ use super::step_loop::LoopEnd;
 use crate::config::Config;
 use crate::data::skips::SkipCounts;
 use crate::eval::periodic::EvalResults;
+use crate::io::metrics_log;
 use crate::train::collective::Collective;
-use crate::train::metrics_log;
 
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainSummary {
