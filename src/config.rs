@@ -305,7 +305,17 @@ pub struct TrainConfig {
     /// whole batch (GradCache).
     pub accum_steps: usize,
     /// Optimiser steps in the run. ALIGN §5: 1.2M (about 12 epochs); §6.1's ablations: 1M.
+    /// Or give `epochs` or `samples` instead (one of the three).
     pub steps: u64,
+    /// The run's length in passes over `samples_per_epoch` pairs (open_clip's `--epochs`);
+    /// 0: use `steps`. The implied steps, ceil(epochs · samples_per_epoch / batch_size), are
+    /// printed at the start and written as `steps` in the run's config.
+    pub epochs: f64,
+    /// Pairs per epoch (open_clip's `--train-num-samples`); 0: counted from `data.train`'s
+    /// shards at the start.
+    pub samples_per_epoch: u64,
+    /// The run's length in pairs seen over all ranks; 0: use `steps` or `epochs`.
+    pub samples: u64,
     /// Peak learning rate. ALIGN §5: 1e-3.
     pub lr: f64,
     /// Steps of linear warm-up from zero. ALIGN §5: 10k.
@@ -379,6 +389,9 @@ impl Default for TrainConfig {
             batch_size: 16384,
             accum_steps: 1,
             steps: 1_200_000,
+            epochs: 0.0,
+            samples_per_epoch: 0,
+            samples: 0,
             lr: 1e-3,
             warmup_steps: 10_000,
             schedule: ScheduleKind::Linear,
@@ -545,6 +558,15 @@ impl Config {
         }
         if t.steps == 0 {
             bail!("train.steps must be positive");
+        }
+        if !(t.epochs >= 0.0 && t.epochs.is_finite()) {
+            bail!("train.epochs must be a non-negative number (0: use train.steps), got {}", t.epochs);
+        }
+        if t.epochs > 0.0 && t.samples > 0 {
+            bail!("set one of train.steps, train.epochs and train.samples: both train.epochs and train.samples are set");
+        }
+        if (t.epochs > 0.0 || t.samples > 0) && self.is_explicit("train.steps") {
+            bail!("set one of train.steps, train.epochs and train.samples: train.steps is set beside train.epochs / train.samples");
         }
         if !(t.lr > 0.0 && t.lr.is_finite()) {
             bail!("train.lr must be a positive number, got {}", t.lr);

@@ -65,6 +65,28 @@ fn resumed_run_matches_uninterrupted_run_bit_for_bit() {
     assert!(e.contains("--ema") && e.contains("ema_decay"), "{e}");
 }
 
+/// `train.epochs` counts the shards' samples and trains the steps they imply; the run's saved
+/// config states those steps, and a resume with a longer length is refused like any change.
+#[test]
+fn epochs_become_the_steps_the_run_trains_and_saves() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    // tiny_config sets train.steps; a recipe in epochs states no steps.
+    let mut cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &[]);
+    cfg.train.epochs = 2.0;
+    cfg.train.steps = align::config::Config::default().train.steps;
+    let s = train(&cfg, &opts(false, None)).unwrap();
+    // 3 shards × 40 samples, twice, at 16 a step: 15 steps.
+    assert_eq!(s.steps, 15);
+    let saved = align::config::Config::load(&s.checkpoint.join(run_dir::CONFIG_FILE), &[]).unwrap();
+    assert_eq!((saved.train.steps, saved.train.epochs), (15, 0.0));
+    // Three epochs: 360 samples, 22.5 steps, so 23.
+    cfg.train.epochs = 3.0;
+    let e = format!("{:#}", train(&cfg, &opts(true, None)).unwrap_err());
+    assert!(e.contains("train.steps changed from 15 to 23"), "{e}");
+}
+
 /// `--resume PATH`: an earlier checkpoint of one run continues into another run's directory bit
 /// for bit; within its own run, the later checkpoints it would replace block it; a run that has
 /// checkpoints of its own refuses another run's.

@@ -3,6 +3,7 @@
 pub mod collective;
 pub mod ema;
 pub mod gather;
+pub mod length;
 pub mod loss;
 #[cfg(feature = "nccl")]
 pub mod nccl;

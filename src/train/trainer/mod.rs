@@ -75,6 +75,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
     for line in &adopted.kept {
         log::warn(format!("keeping {line}"));
     }
+    super::length::resolve(&mut cfg, opts.quiet)?;
     cfg.validate()?;
     crate::data::pipe_source::set_stall_timeout(std::time::Duration::from_secs_f64(cfg.data.stall_timeout_s));
     let cfg = &cfg;

@@ -96,6 +96,16 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
         _ => None,
     };
     let loader = start_loader(cfg, group, tokenizer.clone(), &start)?;
+    if !opts.quiet {
+        // open_clip's --batch-size is per GPU; align's train.batch_size is the whole step's.
+        let (world, accum) = (group.world_size(), cfg.train.accum_steps);
+        log::info(format!(
+            "{} steps of a global batch of {} pairs: {world} rank(s) × {accum} micro-batch(es) × {} pairs",
+            cfg.train.steps,
+            cfg.train.batch_size,
+            cfg.train.batch_size / (world * accum)
+        ));
+    }
     Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, ema, loader, device, _lock: lock })
 }
 
