@@ -428,6 +428,12 @@ pub struct EvalConfig {
     /// Prompt templates with `{}` for the class name, one per line.
     pub templates: PathBuf,
     pub batch_size: usize,
+    /// Held-out shards whose training loss is logged at each evaluation (open_clip's
+    /// `--val-data`); empty disables.
+    pub validation: String,
+    /// Pairs per batch of the validation loss (each pair's negatives are its batch's other
+    /// pairs, so the loss depends on it).
+    pub validation_batch: usize,
 }
 
 impl Default for EvalConfig {
@@ -438,6 +444,8 @@ impl Default for EvalConfig {
             classes: PathBuf::new(),
             templates: PathBuf::new(),
             batch_size: 256,
+            validation: String::new(),
+            validation_batch: 256,
         }
     }
 }

@@ -87,6 +87,57 @@ fn epochs_become_the_steps_the_run_trains_and_saves() {
     assert!(e.contains("train.steps changed from 15 to 23"), "{e}");
 }
 
+/// The validation loss (`eval.validation`) is the training loss of held-out pairs in batches of
+/// `eval.validation_batch`: checked against the same loss computed by hand in f64 from the saved
+/// checkpoint's embeddings, and logged with each evaluation.
+#[test]
+fn the_validation_loss_is_the_training_loss_on_held_out_pairs() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let val = format!("eval.validation={}", data.test);
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &[&val, "eval.validation_batch=16", "train.eval_every=4"]);
+    let s = train(&cfg, &opts(false, None)).unwrap();
+    let v = s.eval.validation.clone().expect("the last step evaluates");
+    assert_eq!((v.pairs, v.batch), (36, 16));
+    let log = metrics_log::read(&cfg.run_dir().join("metrics.jsonl")).unwrap();
+    let logged: Vec<(u64, f64)> =
+        log.iter().filter_map(|r| Some((r["step"].as_u64()?, r.get("eval")?.get("validation")?.get("loss")?.as_f64()?))).collect();
+    assert_eq!(logged.iter().map(|x| x.0).collect::<Vec<_>>(), [4, 8]);
+    assert_eq!(logged[1].1, v.loss);
+
+    // By hand: the first caption of each test image, batches of 16, 16 and 4.
+    let m = load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
+    let needs = align::data::eval_reader::Needs { image: true, captions: true, label: false };
+    let source = align::data::eval_reader::EvalSource::Shards(align::data::spec::expand(&data.test).unwrap());
+    let e = align::eval::embed::embed_pairs(&m.model, &m.tokenizer, source, &m.usage.image, needs, 8, &Device::Cpu, true).unwrap();
+    let d = e.embeddings.dim;
+    let texts = e.caption_embeddings.as_ref().unwrap();
+    let img: Vec<Vec<f64>> = (0..36).map(|i| e.embeddings.data[i * d..(i + 1) * d].iter().map(|&x| x as f64).collect()).collect();
+    let txt: Vec<Vec<f64>> = (0..36).map(|i| texts.data[i * 5 * d..(i * 5 + 1) * d].iter().map(|&x| x as f64).collect()).collect();
+    let scale = m.model.logit_scale().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    let eps = cfg.loss.label_smoothing;
+    let direction = |a: &[Vec<f64>], b: &[Vec<f64>]| {
+        let n = a.len();
+        let mut total = 0.0;
+        for (r, x) in a.iter().enumerate() {
+            let logits: Vec<f64> = b.iter().map(|y| scale * x.iter().zip(y).map(|(p, q)| p * q).sum::<f64>()).collect();
+            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+            for (j, l) in logits.iter().enumerate() {
+                total -= (eps / n as f64 + if j == r { 1.0 - eps } else { 0.0 }) * (l - lse);
+            }
+        }
+        total / n as f64
+    };
+    let mut want = 0.0;
+    for (start, n) in [(0, 16), (16, 16), (32, 4)] {
+        let (a, b) = (&img[start..start + n], &txt[start..start + n]);
+        want += n as f64 / 36.0 * (direction(a, b) + direction(b, a));
+    }
+    assert!((v.loss - want).abs() < 1e-4 * want.abs().max(1.0), "logged {} by hand {want}", v.loss);
+}
+
 /// `--resume PATH`: an earlier checkpoint of one run continues into another run's directory bit
 /// for bit; within its own run, the later checkpoints it would replace block it; a run that has
 /// checkpoints of its own refuses another run's.

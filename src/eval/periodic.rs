@@ -19,11 +19,26 @@ pub struct EvalResults {
     pub zeroshot: Option<ClassificationReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retrieval: Option<RetrievalReport>,
+    /// The training loss on held-out pairs (computed by `train::validation`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation: Option<ValidationLoss>,
+}
+
+/// The training loss on held-out pairs, as the training loss is logged (`loss` = `i2t` + `t2i`
+/// for the softmax loss; the sigmoid loss has no directions, and splits it as training does).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ValidationLoss {
+    pub loss: f64,
+    pub i2t: f64,
+    pub t2i: f64,
+    pub pairs: usize,
+    /// Pairs per batch: the loss depends on it.
+    pub batch: usize,
 }
 
 impl EvalResults {
     pub fn is_empty(&self) -> bool {
-        self.zeroshot.is_none() && self.retrieval.is_none()
+        self.zeroshot.is_none() && self.retrieval.is_none() && self.validation.is_none()
     }
 
     /// A short one-line summary for logs.
@@ -35,12 +50,15 @@ impl EvalResults {
         if let Some(r) = &self.retrieval {
             parts.push(format!("i2t R@1 {:.3} t2i R@1 {:.3} rsum {:.1}", r.i2t.r1, r.t2i.r1, r.rsum));
         }
+        if let Some(v) = &self.validation {
+            parts.push(format!("validation loss {:.4} ({} pairs)", v.loss, v.pairs));
+        }
         parts.join("; ")
     }
 }
 
 pub fn configured(cfg: &Config) -> bool {
-    !cfg.eval.zeroshot.is_empty() || !cfg.eval.retrieval.is_empty()
+    !cfg.eval.zeroshot.is_empty() || !cfg.eval.retrieval.is_empty() || !cfg.eval.validation.is_empty()
 }
 
 pub fn run(model: &DualEncoder, tokenizer: &TextTokenizer, cfg: &Config, device: &Device, quiet: bool) -> Result<EvalResults> {

@@ -54,7 +54,7 @@ pub fn read(path: &Path) -> Result<Vec<Value>> {
 }
 
 /// Fields of an evaluation report that count things rather than measure them.
-const EVAL_COUNTS: [&str; 3] = ["images", "texts", "classes"];
+const EVAL_COUNTS: [&str; 5] = ["images", "texts", "classes", "pairs", "batch"];
 
 /// The curves of one record as (tag, value): what the TensorBoard files and `align plot` draw,
 /// so both are derived from the log and never disagree with it. A training record gives

@@ -29,7 +29,11 @@ fn line(tag: &'static str, scale: f64, suffix: &'static str) -> Line {
 fn panels() -> Vec<Panel> {
     let p = |title, unit, lines| Panel { title, unit, lines };
     vec![
-        p("training loss (image->text + text->image)", "nats", vec![line("train/loss", 1.0, "")]),
+        p(
+            "loss (image->text + text->image)",
+            "nats",
+            vec![line("train/loss", 1.0, " training"), line("eval/validation/loss", 1.0, " held-out")],
+        ),
         p("temperature (logits are cos/temperature)", "temperature", vec![line("train/temperature", 1.0, "")]),
         p("sigmoid loss: logit scale t (logits are t·cos + b)", "t", vec![line("train/logit_scale", 1.0, "")]),
         p("sigmoid loss: logit bias b", "b", vec![line("train/logit_bias", 1.0, "")]),

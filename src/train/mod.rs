@@ -13,3 +13,4 @@ pub mod schedule;
 pub mod sigmoid_loss;
 pub mod step;
 pub mod trainer;
+pub mod validation;

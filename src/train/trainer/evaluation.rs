@@ -22,8 +22,7 @@ pub(super) fn due(cfg: &Config, step: u64) -> bool {
 /// that diverged, unreadable evaluation data) is logged, as a warning and in the metrics log, and
 /// training goes on: the loss decides whether the run is lost.
 pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mut RunLog) -> Result<EvalResults> {
-    let results = match forward_only(run, var_tensors(&run.varmap)).and_then(|m| periodic::run(&m, &run.tokenizer, cfg, &run.device, true))
-    {
+    let results = match forward_only(run, var_tensors(&run.varmap)).and_then(|m| run_all(&m, cfg, run)) {
         Ok(r) => r,
         Err(e) => {
             let e = format!("{e:#}");
@@ -37,7 +36,7 @@ pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mu
     }
     log.record(serde_json::json!({"step": step, "eval": results}))?;
     if let (true, Some(ema)) = (cfg.train.ema_eval, &run.ema) {
-        match forward_only(run, ema.tensors()).and_then(|m| periodic::run(&m, &run.tokenizer, cfg, &run.device, true)) {
+        match forward_only(run, ema.tensors()).and_then(|m| run_all(&m, cfg, run)) {
             Ok(r) => {
                 if !quiet {
                     log::info(format!("step {step} (weight average): {}", r.line()));
@@ -48,6 +47,15 @@ pub(super) fn evaluate(cfg: &Config, run: &Run, step: u64, quiet: bool, log: &mu
         }
     }
     Ok(results)
+}
+
+/// Zero-shot, retrieval and the validation loss, as configured.
+fn run_all(m: &DualEncoder, cfg: &Config, run: &Run) -> Result<EvalResults> {
+    let mut r = periodic::run(m, &run.tokenizer, cfg, &run.device, true)?;
+    if !cfg.eval.validation.is_empty() {
+        r.validation = Some(crate::train::validation::run(m, &run.tokenizer, cfg, &run.device)?);
+    }
+    Ok(r)
 }
 
 /// A forward-only model on `weights` (the run's, detached, or their moving average): the same
