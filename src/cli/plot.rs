@@ -16,6 +16,10 @@ pub struct PlotArgs {
     /// Figure width in pixels; the height follows from the number of panels.
     #[arg(long, default_value_t = 1500)]
     width: u32,
+    /// Smooth the training curves as TensorBoard's slider does (0: none; 0.6-0.9 for noisy
+    /// runs); the raw curves stay, faint.
+    #[arg(long, default_value_t = 0.0)]
+    smooth: f64,
     /// Print what was plotted as JSON.
     #[arg(long)]
     json: bool,
@@ -23,7 +27,8 @@ pub struct PlotArgs {
 
 pub fn run(a: &PlotArgs) -> Result<()> {
     let loaded = a.runs.iter().map(|p| runs::load(p)).collect::<Result<Vec<_>>>()?;
-    let img = figure::render(&loaded, a.width.clamp(600, 6000))?;
+    anyhow::ensure!((0.0..1.0).contains(&a.smooth), "--smooth must be in [0, 1), got {}", a.smooth);
+    let img = figure::render_with(&loaded, &figure::Options { width: a.width.clamp(600, 6000), smooth: a.smooth })?;
     let out = match &a.out {
         Some(p) => p.clone(),
         None => runs::run_dir(&a.runs[0])?.join("plot.png"),

@@ -59,19 +59,95 @@ const COLOURS: [RGBColor; 6] = [
     RGBColor(23, 190, 207),
 ];
 
-/// Compact tick labels: plain decimals in a readable range, scientific notation outside it.
-fn tick(v: f64) -> String {
+/// Tick labels with as many decimals as the distance between ticks (`spacing`) needs, so that
+/// neighbouring ticks never read alike (0.0671, 0.0672 rather than 0.067 twice); scientific
+/// notation outside [0.01, 100000).
+fn tick(v: f64, spacing: f64) -> String {
     let a = v.abs();
-    if a == 0.0 {
-        "0".into()
-    } else if !(1e-2..1e5).contains(&a) {
-        format!("{v:.1e}")
-    } else if a >= 100.0 {
-        format!("{v:.0}")
-    } else if a >= 1.0 {
-        format!("{v:.2}").trim_end_matches('0').trim_end_matches('.').to_string()
+    let spacing = spacing.abs().max(f64::MIN_POSITIVE);
+    if a < spacing * 1e-6 {
+        return "0".into();
+    }
+    if !(1e-2..1e5).contains(&a) {
+        let digits = ((a / spacing).log10().ceil().max(1.0) as usize).min(6);
+        let s = format!("{v:.prec$e}", prec = digits.saturating_sub(1).max(1));
+        return trim_mantissa(&s);
+    }
+    let decimals = (-spacing.log10()).ceil().clamp(0.0, 8.0) as usize;
+    let s = format!("{v:.decimals$}");
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
     } else {
-        format!("{v:.3}").trim_end_matches('0').trim_end_matches('.').to_string()
+        s
+    }
+}
+
+/// A step count as people write one: `500`, `2500`, `50k`, `150k`, `1.2M`.
+fn step_tick(v: f64, spacing: f64) -> String {
+    let a = v.abs();
+    let (unit, suffix) = if a >= 1e6 {
+        (1e6, "M")
+    } else if a >= 1e4 {
+        (1e3, "k")
+    } else {
+        return tick(v, spacing.max(1.0));
+    };
+    let decimals = (-(spacing / unit).log10()).ceil().clamp(0.0, 3.0) as usize;
+    let s = format!("{:.decimals$}", v / unit);
+    let s = if s.contains('.') { s.trim_end_matches('0').trim_end_matches('.').to_string() } else { s };
+    format!("{s}{suffix}")
+}
+
+/// `1.50e-3` → `1.5e-3`.
+fn trim_mantissa(s: &str) -> String {
+    match s.split_once('e') {
+        Some((m, e)) if m.contains('.') => {
+            let m = m.trim_end_matches('0');
+            let m = if m.ends_with('.') { format!("{m}0") } else { m.to_string() };
+            format!("{m}e{e}")
+        }
+        _ => s.to_string(),
+    }
+}
+
+/// A label cut to `max` characters in its middle, keeping its start and its end (run names
+/// differ at one or the other); ASCII dots, which the figure's bitmap font has.
+fn ellipsized(label: &str, max: usize) -> String {
+    let n = label.chars().count();
+    if n <= max || max < 4 {
+        return label.to_string();
+    }
+    let head = (max - 3) / 2;
+    let tail = max - 3 - head;
+    let start: String = label.chars().take(head).collect();
+    let end: String = label.chars().skip(n - tail).collect();
+    format!("{start}...{end}")
+}
+
+/// TensorBoard's smoothing: an exponential moving average with weight `w` on the past, debiased
+/// so the first points are not pulled towards zero.
+pub fn smoothed(points: &[(f64, f64)], w: f64) -> Vec<(f64, f64)> {
+    let mut avg = 0.0;
+    let mut out = Vec::with_capacity(points.len());
+    for (i, &(x, y)) in points.iter().enumerate() {
+        avg = w * avg + (1.0 - w) * y;
+        out.push((x, avg / (1.0 - w.powi(i as i32 + 1))));
+    }
+    out
+}
+
+/// How the figure is drawn.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    pub width: u32,
+    /// Smoothing of the training curves, 0 (none) to below 1 (TensorBoard's slider); the raw
+    /// curve stays beside the smoothed one, faint.
+    pub smooth: f64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { width: 1500, smooth: 0.0 }
     }
 }
 
@@ -109,6 +185,12 @@ pub fn short_names(paths: &[&str]) -> Vec<String> {
 
 /// Renders the runs' curves; panels no run has data for are left out.
 pub fn render(runs: &[Run], width: u32) -> Result<RgbImage> {
+    render_with(runs, &Options { width, ..Options::default() })
+}
+
+/// Renders the runs' curves as `o` says.
+pub fn render_with(runs: &[Run], o: &Options) -> Result<RgbImage> {
+    let width = o.width;
     let chosen: Vec<Panel> = panels()
         .into_iter()
         .filter(|p| p.lines.iter().any(|l| runs.iter().any(|r| r.curves.get(l.tag).is_some_and(|c| !c.is_empty()))))
@@ -126,14 +208,22 @@ pub fn render(runs: &[Run], width: u32) -> Result<RgbImage> {
         let err = |e: DrawingAreaErrorKind<std::convert::Infallible>| anyhow!("drawing the plot: {e:?}");
         let (top, body) = root.split_vertically(header);
         let names: Vec<&str> = runs.iter().map(|r| r.name.as_str()).collect();
-        top.draw(&Text::new(format!("align runs: {}", names.join("  vs  ")), (12, 8), ("sans-serif", 20).into_font().color(&BLACK)))
-            .map_err(err)?;
+        // About 11 pixels a character at this size: the title never runs off the figure.
+        let room = (width as usize).saturating_sub(24) / 11;
+        let per_run = (room / names.len().max(1)).saturating_sub(4).max(12);
+        let title: Vec<String> = names.iter().map(|n| ellipsized(n, per_run)).collect();
+        top.draw(&Text::new(
+            ellipsized(&format!("align runs: {}", title.join("  vs  ")), room),
+            (12, 8),
+            ("sans-serif", 20).into_font().color(&BLACK),
+        ))
+        .map_err(err)?;
         let areas = body.split_evenly((rows, cols));
         let short = short_names(&names);
         // One step axis for every panel, so an evaluation point lines up with the training curves.
         let last_step = runs.iter().flat_map(|r| r.curves.values().flatten().map(|p| p.0)).fold(1.0, f64::max);
         for (panel, area) in chosen.iter().zip(areas.iter()) {
-            draw_panel(panel, runs, &short, last_step, area).map_err(err)?;
+            draw_panel(panel, runs, &short, last_step, o.smooth, area).map_err(err)?;
         }
         root.present().map_err(err)?;
     }
@@ -145,6 +235,7 @@ fn draw_panel(
     runs: &[Run],
     names: &[String],
     last_step: f64,
+    smooth: f64,
     area: &DrawingArea<Canvas<'_>, plotters::coord::Shift>,
 ) -> std::result::Result<(), DrawingAreaErrorKind<std::convert::Infallible>> {
     // (legend label, colour, dashed, points)
@@ -155,6 +246,7 @@ fn draw_panel(
         for (j, l) in panel.lines.iter().enumerate() {
             if let Some(c) = run.curves.get(l.tag).filter(|c| !c.is_empty()) {
                 let label = if runs.len() > 1 { format!("{}{}", names[i], l.suffix) } else { l.suffix.trim().to_string() };
+                let label = ellipsized(&label, 28);
                 series.push((label, colour, j > 0, c.iter().map(|&(s, v)| (s, v * l.scale)).collect()));
             }
         }
@@ -169,7 +261,12 @@ fn draw_panel(
         return Ok(());
     }
     let (x0, x1) = (x0.min(0.0), last_step.max(x1));
-    let (y0, y1) = padded(y0, y1);
+    let (mut y0, mut y1) = padded(y0, y1);
+    if panel.unit.contains('%') {
+        // Percentages stay within what they can be.
+        (y0, y1) = (y0.max(0.0), y1.min(100.0).max(y0 + 1e-9));
+    }
+    let (x_spacing, y_spacing) = ((x1 - x0) / 6.0, (y1 - y0) / 6.0);
     let mut chart = ChartBuilder::on(area)
         .caption(panel.title, ("sans-serif", 15).into_font())
         .margin(10)
@@ -184,19 +281,25 @@ fn draw_panel(
         .y_desc(panel.unit)
         .x_labels(6)
         .y_labels(6)
-        .x_label_formatter(&|v| tick(*v))
-        .y_label_formatter(&|v| tick(*v))
+        .x_label_formatter(&|v| step_tick(*v, x_spacing))
+        .y_label_formatter(&|v| tick(*v, y_spacing))
         .label_style(("sans-serif", 13))
         .axis_desc_style(("sans-serif", 13))
         .draw()?;
     let labelled = series.iter().any(|s| !s.0.is_empty());
-    // The legend goes in the upper corner the curves leave free: left when they rise.
-    let rising = series.iter().filter(|s| s.3.len() > 1).all(|s| s.3.last().unwrap().1 > s.3[0].1);
-    let corner = if rising { SeriesLabelPosition::UpperLeft } else { SeriesLabelPosition::UpperRight };
+    let corner = emptiest_corner(&series.iter().map(|s| s.3.as_slice()).collect::<Vec<_>>(), (x0, x1), (y0, y1));
     for (label, colour, second, pts) in series {
         let style = colour.stroke_width(2);
-        if pts.len() == 1 {
-            chart.draw_series(std::iter::once(Circle::new(pts[0], 4, colour.filled())))?;
+        // Long training curves can be smoothed; the raw curve stays, faint.
+        let pts = if smooth > 0.0 && pts.len() > 30 && panel.lines.iter().all(|l| l.tag.starts_with("train/")) {
+            chart.draw_series(LineSeries::new(pts.clone(), colour.mix(0.25).stroke_width(1)))?;
+            smoothed(&pts, smooth)
+        } else {
+            pts
+        };
+        // Evaluations come a few points at a time: each one gets a marker.
+        if pts.len() <= 30 {
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 3, colour.filled())))?;
         }
         let anno = if second {
             let dashed = DashedLineSeries::new(pts.clone(), 8, 5, style);
@@ -206,7 +309,9 @@ fn draw_panel(
         };
         if !label.is_empty() {
             let (dash, gap) = if second { (5, 4) } else { (20, 0) };
-            anno.label(label).legend(move |(x, y)| {
+            // A trailing space keeps the text off the legend's border: plotters measures this
+            // bitmap font a little narrower than it draws.
+            anno.label(format!("{label} ")).legend(move |(x, y)| {
                 plotters::element::DashedPathElement::new(vec![(x, y), (x + 20, y)], dash, gap, colour.stroke_width(2))
             });
         }
@@ -223,18 +328,83 @@ fn draw_panel(
     Ok(())
 }
 
+/// The legend's corner: the one whose region (the outer half of the width, 45% of the height)
+/// holds fewest of the curves' points.
+fn emptiest_corner(curves: &[&[(f64, f64)]], (x0, x1): (f64, f64), (y0, y1): (f64, f64)) -> SeriesLabelPosition {
+    let (w, h) = (x1 - x0, y1 - y0);
+    // The lines between points count too: evaluation curves have few points and long segments.
+    let mut points: Vec<(f64, f64)> = Vec::new();
+    for c in curves {
+        points.extend(c.iter().copied());
+        for pair in c.windows(2) {
+            let ((ax, ay), (bx, by)) = (pair[0], pair[1]);
+            points.extend((1..16).map(|k| {
+                let f = k as f64 / 16.0;
+                (ax + f * (bx - ax), ay + f * (by - ay))
+            }));
+        }
+    }
+    let count = |left: bool, top: bool| {
+        points
+            .iter()
+            .filter(|(x, y)| {
+                let in_x = if left { *x <= x0 + 0.5 * w } else { *x >= x1 - 0.5 * w };
+                let in_y = if top { *y >= y1 - 0.45 * h } else { *y <= y0 + 0.45 * h };
+                in_x && in_y
+            })
+            .count()
+    };
+    [
+        (SeriesLabelPosition::UpperRight, count(false, true)),
+        (SeriesLabelPosition::UpperLeft, count(true, true)),
+        (SeriesLabelPosition::LowerRight, count(false, false)),
+        (SeriesLabelPosition::LowerLeft, count(true, false)),
+    ]
+    .into_iter()
+    .min_by_key(|c| c.1)
+    .map(|c| c.0)
+    .unwrap_or(SeriesLabelPosition::UpperRight)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn ticks_are_short_and_readable() {
-        assert_eq!(tick(0.0), "0");
-        assert_eq!(tick(1e-3), "1.0e-3");
-        assert_eq!(tick(0.25), "0.25");
-        assert_eq!(tick(2.5), "2.5");
-        assert_eq!(tick(1500.0), "1500");
-        assert_eq!(tick(3.0), "3");
+    fn ticks_are_short_and_neighbours_never_read_alike() {
+        assert_eq!(tick(0.0, 0.1), "0");
+        assert_eq!(tick(1e-3, 2e-4), "1.0e-3");
+        assert_eq!(tick(1.5e-3, 2e-4), "1.5e-3");
+        assert_eq!(tick(0.25, 0.05), "0.25");
+        assert_eq!(tick(2.5, 0.5), "2.5");
+        assert_eq!(tick(1500.0, 250.0), "1500");
+        assert_eq!(tick(3.0, 1.0), "3");
+        let steps: Vec<String> = [0.0, 500.0, 50_000.0, 150_000.0, 1_200_000.0].iter().map(|&v| step_tick(v, 50_000.0)).collect();
+        assert_eq!(steps, ["0", "500", "50k", "150k", "1.2M"]);
+        // A temperature that moves in the fourth decimal.
+        let ticks: Vec<String> = [0.06710, 0.06715, 0.06720, 0.06725].iter().map(|&v| tick(v, 0.00005)).collect();
+        assert_eq!(ticks, ["0.0671", "0.06715", "0.0672", "0.06725"]);
+    }
+
+    #[test]
+    fn long_labels_keep_their_end_and_smoothing_is_debiased() {
+        assert_eq!(ellipsized("short", 10), "short");
+        assert_eq!(ellipsized("runs/sweep/lr-3e-4-wd-0.1-long-name", 12), "runs...-name");
+        let flat = smoothed(&[(0.0, 5.0), (1.0, 5.0), (2.0, 5.0)], 0.9);
+        assert!(flat.iter().all(|p| (p.1 - 5.0).abs() < 1e-12), "{flat:?}");
+        let step = smoothed(&[(0.0, 0.0), (1.0, 10.0)], 0.5);
+        assert!((step[1].1 - 10.0 * 0.5 / 0.75).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_legend_goes_where_the_curves_are_not() {
+        // A falling curve fills the upper left and the lower right.
+        let falling: Vec<(f64, f64)> = (0..100).map(|i| (i as f64, 100.0 - i as f64)).collect();
+        let c = emptiest_corner(&[&falling], (0.0, 100.0), (0.0, 100.0));
+        assert!(matches!(c, SeriesLabelPosition::UpperRight | SeriesLabelPosition::LowerLeft), "{c:?}");
+        let rising: Vec<(f64, f64)> = (0..100).map(|i| (i as f64, i as f64)).collect();
+        let c = emptiest_corner(&[&rising], (0.0, 100.0), (0.0, 100.0));
+        assert!(matches!(c, SeriesLabelPosition::UpperLeft | SeriesLabelPosition::LowerRight), "{c:?}");
     }
 
     #[test]
