@@ -178,9 +178,11 @@ pub struct ModelConfig {
     pub vit: VitOverrides,
     pub efficientnet: EfficientNetOverrides,
     pub bert: BertOverrides,
-    /// Start from these weights: an align checkpoint or run, a Hugging Face `AlignModel`
-    /// directory, or `hf:ID[@REV]` (e.g. `hf:kakaobrain/align-base`). The architecture then comes
-    /// from that checkpoint. Empty: random initialisation.
+    /// Start from these weights: an align checkpoint or run; a Hugging Face `AlignModel`,
+    /// `CLIPModel`, `SiglipModel` or `VisionTextDualEncoderModel` folder; an open_clip folder
+    /// (`open_clip_config.json`); or `hf:ID[@REV]` (e.g. `hf:openai/clip-vit-base-patch32`). The
+    /// architecture, preprocessing, text length, tokenizer and loss family then come from that
+    /// checkpoint (settings given explicitly win). Empty: random initialisation.
     pub init: String,
     /// Text tower from a `BertModel` checkpoint (directory or `hf:bert-base-uncased`).
     pub init_text: String,

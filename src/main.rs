@@ -63,7 +63,8 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Train from a TOML config.
     Train(cli::train::TrainArgs),
-    /// Data tools: synthetic shards, statistics.
+    /// Data tools: synthetic shards, statistics, clean shards from raw pairs, CLIP scores, Karpathy
+    /// splits.
     #[command(subcommand)]
     Data(DataCommand),
     /// Tokenizer tools.
@@ -90,6 +91,7 @@ enum Command {
     Launch(cli::launch::LaunchArgs),
     /// Print a shell's completion script: `align completions bash > ~/.local/share/bash-completion/completions/align`.
     Completions {
+        /// The shell: bash, zsh, fish, elvish or powershell.
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
@@ -225,5 +227,34 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Loss(a)) => cli::bench::loss(&a),
         Command::Bench(BenchCommand::Embed(a)) => cli::bench::embed(&a),
         Command::Bench(BenchCommand::Ops(a)) => cli::bench::ops(&a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every subcommand and every option says what it is for in `--help` (and so in the man
+    /// pages and completions).
+    #[test]
+    fn every_command_and_option_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if !matches!(id, "help" | "version") && arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{path} --{id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                let name = format!("{path} {}", sub.get_name());
+                if sub.get_about().is_none() {
+                    missing.push(name.clone());
+                }
+                walk(sub, &name, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "align", &mut missing);
+        assert!(missing.is_empty(), "no help text: {missing:?}");
     }
 }

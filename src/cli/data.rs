@@ -14,16 +14,22 @@ pub struct SynthArgs {
     /// Output directory.
     #[arg(long)]
     pub out: PathBuf,
+    /// Training shards to write.
     #[arg(long, default_value_t = 8)]
     pub train_shards: usize,
+    /// Samples per shard.
     #[arg(long, default_value_t = 1000)]
     pub samples_per_shard: usize,
+    /// Held-out samples (five captions each) in test-00000.tar.
     #[arg(long, default_value_t = 720)]
     pub test_samples: usize,
+    /// Image side in pixels.
     #[arg(long, default_value_t = 64)]
     pub image_size: u32,
+    /// Seed of the scenes and captions.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }
@@ -58,6 +64,7 @@ pub struct StatsArgs {
     /// Skip images whose header claims more pixels than this.
     #[arg(long, default_value_t = 89_478_485)]
     pub max_pixels: u64,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }
@@ -85,6 +92,7 @@ pub struct TokenizerTrainArgs {
     /// Shards whose captions to learn from.
     #[arg(long)]
     pub data: String,
+    /// WordPiece vocabulary size (ALIGN: 100k; BERT: 30,522).
     #[arg(long, default_value_t = 30522)]
     pub vocab_size: usize,
     /// Output tokenizer.json.
@@ -127,6 +135,7 @@ pub struct FromKarpathyArgs {
     /// Output directory for `{split}-{00000..}.tar`.
     #[arg(long)]
     pub out: PathBuf,
+    /// Samples per shard.
     #[arg(long, default_value_t = 2000)]
     pub samples_per_shard: usize,
 }
@@ -197,6 +206,7 @@ pub struct BuildArgs {
     /// image folder; repeatable.
     #[arg(long)]
     pub exclude_near: Vec<String>,
+    /// Samples per output shard (overrides the filter file's `output.samples_per_shard`).
     #[arg(long)]
     pub samples_per_shard: Option<usize>,
     /// Resize so the longer side is at most this, re-encoding as JPEG.
@@ -205,8 +215,10 @@ pub struct BuildArgs {
     /// Shuffle samples across all output shards.
     #[arg(long)]
     pub shuffle: bool,
+    /// Seed of the output shuffle (overrides `output.seed`).
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }

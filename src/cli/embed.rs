@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Args)]
 pub struct EmbedArgs {
+    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
@@ -189,8 +190,10 @@ pub struct SearchArgs {
     /// What to search (default: images when the index has them).
     #[arg(long, value_enum)]
     pub target: Option<Target>,
+    /// Hits to return.
     #[arg(short, long, default_value_t = 10)]
     pub k: usize,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }

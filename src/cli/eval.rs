@@ -37,6 +37,7 @@ pub struct RetrievalArgs {
     /// Images (and texts) per forward pass (default: the model's, 64 or 32).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
     /// Recall at these k (CLIP_benchmark's `--recall_k`).
@@ -94,6 +95,7 @@ impl Outcome {
 
 #[derive(Args)]
 pub struct ZeroShotArgs {
+    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
@@ -121,6 +123,7 @@ pub struct ZeroShotArgs {
     /// Images (and texts) per forward pass (default: the model's, 64 or 32).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
     /// Any skipped sample is an error instead of a partial result.
@@ -146,6 +149,7 @@ pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct KnnArgs {
+    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
@@ -204,6 +208,7 @@ fn split_names(a: &Option<String>, a_dir: &Option<PathBuf>, b: &Option<String>, 
 
 #[derive(Args)]
 pub struct LinearProbeArgs {
+    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
@@ -224,15 +229,19 @@ pub struct LinearProbeArgs {
     /// Share of the training split held out to choose the weight decay (0: none, no decay).
     #[arg(long, default_value_t = 0.2)]
     pub val_proportion: f64,
+    /// Epochs of the classifier's training (CLIP_benchmark: 10).
     #[arg(long, default_value_t = 10)]
     pub epochs: usize,
+    /// Learning rate of the classifier (CLIP_benchmark: 0.1).
     #[arg(long, default_value_t = 0.1)]
     pub lr: f64,
     /// Batch of the classifier's training (and of the embedding).
     #[arg(long, default_value_t = 64)]
     pub batch: usize,
+    /// Seed of the held-out split and the classifier's initialisation.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
     /// Any skipped sample is an error instead of a partial result.

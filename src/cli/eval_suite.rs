@@ -10,7 +10,9 @@ use clap::Args;
 
 #[derive(Args)]
 pub struct SuiteArgs {
-    /// The suite: checkpoints and datasets (see `align eval suite --help`'s example in the README).
+    /// The suite (TOML): `checkpoints`, optional `output_dir`, `batch`, `recall_k`, `strict`, and
+    /// one `[[dataset]]` each with its `name`, `task` (zeroshot_classification,
+    /// zeroshot_retrieval, linear_probe) and data; `configs/evals/` has examples.
     #[arg(long)]
     pub config: PathBuf,
     /// Print every result as one JSON array instead of the table.

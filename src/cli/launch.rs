@@ -24,6 +24,7 @@ pub struct LaunchArgs {
     /// Rendezvous address (rank 0's node).
     #[arg(long, default_value = "127.0.0.1")]
     pub master_addr: String,
+    /// Rendezvous port.
     #[arg(long, default_value_t = 29500)]
     pub master_port: u16,
     /// The align command each rank runs, after `--`.

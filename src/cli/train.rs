@@ -73,7 +73,8 @@ pub struct TrainArgs {
     #[arg(long)]
     stop_after: Option<u64>,
     /// Data-parallel ranks as threads of this process (CPU); the global batch is split over them
-    /// and negatives are gathered from all.
+    /// and negatives are gathered from all. Ranks as processes (GPUs), as torchrun's
+    /// `--nproc-per-node`: `align launch --nproc-per-node N -- train ...`.
     #[arg(long, default_value_t = 1)]
     nproc: usize,
     /// Print time per phase and per op kind at the end (also `ALIGN_PROFILE=1`).

@@ -11,12 +11,16 @@ use serde::Serialize;
 
 #[derive(Args)]
 pub struct DepthwiseArgs {
+    /// EfficientNet preset whose depthwise layers are timed.
     #[arg(long, default_value = "efficientnet-b0")]
     pub image_tower: String,
+    /// Images per call.
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
+    /// Input side in pixels.
     #[arg(long, default_value_t = 224)]
     pub image_size: usize,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }

@@ -20,10 +20,13 @@ use crate::cli::table::Table;
 
 #[derive(Args)]
 pub struct LoaderArgs {
+    /// Shards to read (a shard spec).
     #[arg(long)]
     pub data: String,
+    /// Loader workers (`data.workers`).
     #[arg(long, default_value_t = 2)]
     pub workers: usize,
+    /// Samples per batch.
     #[arg(long, default_value_t = 64)]
     pub batch: usize,
     /// Batches to time (after one warm-up batch per worker).
@@ -32,8 +35,10 @@ pub struct LoaderArgs {
     /// Take the image transform and text settings from this config (default: ALIGN's 346 → 289).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Further config overrides (`--set data.image.image_size=224`).
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub overrides: Vec<String>,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }

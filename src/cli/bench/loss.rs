@@ -29,8 +29,10 @@ pub struct LossArgs {
     /// Embedding width.
     #[arg(long, default_value_t = 256)]
     pub dim: usize,
+    /// Timed forward + backward steps.
     #[arg(long, default_value_t = 3)]
     pub steps: usize,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }

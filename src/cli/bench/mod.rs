@@ -26,6 +26,7 @@ pub struct OpsArgs {
     /// Timed forward + backward calls per op (after the checked one).
     #[arg(long, default_value_t = 10)]
     pub reps: usize,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }

@@ -19,15 +19,19 @@ pub struct ModelArgs {
     /// Text tower preset (e.g. bert-mini).
     #[arg(long, default_value = "bert-mini")]
     pub text_tower: String,
+    /// Pairs per step.
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
+    /// Image side in pixels.
     #[arg(long, default_value_t = 224)]
     pub image_size: usize,
+    /// Tokens per caption.
     #[arg(long, default_value_t = 64)]
     pub text_len: usize,
     /// Timed steps (after `--warmup` untimed ones).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
+    /// Untimed steps before the timed ones.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
     /// EfficientNet depthwise convolution: our fused op or candle's grouped conv2d.
@@ -46,6 +50,7 @@ pub struct ModelArgs {
     /// utilisation (e.g. 989 for an H100 SXM in bf16).
     #[arg(long)]
     pub peak_tflops: Option<f64>,
+    /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
 }
