@@ -17,6 +17,18 @@ use align::data::tar_read::{read_shard_events, ShardEvent};
 use align::eval::score::{score_shards, ScoreOptions};
 use candle_core::Device;
 
+/// `align data build` of `input` into `out` with `filters`, quietly.
+fn build_into(input: impl Into<String>, out: &Path, filters: Filters) -> anyhow::Result<build::BuildReport> {
+    build::build(&BuildOptions {
+        input: input.into(),
+        image_root: None,
+        out: out.to_path_buf(),
+        filters,
+        exclude_near: vec![],
+        quiet: true,
+    })
+}
+
 /// The tiny training shards rewritten with every sample whose index is 0, 1 or 2 mod 10 given
 /// another sample's caption; returns the shards and the keys of the moved pairs.
 fn shuffled_corpus(train: &str, out: &Path) -> (Vec<ShardSource>, HashSet<String>) {
@@ -99,15 +111,7 @@ fn clip_scores_find_moved_captions_and_the_build_filters_on_them() {
     );
     let f: Filters = toml::from_str(&filters).unwrap();
     let spec = format!("{}/raw-{{00000..00001}}.tar", dir.path().display());
-    let report = build::build(&BuildOptions {
-        input: spec.clone(),
-        image_root: None,
-        out: dir.path().join("clean"),
-        filters: f,
-        exclude_near: vec![],
-        quiet: true,
-    })
-    .unwrap();
+    let report = build_into(spec.clone(), &dir.path().join("clean"), f).unwrap();
     let removed_by = |name: &str| report.removed.iter().find(|r| r.filter == name).unwrap().samples;
     assert_eq!(removed_by("clip_score"), 36, "{:?}", report.removed);
     let sr = report.clip_score.as_ref().unwrap();
@@ -127,15 +131,7 @@ fn clip_scores_find_moved_captions_and_the_build_filters_on_them() {
     w.write_sample("unscored", &[("jpg", jpg), ("txt", b"a red shape on a black background".to_vec())]).unwrap();
     w.finish().unwrap();
     let f: Filters = toml::from_str(&format!("[curate]\nscores = {:?}\nmin_score = 0.1\n", out.display().to_string())).unwrap();
-    let err = build::build(&BuildOptions {
-        input: other.display().to_string(),
-        image_root: None,
-        out: dir.path().join("clean2"),
-        filters: f,
-        exclude_near: vec![],
-        quiet: true,
-    })
-    .expect_err("an unscored input must not build");
+    let err = build_into(other.display().to_string(), &dir.path().join("clean2"), f).expect_err("an unscored input must not build");
     let err = format!("{err:#}");
     assert!(err.contains("no score") && err.contains("unscored") && err.contains("align data score"), "{err}");
 }
@@ -192,15 +188,7 @@ fn training_on_the_filtered_pairs_beats_training_on_all_of_them() {
     score_shards(&m, &shards, &o, &Device::Cpu).unwrap();
     let f: Filters = toml::from_str(&format!("[curate]\nscores = {:?}\ntop_fraction = 0.7\n", out.display().to_string())).unwrap();
     let raw = format!("{}/raw-{{00000..00001}}.tar", dir.path().display());
-    let report = build::build(&BuildOptions {
-        input: raw.clone(),
-        image_root: None,
-        out: dir.path().join("clean"),
-        filters: f,
-        exclude_near: vec![],
-        quiet: true,
-    })
-    .unwrap();
+    let report = build_into(raw.clone(), &dir.path().join("clean"), f).unwrap();
     let clean = report.shards.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join("::");
     let mean = |train: &str, name: &str| {
         let runs: Vec<(f64, f64)> =
@@ -300,15 +288,7 @@ fn planted_near_duplicates_are_removed_and_distinct_images_kept() {
         scores_dir.display().to_string()
     ))
     .unwrap();
-    let report = build::build(&BuildOptions {
-        input: planted.display().to_string(),
-        image_root: None,
-        out: dir.path().join("deduplicated"),
-        filters: f,
-        exclude_near: vec![],
-        quiet: true,
-    })
-    .unwrap();
+    let report = build_into(planted.display().to_string(), &dir.path().join("deduplicated"), f).unwrap();
     let kept = kept_keys(&report);
     let d = report.semdedup.as_ref().unwrap();
     assert_eq!((d.groups, d.duplicates), (8, 24), "{:?}", report.removed);
@@ -360,15 +340,7 @@ fn the_image_based_filter_keeps_what_is_near_the_target() {
         target.display().to_string()
     ))
     .unwrap();
-    let report = build::build(&BuildOptions {
-        input: data.train.clone(),
-        image_root: None,
-        out: dir.path().join("near-target"),
-        filters: f,
-        exclude_near: vec![],
-        quiet: true,
-    })
-    .unwrap();
+    let report = build_into(data.train.clone(), &dir.path().join("near-target"), f).unwrap();
     let kept = kept_keys(&report);
     let input = samples_of(&data.train);
     let share = |v: &[&align::data::tar_read::RawSample]| v.iter().filter(|s| red(s)).count() as f64 / v.len().max(1) as f64;
@@ -401,15 +373,7 @@ fn the_image_based_filter_keeps_what_is_near_the_target() {
         other.display().to_string()
     ))
     .unwrap();
-    let err = build::build(&BuildOptions {
-        input: data.train.clone(),
-        image_root: None,
-        out: dir.path().join("mismatch"),
-        filters: f,
-        exclude_near: vec![],
-        quiet: true,
-    })
-    .expect_err("a target of another dimension must be refused");
+    let err = build_into(data.train.clone(), &dir.path().join("mismatch"), f).expect_err("a target of another dimension must be refused");
     let err = format!("{err:#}");
     assert!(err.contains("other.safetensors") && err.contains("8 dimensions"), "{err}");
 }
