@@ -170,17 +170,24 @@ fn train_and_evaluate(data: &align::data::synth::SynthOutput, tok: &Path, train:
     (s.eval.zeroshot.unwrap().top1, s.eval.retrieval.unwrap().rsum)
 }
 
+/// The tiny data with 180 test images, its vocabulary, and a model trained on it for 200 steps
+/// (the scorer).
+fn scorer_on_180_test_images(dir: &Path) -> (align::data::synth::SynthOutput, std::path::PathBuf, align::train::trainer::TrainSummary) {
+    let spec = align::data::synth::SynthSpec { train_shards: 3, samples_per_shard: 40, test_samples: 180, image_size: 24, seed: 1 };
+    let data = align::data::synth::write_synth(&dir.join("data"), &spec).unwrap();
+    let tok = common::tiny_tokenizer(&data, dir);
+    let cfg = common::tiny_config(&data, &tok, &dir.join("run"), &["train.steps=200", "train.checkpoint_every=0"]);
+    let s = align::train::trainer::train(&cfg, &common::cpu_options()).unwrap();
+    (data, tok, s)
+}
+
 /// ALIGN's and DataComp's claim in small: training on the top 70% by CLIP score beats training
 /// on everything when 30% of the captions are wrong, at equal steps (the mean of five seeds,
 /// evaluated on 180 test images).
 #[test]
 fn training_on_the_filtered_pairs_beats_training_on_all_of_them() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = align::data::synth::SynthSpec { train_shards: 3, samples_per_shard: 40, test_samples: 180, image_size: 24, seed: 1 };
-    let data = align::data::synth::write_synth(&dir.path().join("data"), &spec).unwrap();
-    let tok = common::tiny_tokenizer(&data, dir.path());
-    let cfg = common::tiny_config(&data, &tok, &dir.path().join("run"), &["train.steps=200", "train.checkpoint_every=0"]);
-    let s = align::train::trainer::train(&cfg, &common::cpu_options()).unwrap();
+    let (data, tok, s) = scorer_on_180_test_images(dir.path());
     let (shards, _) = shuffled_corpus(&data.train, dir.path());
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
@@ -305,11 +312,7 @@ fn planted_near_duplicates_are_removed_and_distinct_images_kept() {
 #[test]
 fn the_image_based_filter_keeps_what_is_near_the_target() {
     let dir = tempfile::tempdir().unwrap();
-    let spec = align::data::synth::SynthSpec { train_shards: 3, samples_per_shard: 40, test_samples: 180, image_size: 24, seed: 1 };
-    let data = align::data::synth::write_synth(&dir.path().join("data"), &spec).unwrap();
-    let tok = common::tiny_tokenizer(&data, dir.path());
-    let cfg = common::tiny_config(&data, &tok, &dir.path().join("run"), &["train.steps=200", "train.checkpoint_every=0"]);
-    let s = align::train::trainer::train(&cfg, &common::cpu_options()).unwrap();
+    let (data, _, s) = scorer_on_180_test_images(dir.path());
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
     let o = ScoreOptions { out: out.clone(), embeddings: true, batch: 16, quiet: true, checkpoint: "tiny".into() };
