@@ -26,13 +26,15 @@ pub struct DemoArgs {
     /// Override a config field, e.g. `--set train.steps=100`.
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub overrides: Vec<String>,
-    /// Print the results as JSON.
+    /// Print the results as JSON on standard output (progress and log lines stay on standard
+    /// error, so a minute of training is never silent).
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(a: &DemoArgs) -> Result<()> {
-    let quiet = a.json;
+    // Progress goes to standard error: with --json, standard output still holds only the JSON.
+    let quiet = false;
     let data_dir = a.out.join("data");
     let t0 = Instant::now();
     if !quiet {
