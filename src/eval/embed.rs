@@ -119,7 +119,11 @@ pub fn embed_source(
     device: &Device,
     quiet: bool,
 ) -> Result<EmbeddedImages> {
-    let out = embed_data(model, None, source, image_cfg, needs, batch, device, quiet)?;
+    with_images(embed_data(model, None, source, image_cfg, needs, batch, device, quiet)?)
+}
+
+/// An evaluation set must hold a usable image.
+fn with_images(out: EmbeddedImages) -> Result<EmbeddedImages> {
     if out.keys.is_empty() {
         bail!("no usable image (skipped: {})", out.skipped.summary());
     }
@@ -140,11 +144,7 @@ pub fn embed_pairs(
     device: &Device,
     quiet: bool,
 ) -> Result<EmbeddedImages> {
-    let out = embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, quiet)?;
-    if out.keys.is_empty() {
-        bail!("no usable image (skipped: {})", out.skipped.summary());
-    }
-    Ok(out)
+    with_images(embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, quiet)?)
 }
 
 /// [`embed_pairs`] without the error for data that holds no usable image (a shard of a corpus

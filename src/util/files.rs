@@ -9,10 +9,16 @@ use anyhow::{Context, Result};
 /// renamed over it. A full disk or a kill leaves the previous file (or none), never a truncated
 /// one that a reader such as CLIP_benchmark's `build` would take for a result.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |f| Ok(f.write_all(bytes)?))
+}
+
+/// [`write_atomic`] for writers that need the file itself (Parquet's): `fill` writes it, then it
+/// is synced and renamed onto `path`; on any error the temporary file is removed.
+pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut std::fs::File) -> Result<()>) -> Result<()> {
     let tmp = temporary_beside(path)?;
     let written = (|| -> Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
+        fill(&mut f)?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
         Ok(())

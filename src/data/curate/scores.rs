@@ -86,21 +86,12 @@ pub fn write(path: &Path, s: &ShardScores) -> Result<()> {
         .set_key_value_metadata(Some(meta))
         .set_created_by("align".into())
         .build();
-    let tmp = crate::util::files::temporary_beside(path)?;
-    let written = (|| -> Result<()> {
-        let file = File::create(&tmp)?;
+    crate::util::files::write_atomic_with(path, |file| {
         let mut w = ArrowWriter::try_new(file.try_clone()?, schema, Some(props))?;
         w.write(&batch)?;
         w.close()?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)?;
         Ok(())
-    })()
-    .with_context(|| format!("writing {}", path.display()));
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
+    })
 }
 
 /// Reads a score file, with its embeddings when `embeddings` is set.
