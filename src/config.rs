@@ -15,17 +15,24 @@ use crate::model::presets::{
     EFFICIENTNET_PRESETS, VIT_PRESETS,
 };
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
+    /// The run's name, output directory and seed.
     pub run: RunConfig,
+    /// Training shards and how they are read, decoded and augmented.
     pub data: DataConfig,
+    /// Tokenizer and caption length.
     pub text: TextConfig,
+    /// The two towers, the shared embedding and the start.
     pub model: ModelConfig,
+    /// The contrastive loss.
     pub loss: LossConfig,
     /// ALIGN §5: LAMB with weight decay ratio 1e-5 (the defaults of [`OptimizerConfig`]).
     pub optimizer: OptimizerConfig,
+    /// Batch, length, schedule, checkpoints, precision and the moving average.
     pub train: TrainConfig,
+    /// The evaluations run during and after training.
     pub eval: EvalConfig,
     /// Which fields the file and the `--set` overrides named (not part of the config itself).
     #[serde(skip)]
@@ -57,11 +64,12 @@ fn leaf_paths(table: &toml::Table, prefix: &str, out: &mut std::collections::BTr
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RunConfig {
     /// Checkpoints go to `out_dir/name/`.
     pub name: String,
+    /// The directory that holds runs (each in `out_dir/name/`).
     pub out_dir: PathBuf,
     /// Seeds weight init, shard order, shuffling and augmentation.
     pub seed: u64,
@@ -73,7 +81,7 @@ impl Default for RunConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
     /// Training shard spec (see `data::spec`).
@@ -122,7 +130,7 @@ impl Default for DataConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TextConfig {
     /// A `tokenizer.json`; when empty or missing, a WordPiece vocabulary is trained on the
@@ -131,6 +139,8 @@ pub struct TextConfig {
     /// Tokens per caption including [CLS] and [SEP]. ALIGN §5: 64 wordpieces, its alt-texts
     /// having at most 20 unigrams.
     pub max_len: usize,
+    /// Lowercase captions before tokenizing (for a vocabulary trained here; a loaded
+    /// `tokenizer.json` keeps its own normaliser).
     pub lowercase: bool,
     /// Size of a vocabulary trained from the captions. ALIGN §4.1: 100k wordpieces.
     pub vocab_size: usize,
@@ -144,7 +154,7 @@ impl Default for TextConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelConfig {
     /// `efficientnet-b0` … `efficientnet-b7`, `efficientnet-l2`, or `vit-ti16`, `vit-s16`,
@@ -175,8 +185,11 @@ pub struct ModelConfig {
     pub temperature: TemperatureKind,
     /// σ at initialisation. ALIGN §5: 1.0 (CLIP: 0.07).
     pub temperature_init: f64,
+    /// Sizes replacing those of the `vit-*` preset (or all of them, for `image_tower = "vit"`).
     pub vit: VitOverrides,
+    /// Scalings and regularisers replacing those of the `efficientnet-*` preset.
     pub efficientnet: EfficientNetOverrides,
+    /// Sizes replacing those of the `bert-*` preset (or all of them, for `text_tower = "bert"`).
     pub bert: BertOverrides,
     /// Start from these weights: an align checkpoint or run; a Hugging Face `AlignModel`,
     /// `CLIPModel`, `SiglipModel` or `VisionTextDualEncoderModel` folder; an open_clip folder
@@ -192,12 +205,16 @@ pub struct ModelConfig {
     /// `lock_image_unlocked_groups` groups (embeddings, each layer or block, the projection).
     /// open_clip's `--lock-image`.
     pub lock_image: bool,
+    /// Groups of a locked image tower left trainable, counted from its last (the projection);
+    /// 0 locks the whole tower. open_clip's `--lock-image-unlocked-groups`.
     pub lock_image_unlocked_groups: usize,
     /// A locked EfficientNet normalises with its running statistics and never updates them.
     pub lock_image_freeze_bn_stats: bool,
     /// Freeze the text tower and its projection, all but its last `lock_text_unlocked_layers`
     /// groups. open_clip's `--lock-text`.
     pub lock_text: bool,
+    /// Groups of a locked text tower left trainable, counted from its last; 0 locks the whole
+    /// tower. open_clip's `--lock-text-unlocked-layers`.
     pub lock_text_unlocked_layers: usize,
     /// Also freeze the LayerNorms of the text groups left trainable.
     pub lock_text_freeze_layer_norm: bool,
@@ -245,7 +262,7 @@ impl Default for ModelConfig {
 }
 
 /// Which contrastive loss trains the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum LossKind {
     /// ALIGN's (and CLIP's) normalised softmax over the batch, both directions.
@@ -256,7 +273,7 @@ pub enum LossKind {
 }
 
 /// How the sigmoid loss brings other ranks' texts to a rank's images (`train::sigmoid_loss`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Exchange {
     /// Around the ring, one block at a time: logits memory `n × n` per rank.
@@ -266,7 +283,7 @@ pub enum Exchange {
     Gather,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LossConfig {
     /// `softmax` (ALIGN §4.1, the default) or `sigmoid` (SigLIP, Zhai et al. 2023). The sigmoid
@@ -296,7 +313,7 @@ impl Default for LossConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
     /// Pairs per optimiser step over all ranks; each pair's negatives are all other pairs of the
@@ -324,6 +341,8 @@ pub struct TrainConfig {
     pub warmup_steps: u64,
     /// Decay after the warm-up. ALIGN §5: linear, to zero at `steps`.
     pub schedule: ScheduleKind,
+    /// Write a record to `metrics.jsonl` and TensorBoard (and a log line in a batch job) every
+    /// N steps.
     pub log_every: u64,
     /// Save every N steps (and always at the end); 0 = only at the end.
     pub checkpoint_every: u64,
@@ -368,11 +387,14 @@ pub struct TrainConfig {
     pub ema_eval: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+/// The towers' compute precision (`train.precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
+    /// Everything in 32-bit floats.
     #[default]
     F32,
+    /// The towers in bfloat16, from f32 master weights.
     Bf16,
 }
 
@@ -418,7 +440,7 @@ impl Default for TrainConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvalConfig {
     /// Shards for retrieval (captions one per line in `txt`); empty disables.
@@ -429,6 +451,7 @@ pub struct EvalConfig {
     pub classes: PathBuf,
     /// Prompt templates with `{}` for the class name, one per line.
     pub templates: PathBuf,
+    /// Images or captions embedded per forward pass.
     pub batch_size: usize,
     /// Held-out shards whose training loss is logged at each evaluation (open_clip's
     /// `--val-data`); empty disables.
@@ -453,21 +476,29 @@ impl Default for EvalConfig {
 }
 
 /// The update rule (`optimizer.kind`): AdamW or LAMB (`train::optim`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerKind {
+    /// Adam with decoupled weight decay (Loshchilov & Hutter), CLIP's and open_clip's.
     Adamw,
+    /// LAMB (You et al. 2020): Adam's update scaled per tensor by its trust ratio, ALIGN's.
     Lamb,
 }
 
 /// The optimiser (`[optimizer]`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimizerConfig {
+    /// `lamb` (ALIGN §5) or `adamw` (CLIP, open_clip).
     pub kind: OptimizerKind,
+    /// Decay of the moving average of gradients.
     pub beta1: f64,
+    /// Decay of the moving average of squared gradients (CLIP: 0.98 for ViTs).
     pub beta2: f64,
+    /// Added to the denominator's square root.
     pub eps: f64,
+    /// Decoupled weight decay, per step, times the learning rate; gains, biases and
+    /// normalisation parameters are not decayed. ALIGN §5: 1e-5.
     pub weight_decay: f64,
     /// Clip gradients to this global L2 norm (0 disables).
     pub grad_clip: f64,
@@ -511,7 +542,7 @@ impl OptimizerConfig {
 }
 
 /// The learning-rate schedule after the warm-up (`train.schedule`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ScheduleKind {
     /// Linear warmup from zero, then linear decay to zero at the last step (ALIGN §5).

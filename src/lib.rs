@@ -4,6 +4,7 @@
 //! encoder), `train` (loss, optimisers, the loop, checkpoints) and `eval` (retrieval, zero-shot).
 
 pub mod config;
+pub mod config_reference;
 pub mod data;
 pub mod eval;
 pub mod io;

@@ -63,6 +63,9 @@ enum Command {
     Demo(cli::demo::DemoArgs),
     /// Train from a TOML config.
     Train(cli::train::TrainArgs),
+    /// Every config field: its `--set` path, type, default and meaning (and a config's values
+    /// with `--config`).
+    Config(cli::config::ConfigArgs),
     /// Data tools: synthetic shards, statistics, clean shards from raw pairs, CLIP scores, Karpathy
     /// splits.
     #[command(subcommand)]
@@ -206,6 +209,7 @@ fn run() -> Result<()> {
         Command::Embed(a) => cli::embed::embed(&a),
         Command::Launch(a) => cli::launch::run(&a),
         Command::Plot(a) => cli::plot::run(&a),
+        Command::Config(a) => cli::config::run(a),
         Command::Search(a) => cli::embed::search(&a),
         Command::Export(a) => cli::embed::export(&a),
         Command::Inspect(a) => cli::inspect::run(&a),

@@ -278,7 +278,10 @@ fn the_average_evaluated_in_training_is_the_one_ema_loads() {
     let (plain, ema) = (evals("eval"), evals("eval_ema"));
     assert_eq!(ema.iter().map(|e| e.0).collect::<Vec<_>>(), [2, 4]);
     assert_eq!(plain.len(), 2);
-    assert_ne!(ema[1].1["rsum"], plain[1].1["rsum"], "the average and the weights evaluate alike, so the test could not tell them apart");
+    assert_ne!(
+        ema[1].1["mean_recall"], plain[1].1["mean_recall"],
+        "the average and the weights evaluate alike, so the test could not tell them apart"
+    );
     let run = cfg.run_dir();
     let run = run.to_str().unwrap();
     for (flag, logged) in [(true, &ema[1].1), (false, &plain[1].1)] {
@@ -290,8 +293,11 @@ fn the_average_evaluated_in_training_is_the_one_ema_loads() {
         assert!(ok, "{err}");
         let m = &serde_json::from_str::<serde_json::Value>(&out).unwrap()["metrics"];
         for k in [1, 5, 10] {
-            assert_eq!(m[format!("image_retrieval_recall@{k}")].as_f64(), logged["t2i"][format!("r{k}")].as_f64(), "--ema {flag}, k={k}");
-            assert_eq!(m[format!("text_retrieval_recall@{k}")].as_f64(), logged["i2t"][format!("r{k}")].as_f64(), "--ema {flag}, k={k}");
+            // The training log and the standalone evaluation name and scale each recall alike.
+            for name in [format!("image_retrieval_recall@{k}"), format!("text_retrieval_recall@{k}")] {
+                assert!(logged[&name].is_f64(), "{name} missing from the training log's {logged}");
+                assert_eq!(m[&name].as_f64(), logged[&name].as_f64(), "--ema {flag}, {name}");
+            }
         }
     }
 }
@@ -580,4 +586,85 @@ fn completions_and_man_pages_cover_every_subcommand() {
     }
     let train = std::fs::read_to_string(dir.path().join("align-train.1")).unwrap();
     assert!(train.contains("resume"), "the train page lists its options");
+}
+
+#[test]
+fn config_lists_every_field_with_default_meaning_and_a_configs_values() {
+    let (ok, all, err) = align(&["config"]);
+    assert!(ok, "{err}");
+    for want in [
+        "[train]",
+        "train.lr = 0.001",
+        "Peak learning rate",
+        "[data.image]",
+        "data.image.image_size = 289",
+        "one of linear | cosine | constant",
+    ] {
+        assert!(all.contains(want), "`align config` lacks {want:?}");
+    }
+    let (ok, only, _) = align(&["config", "loss"]);
+    assert!(ok && only.contains("loss.label_smoothing = 0.1") && !only.contains("train.lr"), "{only}");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, "[train]\nlr = 5e-4\n").unwrap();
+    let (ok, out, err) = align(&["config", "train", "--config", cfg.to_str().unwrap(), "--set", "train.steps=7", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let field = |p: &str| v["fields"].as_array().unwrap().iter().find(|f| f["path"] == p).cloned().unwrap();
+    assert_eq!((field("train.lr")["value"].as_f64(), field("train.lr")["default"].as_f64()), (Some(5e-4), Some(1e-3)));
+    assert_eq!(field("train.steps")["value"].as_u64(), Some(7));
+    assert_eq!(field("train.schedule")["choices"].as_array().map(Vec::len), Some(3));
+    let (ok, _, err) = align(&["config", "trian"]);
+    assert!(!ok && err.lines().count() == 1 && err.contains("trian"), "{err}");
+}
+
+/// `--precision bf16` runs the towers' products in bfloat16: the embeddings move (so the bf16
+/// path ran) but stay within bf16's rounding of the f32 ones, and the index records it. A CPU
+/// without AVX-512 BF16 refuses with a one-line reason instead.
+#[test]
+fn bf16_embeddings_track_the_f32_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
+    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
+    let run = cfg.run_dir();
+    let embed = |precision: &str| {
+        let out = dir.path().join(format!("{precision}.safetensors"));
+        let args = [
+            "embed",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--data",
+            &data.test,
+            "--out",
+            out.to_str().unwrap(),
+            "--precision",
+            precision,
+        ];
+        // The tiny model's products are all below the size bf16 pays off at; 1 routes them all.
+        let o = Command::new(env!("CARGO_BIN_EXE_align")).args(args).env("ALIGN_BF16_MIN_MACS", "1").output().unwrap();
+        (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned(), out)
+    };
+    let (ok, err, f32_out) = embed("f32");
+    assert!(ok, "{err}");
+    let (ok, err, bf16_out) = embed("bf16");
+    if !std::arch::is_x86_feature_detected!("avx512bf16") {
+        assert!(!ok && err.lines().count() == 1 && err.contains("AVX-512 BF16"), "{err}");
+        return;
+    }
+    assert!(ok, "{err}");
+    let side: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("bf16.json")).unwrap()).unwrap();
+    assert_eq!(side["precision"], "bf16");
+    let load = |p: &std::path::Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+    let (a, b) = (load(&f32_out), load(&bf16_out));
+    for name in ["image_embeddings", "text_embeddings"] {
+        let (x, y) = (a[name].to_vec2::<f32>().unwrap(), b[name].to_vec2::<f32>().unwrap());
+        let mut largest = 0f32;
+        for (x, y) in x.iter().zip(&y) {
+            // Unit vectors: 1 − cosine.
+            let cos: f32 = x.iter().zip(y).map(|(p, q)| p * q).sum();
+            largest = largest.max(1.0 - cos);
+        }
+        assert!(x != y, "{name}: bf16 gave the f32 numbers exactly, so its path did not run");
+        assert!(largest < 1e-3, "{name}: 1 − cosine up to {largest}");
+    }
 }

@@ -294,6 +294,8 @@ pub fn build(a: &BuildArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct ScoreArgs {
+    #[command(flatten)]
+    pub precision: super::precision::PrecisionArg,
     /// The scoring model: any checkpoint align reads (an align run, a Hugging Face or open_clip
     /// folder, `hf:ORG/NAME`).
     #[arg(long)]
@@ -317,6 +319,7 @@ pub struct ScoreArgs {
 
 /// `align data score`: each sample's image-text cosine, as Parquet files beside the shards'.
 pub fn score(a: &ScoreArgs) -> Result<()> {
+    a.precision.apply()?;
     let device = super::default_device();
     let m = align::io::load::load_model(&a.checkpoint, &device)?;
     let shards = align::data::spec::expand(&a.data)?;

@@ -90,8 +90,8 @@ pub fn run(a: &DemoArgs) -> Result<()> {
     let r = summary.eval.retrieval.clone().context("the demo evaluates retrieval")?;
     if a.json {
         return super::print_json(&json!({
-            "zeroshot": {"top1": z.top1, "top5": z.top5, "images": z.images, "classes": z.classes},
-            "retrieval": {"i2t": r.i2t, "t2i": r.t2i, "rsum": r.rsum, "images": r.images, "texts": r.texts},
+            "zeroshot": z,
+            "retrieval": r,
             "train": {"steps": summary.steps, "seconds": summary.seconds, "final_loss": summary.final_loss, "temperature": summary.temperature},
             "total_seconds": t0.elapsed().as_secs_f64(),
             "checkpoint": summary.checkpoint,

@@ -20,6 +20,8 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Args)]
 pub struct EmbedArgs {
+    #[command(flatten)]
+    pub precision: super::precision::PrecisionArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -56,6 +58,9 @@ pub struct Sidecar {
     pub ema: bool,
     #[serde(default)]
     pub dim: Option<usize>,
+    /// The towers' products: `f32` or `bf16` (absent: f32).
+    #[serde(default)]
+    pub precision: Option<String>,
 }
 
 fn sidecar_path(out: &Path) -> PathBuf {
@@ -99,11 +104,18 @@ fn to_tensor(e: &Embeddings) -> Result<Tensor> {
 }
 
 pub fn embed(a: &EmbedArgs) -> Result<()> {
+    a.precision.apply()?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
     let mut tensors = HashMap::new();
-    let mut side = Sidecar { checkpoint: Some(canonical(&m.dir)), ema: a.ema, dim: Some(m.spec().embed_dim), ..Default::default() };
+    let mut side = Sidecar {
+        checkpoint: Some(canonical(&m.dir)),
+        ema: a.ema,
+        dim: Some(m.spec().embed_dim),
+        precision: Some(align::ops::kernels::bf16_gemm::forward_precision().into()),
+        ..Default::default()
+    };
     match (&a.data, &a.texts) {
         (Some(d), _) => {
             let mut images = embed_pairs(

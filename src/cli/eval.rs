@@ -16,6 +16,8 @@ use super::table::{add_retrieval, add_zeroshot, pct, Table};
 
 #[derive(Args)]
 pub struct RetrievalArgs {
+    #[command(flatten)]
+    pub precision: super::precision::PrecisionArg,
     /// Checkpoint directory, or a run directory (its latest checkpoint).
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -52,6 +54,7 @@ pub struct RetrievalArgs {
 }
 
 pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
+    a.precision.apply()?;
     let (source, what) = retrieval_source(&a.data, &a.karpathy, &a.images, &a.split)?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
@@ -95,6 +98,8 @@ impl Outcome {
 
 #[derive(Args)]
 pub struct ZeroShotArgs {
+    #[command(flatten)]
+    pub precision: super::precision::PrecisionArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -135,6 +140,7 @@ pub struct ZeroShotArgs {
 }
 
 pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
+    a.precision.apply()?;
     let task = ZeroShotData::new(&a.data, &a.imagenet, a.variant, &a.classes, &a.wnids, &a.templates)?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
@@ -149,6 +155,8 @@ pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
 
 #[derive(Args)]
 pub struct KnnArgs {
+    #[command(flatten)]
+    pub precision: super::precision::PrecisionArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -185,6 +193,7 @@ pub struct KnnArgs {
 }
 
 pub fn knn(a: &KnnArgs) -> Result<()> {
+    a.precision.apply()?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.val, &a.val_imagenet, "val")?);
@@ -208,6 +217,8 @@ fn split_names(a: &Option<String>, a_dir: &Option<PathBuf>, b: &Option<String>, 
 
 #[derive(Args)]
 pub struct LinearProbeArgs {
+    #[command(flatten)]
+    pub precision: super::precision::PrecisionArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -253,6 +264,7 @@ pub struct LinearProbeArgs {
 }
 
 pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
+    a.precision.apply()?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.test, &a.test_imagenet, "test")?);

@@ -1,6 +1,7 @@
 //! One module per subcommand group; each function parses nothing and prints results.
 
 pub mod bench;
+pub mod config;
 pub mod data;
 pub mod demo;
 pub mod embed;
@@ -9,6 +10,7 @@ pub mod eval_suite;
 pub mod inspect;
 pub mod launch;
 pub mod plot;
+pub mod precision;
 pub mod table;
 pub mod train;
 

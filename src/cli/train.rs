@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
 use align::config::Config;
+use align::io::metrics_log;
 use align::train::trainer::{train, TrainOptions, TrainSummary};
 use anyhow::Result;
 
@@ -22,8 +23,8 @@ pub fn summary_table(s: &TrainSummary, with_eval: bool) -> Table {
         t.row("stopped", format!("by {by} (resume with --resume)"));
     }
     for b in &s.best_eval {
-        // Recalls and accuracies are fractions; rsum is already a sum of percentages.
-        let value = if b.metric.ends_with("rsum") { format!("{:.1}", b.value) } else { format!("{:.1}%", 100.0 * b.value) };
+        // Recalls and accuracies are fractions, shown in percent; losses are shown as they are.
+        let value = if metrics_log::lower_is_better(&b.metric) { format!("{:.4}", b.value) } else { format!("{:.1}%", 100.0 * b.value) };
         t.row(format!("best {}", b.metric.trim_start_matches("eval/")), format!("{value} (step {})", b.step));
     }
     if with_eval {

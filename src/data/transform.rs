@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::skips::reason;
 use crate::util::rng::Rng;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ResizeMode {
     /// Resize to `resize`×`resize` ignoring the aspect ratio (ALIGN / EfficientNet preprocessing).
@@ -26,7 +26,7 @@ pub enum ResizeMode {
 }
 
 /// Where a centre crop starts when the margin is odd.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CropOffset {
     /// `(size − crop) // 2`, as transformers' processors place it.
@@ -37,7 +37,7 @@ pub enum CropOffset {
     Round,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TrainCrop {
     /// Resize per `resize_mode`, then a uniformly placed `image_size` crop (ALIGN).
@@ -46,13 +46,16 @@ pub enum TrainCrop {
     RandomResizedCrop,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Interpolation {
+    /// The nearest pixel.
     Nearest,
     /// Antialiased when shrinking, like PIL's BILINEAR.
     Bilinear,
+    /// Catmull-Rom cubic, antialiased when shrinking, like PIL's BICUBIC (CLIP).
     Bicubic,
+    /// Lanczos with three lobes, like PIL's LANCZOS.
     Lanczos,
 }
 
@@ -70,14 +73,17 @@ impl Interpolation {
 }
 
 /// How images become tensors. Defaults are ALIGN's (paper §5 and `AlignProcessor`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ImageConfig {
-    /// Side of the square the towers see.
+    /// Side of the square the towers see, in pixels.
     pub image_size: usize,
-    /// Resize target before cropping (square side, or shorter side).
+    /// Resize target before cropping, in pixels (the square's side, or the shorter or longer
+    /// side per `resize_mode`).
     pub resize: usize,
+    /// `square` (ALIGN), `shorter` (CLIP, torchvision) or `longer` (open_clip's `longest`, padded).
     pub resize_mode: ResizeMode,
+    /// `random_crop` (ALIGN) or `random_resized_crop` (CLIP, open_clip).
     pub train_crop: TrainCrop,
     /// RandomResizedCrop area fraction range.
     pub rrc_scale: [f64; 2],
@@ -85,8 +91,11 @@ pub struct ImageConfig {
     pub rrc_ratio: [f64; 2],
     /// Random horizontal flip with probability 0.5 during training.
     pub hflip: bool,
+    /// Per-channel (R, G, B) mean subtracted from pixels scaled to [0, 1].
     pub mean: [f32; 3],
+    /// Per-channel (R, G, B) divisor applied after the mean.
     pub std: [f32; 3],
+    /// The resampling filter of every resize.
     pub interpolation: Interpolation,
     /// Where the evaluation's centre crop starts when the margin is odd.
     pub crop_offset: CropOffset,

@@ -6,7 +6,7 @@
 //! `argsort` with a stable sort gives in the usual Python evaluation code.
 
 use candle_core::{Device, Result, Tensor};
-use serde::{Deserialize, Serialize};
+use serde::ser::{Serialize, SerializeMap, Serializer};
 
 /// Row-major `rows × dim` matrix of L2-normalised embeddings.
 #[derive(Debug, Clone)]
@@ -61,7 +61,7 @@ pub fn rank_of(scores: &[f32], target: usize) -> usize {
     scores.iter().enumerate().filter(|&(j, &v)| v > s || (v == s && j < target)).count()
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Recall {
     pub r1: f64,
     pub r5: f64,
@@ -78,14 +78,32 @@ impl Recall {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RetrievalReport {
     pub i2t: Recall,
     pub t2i: Recall,
-    /// Sum of the six recalls, the usual single retrieval number.
+    /// Sum of the six recalls in percent, the usual single retrieval number in tables; machines
+    /// get it as `mean_recall`, a fraction like every other metric (rsum = 600 × mean_recall).
     pub rsum: f64,
     pub images: usize,
     pub texts: usize,
+}
+
+/// Written in CLIP_benchmark's vocabulary, as fractions, so a training log, a run summary and
+/// `align eval retrieval --json` name the same number alike: `text_retrieval_recall@K` is
+/// image→text (an image finding its captions), `image_retrieval_recall@K` text→image.
+impl Serialize for RetrievalReport {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut m = s.serialize_map(Some(9))?;
+        for (k, i2t, t2i) in [(1, self.i2t.r1, self.t2i.r1), (5, self.i2t.r5, self.t2i.r5), (10, self.i2t.r10, self.t2i.r10)] {
+            m.serialize_entry(&format!("image_retrieval_recall@{k}"), &t2i)?;
+            m.serialize_entry(&format!("text_retrieval_recall@{k}"), &i2t)?;
+        }
+        m.serialize_entry("mean_recall", &(self.rsum / 600.0))?;
+        m.serialize_entry("images", &self.images)?;
+        m.serialize_entry("texts", &self.texts)?;
+        m.end()
+    }
 }
 
 /// Each query's rank (0 = best) of its nearest correct candidate: per image, its best-ranked
@@ -151,13 +169,15 @@ pub fn retrieval_ranks(images: &Embeddings, texts: &Embeddings, text_image: &[us
     Ok(Ranks { i2t, t2i })
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Written in CLIP_benchmark's vocabulary (`acc1`, `acc5`, `mean_per_class_recall`), as fractions.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ClassificationReport {
+    #[serde(rename = "acc1")]
     pub top1: f64,
+    #[serde(rename = "acc5")]
     pub top5: f64,
     /// Top-1 recall of each class that has images, averaged over those classes (CLIP_benchmark's
     /// `mean_per_class_recall`, scikit-learn's balanced accuracy).
-    #[serde(default)]
     pub mean_per_class_recall: f64,
     pub images: usize,
     pub classes: usize,

@@ -45,10 +45,15 @@ impl EvalResults {
     pub fn line(&self) -> String {
         let mut parts = Vec::new();
         if let Some(z) = &self.zeroshot {
-            parts.push(format!("zero-shot top1 {:.3} top5 {:.3}", z.top1, z.top5));
+            parts.push(format!("zero-shot acc1 {:.3} acc5 {:.3}", z.top1, z.top5));
         }
         if let Some(r) = &self.retrieval {
-            parts.push(format!("i2t R@1 {:.3} t2i R@1 {:.3} rsum {:.1}", r.i2t.r1, r.t2i.r1, r.rsum));
+            parts.push(format!(
+                "text_retrieval_recall@1 {:.3} image_retrieval_recall@1 {:.3} mean_recall {:.3}",
+                r.i2t.r1,
+                r.t2i.r1,
+                r.rsum / 600.0
+            ));
         }
         if let Some(v) = &self.validation {
             parts.push(format!("validation loss {:.4} ({} pairs)", v.loss, v.pairs));

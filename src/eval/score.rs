@@ -19,6 +19,7 @@ use crate::data::eval_reader::{EvalSource, Needs};
 use crate::data::skips::SkipCounts;
 use crate::data::spec::ShardSource;
 use crate::io::load::LoadedModel;
+use crate::ops::kernels::bf16_gemm::forward_precision;
 use crate::util::log;
 use crate::util::progress::Progress;
 
@@ -35,6 +36,8 @@ pub struct ScoreOptions {
 #[derive(Debug, Serialize)]
 pub struct ScoreReport {
     pub checkpoint: String,
+    /// The towers' products: `f32`, or `bf16` (`--precision bf16`).
+    pub precision: &'static str,
     pub shards: usize,
     /// Shards whose score file was already there (a resumed run).
     pub already_scored: usize,
@@ -45,9 +48,14 @@ pub struct ScoreReport {
     pub out: PathBuf,
 }
 
-/// Whether `path` already holds the scores of `shard` by `checkpoint`.
+/// Whether `path` already holds the scores of `shard` by `checkpoint` at this run's precision
+/// (files written before precisions were recorded are f32's).
 fn done(path: &Path, shard: &str, checkpoint: &str) -> bool {
-    scores::read(path, false).is_ok_and(|s| s.meta("shard") == Some(shard) && s.meta("checkpoint") == Some(checkpoint))
+    scores::read(path, false).is_ok_and(|s| {
+        s.meta("shard") == Some(shard)
+            && s.meta("checkpoint") == Some(checkpoint)
+            && s.meta("precision").unwrap_or("f32") == forward_precision()
+    })
 }
 
 /// Scores every shard of `shards` with `m` into `o.out`.
@@ -56,6 +64,7 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
     let started = Instant::now();
     let mut report = ScoreReport {
         checkpoint: o.checkpoint.clone(),
+        precision: forward_precision(),
         shards: shards.len(),
         already_scored: 0,
         samples: 0,
@@ -113,6 +122,7 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
         s.meta = vec![
             ("shard".into(), name.clone()),
             ("checkpoint".into(), o.checkpoint.clone()),
+            ("precision".into(), forward_precision().into()),
             ("samples".into(), s.keys.len().to_string()),
             ("skipped".into(), e.skipped.summary()),
         ];

@@ -2,7 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// How the text tower's states become one vector before the projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TextPooling {
     /// The final hidden state of `[CLS]` (ALIGN, BERT).
@@ -14,7 +15,8 @@ pub enum TextPooling {
     Pooler,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// How a ViT's states become one vector before the projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ImagePooling {
     /// The class token's final state.
@@ -27,7 +29,7 @@ pub enum ImagePooling {
 }
 
 /// How the learnable temperature is parameterised.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TemperatureKind {
     /// ALIGN: logits = x·y / σ, σ learned directly (Hugging Face's `temperature`).
@@ -37,15 +39,23 @@ pub enum TemperatureKind {
 }
 
 /// Optional overrides on top of a ViT preset (any field left out keeps the preset's value).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct VitOverrides {
+    /// Side of a square patch, in pixels.
     pub patch_size: Option<usize>,
+    /// Token width (hidden size).
     pub width: Option<usize>,
+    /// Transformer layers.
     pub depth: Option<usize>,
+    /// Attention heads per layer (dividing `width`).
     pub heads: Option<usize>,
+    /// The MLP's hidden width as a multiple of `width`.
     pub mlp_ratio: Option<f64>,
+    /// `cls` (the class token), `gap` (mean of the patch tokens) or `pooler` (transformers' ViT
+    /// pooler).
     pub pool: Option<ImagePooling>,
+    /// ε of every LayerNorm.
     pub layer_norm_eps: Option<f64>,
     /// FLIP's patch dropout: the fraction of patch tokens each training image drops (0.5 keeps
     /// half; the class token always stays). Evaluation sees every token.
@@ -53,15 +63,18 @@ pub struct VitOverrides {
 }
 
 /// Optional overrides on top of an EfficientNet preset.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct EfficientNetOverrides {
+    /// Channel multiplier of every stage (EfficientNet's compound scaling).
     pub width_coefficient: Option<f64>,
+    /// Block-count multiplier of every stage.
     pub depth_coefficient: Option<f64>,
     /// Stochastic-depth rate of the last block.
     pub drop_path: Option<f64>,
     /// PyTorch convention: TensorFlow's decay 0.99 is 0.01.
     pub bn_momentum: Option<f64>,
+    /// ε of every batch normalisation.
     pub bn_eps: Option<f64>,
     /// Running statistics while training, never updated (ALIGN fine-tuning).
     pub bn_frozen: Option<bool>,
@@ -69,15 +82,22 @@ pub struct EfficientNetOverrides {
     pub depthwise_padding: Option<Vec<usize>>,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct BertOverrides {
+    /// Hidden size.
     pub hidden: Option<usize>,
+    /// Transformer layers.
     pub layers: Option<usize>,
+    /// Attention heads per layer (dividing `hidden`).
     pub heads: Option<usize>,
+    /// The feed-forward layer's hidden width.
     pub intermediate: Option<usize>,
+    /// Positions the position embedding holds, in tokens (at least `text.max_len`).
     pub max_position: Option<usize>,
+    /// Token types (segments) of the type embedding.
     pub type_vocab: Option<usize>,
+    /// ε of every LayerNorm.
     pub layer_norm_eps: Option<f64>,
 }
 

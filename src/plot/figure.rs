@@ -41,11 +41,14 @@ fn panels() -> Vec<Panel> {
         p("throughput", "samples/s", vec![line("train/samples_per_s", 1.0, "")]),
         p("gradient norm (before clipping)", "L2 norm", vec![line("train/grad_norm", 1.0, "")]),
         p("waiting for data", "% of wall time", vec![line("train/data_wait_share", 100.0, "")]),
-        p("zero-shot classification", "top-1 accuracy (%)", vec![line("eval/zeroshot/top1", 100.0, "")]),
+        p("zero-shot classification", "top-1 accuracy (%)", vec![line("eval/zeroshot/acc1", 100.0, "")]),
         p(
             "retrieval R@1",
             "recall (%)",
-            vec![line("eval/retrieval/i2t/r1", 100.0, " image->text"), line("eval/retrieval/t2i/r1", 100.0, " text->image")],
+            vec![
+                line("eval/retrieval/text_retrieval_recall@1", 100.0, " image->text"),
+                line("eval/retrieval/image_retrieval_recall@1", 100.0, " text->image"),
+            ],
         ),
     ]
 }

@@ -42,7 +42,8 @@ pub fn load(path: &Path) -> Result<Run> {
         files.sort();
         for f in files {
             for s in tensorboard::read_scalars(&f)? {
-                curves.entry(s.tag).or_default().push((s.step as f64, s.value as f64));
+                let (tag, value) = metrics_log::current_name(&s.tag, s.value as f64);
+                curves.entry(tag).or_default().push((s.step as f64, value));
             }
         }
         // A resumed run's later file supersedes the earlier one from the resumed step on.

@@ -17,6 +17,8 @@ use crate::cli::table::Table;
 
 #[derive(Args)]
 pub struct EmbedArgs {
+    #[command(flatten)]
+    pub precision: crate::cli::precision::PrecisionArg,
     /// The model: any checkpoint `--checkpoint` reads.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -34,6 +36,8 @@ pub struct EmbedArgs {
 #[derive(Serialize)]
 struct EmbedBench {
     checkpoint: String,
+    /// The towers' products: `f32` or `bf16`.
+    precision: &'static str,
     batch: usize,
     images: usize,
     texts: usize,
@@ -44,6 +48,7 @@ struct EmbedBench {
 }
 
 pub fn embed(a: &EmbedArgs) -> Result<()> {
+    a.precision.apply()?;
     let device = crate::cli::default_device();
     let m = load_model(&a.checkpoint, &device)?;
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
@@ -55,6 +60,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let images = e.keys.len();
     let r = EmbedBench {
         checkpoint: a.checkpoint.display().to_string(),
+        precision: align::ops::kernels::bf16_gemm::forward_precision(),
         batch,
         images,
         texts: e.captions.iter().map(Vec::len).sum(),

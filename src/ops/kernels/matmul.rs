@@ -85,6 +85,12 @@ unsafe fn gemm_raw<T: Float>(
         }
         return;
     }
+    if let (Some(dst32), Some(lhs32), Some(rhs32)) = (as_f32_ptr(dst.0), as_f32(lhs), as_f32(rhs)) {
+        if super::bf16_gemm::wanted(d) {
+            // `wanted` holds only where the instructions are (`set_forward_bf16`).
+            return super::bf16_gemm::product(dst32, offset, dst_rs, d, lhs32, rhs32, accumulate, threads);
+        }
+    }
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
     // gemm computes dst := α·dst + β·lhs·rhs, reading dst only when asked to.
     gemm::gemm(
@@ -108,6 +114,20 @@ unsafe fn gemm_raw<T: Float>(
         false,
         parallelism,
     )
+}
+
+/// `mat` as f32, when that is its type.
+fn as_f32<T: 'static>(mat: Mat<T>) -> Option<Mat<f32>> {
+    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>() {
+        return None;
+    }
+    // SAFETY: T is f32.
+    let data = unsafe { std::slice::from_raw_parts(mat.data.as_ptr() as *const f32, mat.data.len()) };
+    Some(Mat { data, offset: mat.offset, row_stride: mat.row_stride, col_stride: mat.col_stride })
+}
+
+fn as_f32_ptr<T: 'static>(p: *mut T) -> Option<*mut f32> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()).then_some(p as *mut f32)
 }
 
 /// `dst (row-major, rows dst_rs apart) = lhs·rhs`, or `+=` with `accumulate`, split across the

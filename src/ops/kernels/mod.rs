@@ -1,6 +1,7 @@
 //! One op per file, each one pass over its data with its own backward pass.
 
 pub mod batch_norm;
+pub mod bf16_gemm;
 pub mod bias_act;
 pub mod channel_scale;
 pub mod column_sums;

@@ -1,0 +1,339 @@
+//! Matrix products with bfloat16 operands and f32 sums (AVX-512 BF16's `vdpbf16ps`), for the
+//! forward-only path when a command is asked for `--precision bf16` (embedding, scoring,
+//! evaluation). Two cores do about twice the f32 products' multiply-adds per cycle this way;
+//! the price is each operand rounded to 8 significant bits before the product (sums stay f32),
+//! as PyTorch's CPU autocast to bfloat16 rounds them. Training never comes here: its products
+//! and their gradients stay f32.
+//!
+//! Operands are packed first: the left one row by row into pairs of neighbouring k (one 32-bit
+//! broadcast each), the right one into panels of [`NR`] columns, each k pair of a column two
+//! neighbouring bf16. A [`MR`]×[`NR`] tile of the product is then [`MR`]·2 accumulators over the
+//! k pairs; tiles run as parallel tasks.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rayon::prelude::*;
+
+use super::matmul::{Dims, Mat};
+
+/// Rows of a tile: 24 accumulators, two right-hand loads and a broadcast fit the 32 registers.
+pub(crate) const MR: usize = 12;
+/// Columns of a tile: two registers of 16 f32.
+pub(crate) const NR: usize = 32;
+
+/// Products smaller than this many multiply-adds stay f32: packing would cost what bf16 saves
+/// (a ViT-B/32 attention head's 50×50×64 products, for example).
+const MIN_MACS: usize = 1 << 21;
+
+static FORWARD_BF16: AtomicBool = AtomicBool::new(false);
+
+/// Whether this CPU has the instructions (AVX-512 F and BF16).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *YES.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Routes the process's large f32 products through bf16 from now on (or back to f32). A
+/// process-wide switch because only forward-only commands set it, before any work starts.
+/// Returns whether bf16 products will run, which they do only where [`available`].
+pub fn set_forward_bf16(on: bool) -> bool {
+    let on = on && available();
+    FORWARD_BF16.store(on, Ordering::Relaxed);
+    on
+}
+
+/// The precision forward products run in, as results record it: `f32` or `bf16`.
+pub fn forward_precision() -> &'static str {
+    if FORWARD_BF16.load(Ordering::Relaxed) {
+        "bf16"
+    } else {
+        "f32"
+    }
+}
+
+/// The smallest product that goes through bf16: [`MIN_MACS`], or `ALIGN_BF16_MIN_MACS` (for
+/// tests, whose small models have no product that large, and for measuring the threshold).
+fn min_macs() -> usize {
+    static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| std::env::var("ALIGN_BF16_MIN_MACS").ok().and_then(|v| v.parse().ok()).unwrap_or(MIN_MACS))
+}
+
+pub(crate) fn wanted(d: Dims) -> bool {
+    FORWARD_BF16.load(Ordering::Relaxed) && d.m.saturating_mul(d.n).saturating_mul(d.k) >= min_macs()
+}
+
+/// `x` rounded to the nearest bfloat16 (ties to even), as its 16 bits; NaN stays NaN.
+pub(crate) fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// The left operand's rows as k pairs: `out[i·kp + q]` holds (lhs[i, 2q], lhs[i, 2q+1]), the
+/// first in the low half; rows up to a multiple of [`MR`] and a k past the end are zero.
+fn pack_lhs(lhs: Mat<f32>, m: usize, k: usize) -> (Vec<u32>, usize) {
+    let kp = k.div_ceil(2);
+    let rows = m.div_ceil(MR) * MR;
+    let mut out = vec![0u32; rows * kp];
+    let at = |i: usize, j: usize| if j < k { bf16_bits(lhs.data[lhs.offset + i * lhs.row_stride + j * lhs.col_stride]) as u32 } else { 0 };
+    out.par_chunks_mut(kp).take(m).enumerate().for_each(|(i, row)| {
+        if lhs.col_stride == 1 {
+            let start = lhs.offset + i * lhs.row_stride;
+            pack_row(&lhs.data[start..start + k], row);
+        } else {
+            for (q, o) in row.iter_mut().enumerate() {
+                *o = at(i, 2 * q) | (at(i, 2 * q + 1) << 16);
+            }
+        }
+    });
+    (out, kp)
+}
+
+/// One contiguous row into k pairs.
+fn pack_row(src: &[f32], out: &mut [u32]) {
+    #[cfg(target_arch = "x86_64")]
+    if available() {
+        // SAFETY: the CPU has AVX-512 F and BF16 (`available`).
+        return unsafe { pack_row_avx512(src, out) };
+    }
+    for (q, o) in out.iter_mut().enumerate() {
+        let lo = bf16_bits(src[2 * q]) as u32;
+        let hi = src.get(2 * q + 1).map_or(0, |&x| bf16_bits(x) as u32);
+        *o = lo | (hi << 16);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pack_row_avx512(src: &[f32], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let whole = src.len() / 32 * 32;
+    let mut j = 0;
+    while j < whole {
+        let lo = _mm512_loadu_ps(src.as_ptr().add(j));
+        let hi = _mm512_loadu_ps(src.as_ptr().add(j + 16));
+        // The second argument fills the low half: element j first, as the pairs want.
+        let packed = _mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_storeu_si512(out.as_mut_ptr().add(j / 2) as *mut _, std::mem::transmute::<__m512bh, __m512i>(packed));
+        j += 32;
+    }
+    for q in whole / 2..out.len() {
+        let lo = bf16_bits(src[2 * q]) as u32;
+        let hi = src.get(2 * q + 1).map_or(0, |&x| bf16_bits(x) as u32);
+        out[q] = lo | (hi << 16);
+    }
+}
+
+/// The right operand in panels of [`NR`] columns: `out[((b·kp + q)·NR + c)·2 + h]` is
+/// rhs[2q + h, b·NR + c]; columns past `n` and a k past the end are zero.
+fn pack_rhs(rhs: Mat<f32>, k: usize, n: usize) -> Vec<u16> {
+    let kp = k.div_ceil(2);
+    let panels = n.div_ceil(NR);
+    let mut out = vec![0u16; panels * kp * NR * 2];
+    out.par_chunks_mut(kp * NR * 2).enumerate().for_each(|(b, panel)| {
+        let cols = NR.min(n - b * NR);
+        if rhs.row_stride == 1 {
+            // A transposed row-major matrix (a linear layer's weight): each column is a
+            // contiguous row, packed into pairs first and then spread over the panel.
+            let mut pairs = vec![0u32; kp];
+            for c in 0..cols {
+                let start = rhs.offset + (b * NR + c) * rhs.col_stride;
+                pack_row(&rhs.data[start..start + k], &mut pairs);
+                for (q, &p) in pairs.iter().enumerate() {
+                    let at = (q * NR + c) * 2;
+                    panel[at] = p as u16;
+                    panel[at + 1] = (p >> 16) as u16;
+                }
+            }
+        } else {
+            for q in 0..kp {
+                for h in 0..2 {
+                    let row = 2 * q + h;
+                    if row >= k {
+                        continue;
+                    }
+                    for c in 0..cols {
+                        panel[(q * NR + c) * 2 + h] =
+                            bf16_bits(rhs.data[rhs.offset + row * rhs.row_stride + (b * NR + c) * rhs.col_stride]);
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
+/// A destination several tiles write at once, each its own elements.
+#[derive(Clone, Copy)]
+struct Dst(*mut f32);
+// SAFETY: tiles write disjoint elements (`product`).
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+impl Dst {
+    /// The pointer, through the whole (Send) struct: a closure naming the field would capture
+    /// the bare pointer.
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// `dst[offset + i·dst_rs + j] = (lhs·rhs)[i, j]` (or `+=`), in bf16 products summed in f32,
+/// split over `threads` tasks.
+///
+/// # Safety
+/// [`available`] must hold, and `dst` must be valid for every element written (the caller,
+/// `matmul::gemm_raw`, has checked the bounds) with no other thread touching them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product(
+    dst: *mut f32,
+    offset: usize,
+    dst_rs: usize,
+    d: Dims,
+    lhs: Mat<f32>,
+    rhs: Mat<f32>,
+    accumulate: bool,
+    threads: usize,
+) {
+    let (a, kp) = pack_lhs(lhs, d.m, d.k);
+    let b = pack_rhs(rhs, d.k, d.n);
+    let (row_tiles, panels) = (d.m.div_ceil(MR), d.n.div_ceil(NR));
+    let dst = Dst(dst.add(offset));
+    let tile = |t: usize| {
+        // Panel-major order: consecutive tasks share a right-hand panel while it is in cache.
+        let (p, r) = (t / row_tiles, t % row_tiles);
+        let (rows, cols) = (MR.min(d.m - r * MR), NR.min(d.n - p * NR));
+        let out = dst.at(r * MR * dst_rs + p * NR);
+        tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate);
+    };
+    if threads > 1 {
+        (0..row_tiles * panels).into_par_iter().with_min_len(4).for_each(tile);
+    } else {
+        (0..row_tiles * panels).for_each(tile);
+    }
+}
+
+/// One [`MR`]×[`NR`] tile over all k pairs; only its first `rows` × `cols` are stored.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx512(a: *const u32, kp: usize, b: *const u16, dst: *mut f32, dst_rs: usize, rows: usize, cols: usize, accumulate: bool) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for q in 0..kp {
+        let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(q * NR * 2) as *const _));
+        let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(q * NR * 2 + 32) as *const _));
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let pair: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(r * kp + q) as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], pair, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], pair, b1);
+        }
+    }
+    let masks = [mask(cols), mask(cols.saturating_sub(16))];
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        for h in 0..2 {
+            let p = dst.add(r * dst_rs + 16 * h);
+            let v = if accumulate { _mm512_add_ps(acc[h], _mm512_maskz_loadu_ps(masks[h], p)) } else { acc[h] };
+            _mm512_mask_storeu_ps(p, masks[h], v);
+        }
+    }
+}
+
+/// The first `n` (at most 16) lanes.
+fn mask(n: usize) -> u16 {
+    if n >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u16, _: *mut f32, _: usize, _: usize, _: usize, _: bool) {
+    unreachable!("bf16 products run only where `available`")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16_value(bits: u16) -> f64 {
+        f32::from_bits((bits as u32) << 16) as f64
+    }
+
+    #[test]
+    fn rounding_to_bf16_is_to_nearest_even() {
+        // 1 + 2⁻⁸ lies halfway between 1 and 1 + 2⁻⁷: ties go to the even mantissa, 1.
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), bf16_bits(1.0));
+        // 1 + 3·2⁻⁸ lies halfway between 1 + 2⁻⁷ and 1 + 2⁻⁶: to the even one, 1 + 2⁻⁶.
+        assert_eq!(bf16_value(bf16_bits(1.0 + 3.0 / 256.0)), 1.0 + 4.0 / 256.0);
+        assert_eq!(bf16_value(bf16_bits(-2.5)), -2.5);
+        assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
+        assert_eq!(bf16_value(bf16_bits(f32::INFINITY)), f64::INFINITY);
+    }
+
+    /// The product against f64 sums of the same bf16-rounded operands: only the order of the
+    /// f32 sums differs, so the two agree to f32 rounding. Shapes cover partial tiles, odd k,
+    /// transposed and strided operands, and accumulation.
+    #[test]
+    fn products_equal_f64_sums_of_the_rounded_operands() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768)];
+        for (s, &(m, n, k)) in shapes.iter().enumerate() {
+            for (transposed_rhs, accumulate) in [(false, false), (true, false), (true, true), (false, true)] {
+                let a: Vec<f32> =
+                    crate::util::rng::randn(300 + s as u64, 0.0, 1.0, &[m * (k + 3)], candle_core::DType::F32, &candle_core::Device::Cpu)
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                let w: Vec<f32> =
+                    crate::util::rng::randn(400 + s as u64, 0.0, 1.0, &[n * k], candle_core::DType::F32, &candle_core::Device::Cpu)
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                // lhs: rows k + 3 apart (a column slice); rhs: a [n, k] weight read transposed,
+                // or the same numbers as a row-major [k, n].
+                let lhs = Mat::rows(&a, 2, k + 3);
+                let rhs = if transposed_rhs { Mat::transposed(&w, 0, k) } else { Mat::rows(&w, 0, n) };
+                let at = |mat: &Mat<f32>, i: usize, j: usize| mat.data[mat.offset + i * mat.row_stride + j * mat.col_stride];
+                let dst_rs = n + 5;
+                let start: Vec<f32> = (0..m * dst_rs).map(|i| (i % 7) as f32 - 3.0).collect();
+                let mut dst = start.clone();
+                unsafe { product(dst.as_mut_ptr(), 0, dst_rs, Dims { m, n, k }, lhs, rhs, accumulate, 2) };
+                for i in 0..m {
+                    for j in 0..dst_rs {
+                        let got = dst[i * dst_rs + j] as f64;
+                        if j >= n {
+                            assert_eq!(got, start[i * dst_rs + j] as f64, "wrote outside the product at ({i}, {j})");
+                            continue;
+                        }
+                        let mut want = if accumulate { start[i * dst_rs + j] as f64 } else { 0.0 };
+                        let mut scale = want.abs();
+                        for p in 0..k {
+                            let t = bf16_value(bf16_bits(at(&lhs, i, p))) * bf16_value(bf16_bits(at(&rhs, p, j)));
+                            want += t;
+                            scale += t.abs();
+                        }
+                        assert!(
+                            (got - want).abs() <= 1e-6 * scale.max(1.0),
+                            "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} at ({i}, {j}): {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
