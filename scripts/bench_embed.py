@@ -94,6 +94,8 @@ def parser():
     p.add_argument("--save-embeddings", metavar="FILE", help="write image_embeds and text_embeds (safetensors)")
     p.add_argument("--scores-out", metavar="FILE", help="score as `align data score` does: each pair's cosine, written "
                    "with its key and caption to this Parquet file (pyarrow) inside the timed loop")
+    p.add_argument("--autocast-bf16", action="store_true", help="run the forward passes under torch.autocast('cpu', "
+                   "torch.bfloat16): PyTorch's bf16 inference, the counterpart of `align ... --precision bf16`")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -240,7 +242,8 @@ def measure(a):
     non_finite = 0
     image_dim = text_dim = None
     text_shape = None
-    with torch.inference_mode():
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast_bf16)
+    with torch.inference_mode(), autocast:
         start = time.perf_counter()
         data = iter(batches(a.data, a.batch, a.limit))
         while True:
@@ -318,6 +321,7 @@ def measure(a):
         "last_text_batch_shape": text_shape,
         "parameters": params,
         "dtypes": dtypes,
+        "autocast": "bf16" if a.autocast_bf16 else None,
         "image_embed_dim": image_dim,
         "text_embed_dim": text_dim,
         "non_finite_values": non_finite,

@@ -21,6 +21,9 @@ pub(crate) const MR: usize = 12;
 /// Columns of a tile: two registers of 16 f32.
 pub(crate) const NR: usize = 32;
 
+/// Rows of the left operand packed at once: 16 tiles.
+const BLOCK_ROWS: usize = 16 * MR;
+
 /// Products smaller than this many multiply-adds stay f32: packing would cost what bf16 saves
 /// (a ViT-B/32 attention head's 50×50×64 products, for example).
 const MIN_MACS: usize = 1 << 21;
@@ -204,21 +207,27 @@ pub(crate) unsafe fn product(
     accumulate: bool,
     threads: usize,
 ) {
-    let (a, kp) = pack_lhs(lhs, d.m, d.k);
     let b = pack_rhs(rhs, d.k, d.n);
-    let (row_tiles, panels) = (d.m.div_ceil(MR), d.n.div_ceil(NR));
-    let dst = Dst(dst.add(offset));
-    let tile = |t: usize| {
-        // Panel-major order: consecutive tasks share a right-hand panel while it is in cache.
-        let (p, r) = (t / row_tiles, t % row_tiles);
-        let (rows, cols) = (MR.min(d.m - r * MR), NR.min(d.n - p * NR));
-        let out = dst.at(r * MR * dst_rs + p * NR);
-        tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate);
-    };
-    if threads > 1 {
-        (0..row_tiles * panels).into_par_iter().with_min_len(4).for_each(tile);
-    } else {
-        (0..row_tiles * panels).for_each(tile);
+    let panels = d.n.div_ceil(NR);
+    // The left operand is packed a block of rows at a time, so the packed copy stays small
+    // (a ViT-B/16 batch's 12,608 rows × 3,072 would be 77 MB at once).
+    for start in (0..d.m).step_by(BLOCK_ROWS) {
+        let m = BLOCK_ROWS.min(d.m - start);
+        let (a, kp) = pack_lhs(Mat { offset: lhs.offset + start * lhs.row_stride, ..lhs }, m, d.k);
+        let row_tiles = m.div_ceil(MR);
+        let dst = Dst(dst.add(offset + start * dst_rs));
+        let tile = |t: usize| {
+            // Panel-major order: consecutive tasks share a right-hand panel while it is in cache.
+            let (p, r) = (t / row_tiles, t % row_tiles);
+            let (rows, cols) = (MR.min(m - r * MR), NR.min(d.n - p * NR));
+            let out = dst.at(r * MR * dst_rs + p * NR);
+            tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate);
+        };
+        if threads > 1 {
+            (0..row_tiles * panels).into_par_iter().with_min_len(4).for_each(tile);
+        } else {
+            (0..row_tiles * panels).for_each(tile);
+        }
     }
 }
 
@@ -291,7 +300,8 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512 BF16");
             return;
         }
-        let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768)];
+        // 400 rows span three packing blocks, the last one partial.
+        let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50)];
         for (s, &(m, n, k)) in shapes.iter().enumerate() {
             for (transposed_rhs, accumulate) in [(false, false), (true, false), (true, true), (false, true)] {
                 let a: Vec<f32> =
