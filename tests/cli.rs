@@ -113,6 +113,7 @@ fn evaluating_the_same_checkpoint_twice_gives_the_same_numbers() {
     let r: serde_json::Value = serde_json::from_str(&a).unwrap();
     assert_eq!((r["images"].as_u64(), r["texts"].as_u64()), (Some(36), Some(180)));
     assert_eq!((r["step"].as_u64(), r["complete"].as_bool(), r["unit"].as_str()), (Some(4), Some(true), Some("fraction")));
+    assert_eq!(r["precision"], "f32");
     assert!(r["checkpoint"].as_str().unwrap().ends_with("step-4"), "{r}");
     // The recalls again, from `align embed`'s matrices, by brute force: a caption's rank is the
     // number of images scoring higher plus the tied ones before its own (a stable sort).

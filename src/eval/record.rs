@@ -38,6 +38,8 @@ pub struct EvalRecord {
     pub complete: bool,
     /// Every metric is a fraction in [0, 1].
     pub unit: &'static str,
+    /// The towers' matrix products: `f32`, or `bf16` (`--precision bf16`).
+    pub precision: &'static str,
     pub metrics: Map<String, Value>,
 }
 
@@ -58,6 +60,7 @@ impl EvalRecord {
             skipped_total: skipped.total(),
             complete: skipped.is_empty(),
             unit: "fraction",
+            precision: crate::ops::kernels::bf16_gemm::forward_precision(),
             metrics: Map::new(),
         }
     }
