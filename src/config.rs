@@ -387,14 +387,15 @@ pub struct TrainConfig {
     pub ema_eval: bool,
 }
 
-/// The towers' compute precision (`train.precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
+/// The towers' compute precision (`train.precision`; the forward-only commands' `--precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// Everything in 32-bit floats.
     #[default]
     F32,
-    /// The towers in bfloat16, from f32 master weights.
+    /// The towers in bfloat16: in training from f32 master weights; in the forward-only
+    /// commands, their matrix products' operands (summed in f32).
     Bf16,
 }
 

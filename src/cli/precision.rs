@@ -1,28 +1,21 @@
 //! `--precision` of the forward-only commands (embedding, scoring, evaluation).
 
+use align::config::Precision;
 use anyhow::{bail, Result};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ForwardPrecision {
-    /// f32 products: the reference's numbers (cosines within 1e-5 of transformers').
-    F32,
-    /// bfloat16 operands summed in f32 on CPUs with AVX-512 BF16: about twice the products'
-    /// speed, each operand rounded to 8 significant bits (as PyTorch's bf16 autocast rounds).
-    Bf16,
-}
 
 #[derive(clap::Args, Clone, Copy, Debug)]
 pub struct PrecisionArg {
-    /// Precision of the towers' matrix products: `f32`, or `bf16` (bfloat16 operands, f32
-    /// sums; CPUs with AVX-512 BF16; faster, cosines off by up to about 1e-2).
+    /// Precision of the towers' matrix products: `f32` (the reference's numbers), or `bf16`
+    /// (bfloat16 operands, f32 sums; CPUs with AVX-512 BF16; faster, cosines within about 1e-3
+    /// of f32's).
     #[arg(long, value_enum, default_value = "f32")]
-    pub precision: ForwardPrecision,
+    pub precision: Precision,
 }
 
 impl PrecisionArg {
     /// Switches the process's products to the precision asked for, or says why it cannot.
     pub fn apply(self) -> Result<()> {
-        if self.precision == ForwardPrecision::F32 {
+        if self.precision == Precision::F32 {
             return Ok(());
         }
         if !super::default_device().is_cpu() {

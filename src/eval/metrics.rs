@@ -99,7 +99,7 @@ impl Serialize for RetrievalReport {
             m.serialize_entry(&format!("image_retrieval_recall@{k}"), &t2i)?;
             m.serialize_entry(&format!("text_retrieval_recall@{k}"), &i2t)?;
         }
-        m.serialize_entry("mean_recall", &(self.rsum / 600.0))?;
+        m.serialize_entry("mean_recall", &self.mean_recall())?;
         m.serialize_entry("images", &self.images)?;
         m.serialize_entry("texts", &self.texts)?;
         m.end()
@@ -127,6 +127,11 @@ pub fn retrieval(images: &Embeddings, texts: &Embeddings, text_image: &[usize], 
 }
 
 impl RetrievalReport {
+    /// The mean of the six recalls, a fraction: rsum / 600.
+    pub fn mean_recall(&self) -> f64 {
+        self.rsum / 600.0
+    }
+
     pub fn from_ranks(ranks: &Ranks) -> Self {
         let (i2t, t2i) = (Recall::from_ranks(&ranks.i2t), Recall::from_ranks(&ranks.t2i));
         RetrievalReport {

@@ -52,7 +52,7 @@ impl EvalResults {
                 "text_retrieval_recall@1 {:.3} image_retrieval_recall@1 {:.3} mean_recall {:.3}",
                 r.i2t.r1,
                 r.t2i.r1,
-                r.rsum / 600.0
+                r.mean_recall()
             ));
         }
         if let Some(v) = &self.validation {
