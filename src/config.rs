@@ -613,6 +613,12 @@ impl Config {
         if !(t.lr > 0.0 && t.lr.is_finite()) {
             bail!("train.lr must be a positive number, got {}", t.lr);
         }
+        if self.eval.validation_batch < 2 {
+            bail!(
+                "eval.validation_batch is {}: the validation loss needs at least 2 pairs a batch (each pair's negatives are the others)",
+                self.eval.validation_batch
+            );
+        }
         let factors = &self.data.upsampling_factors;
         if !factors.is_empty() {
             if !self.data.resampled {

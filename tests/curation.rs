@@ -75,7 +75,15 @@ fn clip_scores_find_moved_captions_and_the_build_filters_on_them() {
 
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
-    let o = ScoreOptions { out: out.clone(), embeddings: true, batch: 16, quiet: true, checkpoint: "tiny".into() };
+    let o = ScoreOptions {
+        out: out.clone(),
+        embeddings: true,
+        batch: 16,
+        quiet: true,
+        checkpoint: "tiny".into(),
+        model: "tiny".into(),
+        stall_timeout_s: 300.0,
+    };
     let r = score_shards(&m, &shards, &o, &Device::Cpu).unwrap();
     assert_eq!((r.shards, r.already_scored, r.samples), (2, 0, 120));
 
@@ -191,7 +199,15 @@ fn training_on_the_filtered_pairs_beats_training_on_all_of_them() {
     let (shards, _) = shuffled_corpus(&data.train, dir.path());
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
-    let o = ScoreOptions { out: out.clone(), embeddings: false, batch: 16, quiet: true, checkpoint: "tiny".into() };
+    let o = ScoreOptions {
+        out: out.clone(),
+        embeddings: false,
+        batch: 16,
+        quiet: true,
+        checkpoint: "tiny".into(),
+        model: "tiny".into(),
+        stall_timeout_s: 300.0,
+    };
     score_shards(&m, &shards, &o, &Device::Cpu).unwrap();
     let f: Filters = toml::from_str(&format!("[curate]\nscores = {:?}\ntop_fraction = 0.7\n", out.display().to_string())).unwrap();
     let raw = format!("{}/raw-{{00000..00001}}.tar", dir.path().display());
@@ -241,7 +257,15 @@ fn planted_near_duplicates_are_removed_and_distinct_images_kept() {
     let s = align::train::trainer::train(&cfg, &common::cpu_options()).unwrap();
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let embed = |shards: Vec<ShardSource>, out: &Path| {
-        let o = ScoreOptions { out: out.to_path_buf(), embeddings: true, batch: 16, quiet: true, checkpoint: "tiny".into() };
+        let o = ScoreOptions {
+            out: out.to_path_buf(),
+            embeddings: true,
+            batch: 16,
+            quiet: true,
+            checkpoint: "tiny".into(),
+            model: "tiny".into(),
+            stall_timeout_s: 300.0,
+        };
         score_shards(&m, &shards, &o, &Device::Cpu).unwrap();
         scores::ScoreTable::load(out, true).unwrap()
     };
@@ -315,7 +339,16 @@ fn the_image_based_filter_keeps_what_is_near_the_target() {
     let (data, _, s) = scorer_on_180_test_images(dir.path());
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
-    let o = ScoreOptions { out: out.clone(), embeddings: true, batch: 16, quiet: true, checkpoint: "tiny".into() };
+    let model = m.dir.canonicalize().unwrap().display().to_string();
+    let o = ScoreOptions {
+        out: out.clone(),
+        embeddings: true,
+        batch: 16,
+        quiet: true,
+        checkpoint: "tiny".into(),
+        model,
+        stall_timeout_s: 300.0,
+    };
     score_shards(&m, &align::data::spec::expand(&data.train).unwrap(), &o, &Device::Cpu).unwrap();
 
     let names = align::data::synth::class_names();
@@ -379,4 +412,77 @@ fn the_image_based_filter_keeps_what_is_near_the_target() {
     let err = build_into(data.train.clone(), &dir.path().join("mismatch"), f).expect_err("a target of another dimension must be refused");
     let err = format!("{err:#}");
     assert!(err.contains("other.safetensors") && err.contains("8 dimensions"), "{err}");
+
+    // The same width, embedded by another checkpoint (its sidecar says which).
+    let same_width = dir.path().join("same-width.safetensors");
+    std::fs::copy(&target, &same_width).unwrap();
+    let side = std::fs::read_to_string(target.with_extension("json")).unwrap();
+    let mut side: serde_json::Value = serde_json::from_str(&side).unwrap();
+    side["checkpoint"] = "/elsewhere/another-run".into();
+    std::fs::write(same_width.with_extension("json"), side.to_string()).unwrap();
+    let f: Filters = toml::from_str(&format!(
+        "[curate]\nscores = {:?}\n[curate.image_based]\ntarget = {:?}\nclusters = 12\n",
+        out.display().to_string(),
+        same_width.display().to_string()
+    ))
+    .unwrap();
+    let err = format!("{:#}", build_into(data.train.clone(), &dir.path().join("mismatch2"), f).unwrap_err());
+    assert!(err.contains("/elsewhere/another-run") && err.contains("embed the target"), "{err}");
+}
+
+/// A score directory is one model's: a second scorer with another model (or while one runs) is
+/// refused at its start; a build of another input whose keys repeat the scored ones uses none
+/// of its scores and fails, naming a sample; nothing scored at all is an error.
+#[test]
+fn scores_belong_to_one_model_and_to_the_pairs_they_scored() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let shards = align::data::spec::expand(&data.train).unwrap();
+    let m = align::io::load::load_model(
+        &std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/towers/clip-tiny"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let out = dir.path().join("scores");
+    let o = ScoreOptions {
+        out: out.clone(),
+        embeddings: false,
+        batch: 16,
+        quiet: true,
+        checkpoint: "clip-tiny".into(),
+        model: "/models/clip-tiny".into(),
+        stall_timeout_s: 300.0,
+    };
+    assert_eq!(score_shards(&m, &shards[..1], &o, &Device::Cpu).unwrap().samples, 40);
+    let other = ScoreOptions { model: "/models/another".into(), ..o.clone() };
+    let e = format!("{:#}", score_shards(&m, &shards[1..], &other, &Device::Cpu).unwrap_err());
+    assert!(e.contains("/models/clip-tiny") && e.contains("another --out"), "{e}");
+    let held = std::fs::File::open(out.join(".align-score.lock")).unwrap();
+    held.try_lock().unwrap();
+    let e = format!("{:#}", score_shards(&m, &shards[1..], &o, &Device::Cpu).unwrap_err());
+    assert!(e.contains("another align data score"), "{e}");
+    drop(held);
+
+    // The same keys with other captions: another dataset scored under the same names.
+    let renamed = dir.path().join("other.tar");
+    let mut w = ShardWriter::create(&renamed).unwrap();
+    for ev in read_shard_events(&shards[0]) {
+        if let ShardEvent::Sample(s) = ev {
+            w.write_sample(&s.key, &[("jpg", s.fields["jpg"].clone()), ("txt", format!("another caption {}", s.key).into_bytes())])
+                .unwrap();
+        }
+    }
+    w.finish().unwrap();
+    let filters: Filters = toml::from_str(&format!("[curate]\nscores = {:?}\nmin_score = 0.01\n", out.display().to_string())).unwrap();
+    let e = format!("{:#}", build_into(renamed.display().to_string(), &dir.path().join("built"), filters.clone()).unwrap_err());
+    assert!(e.contains("40 of 40") && e.contains("scored with another caption"), "{e}");
+    let built = build_into(shards[0].to_string(), &dir.path().join("built-same"), filters).unwrap();
+    assert_eq!(built.removed.iter().find(|r| r.filter == "other_caption").unwrap().samples, 0);
+
+    // An empty shard alone: nothing to score is an error, not a report of 0 samples.
+    let empty = dir.path().join("empty.tar");
+    ShardWriter::create(&empty).unwrap().finish().unwrap();
+    let o = ScoreOptions { out: dir.path().join("empty-scores"), ..o };
+    let e = format!("{:#}", score_shards(&m, &[ShardSource::File(empty)], &o, &Device::Cpu).unwrap_err());
+    assert!(e.contains("no sample") && e.contains("1 shard"), "{e}");
 }

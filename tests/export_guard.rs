@@ -38,9 +38,8 @@ fn a_non_empty_directory_is_refused_and_forcing_replaces_it_whole() {
     let err = format!("{:#}", export(&siglip.files().unwrap(), named("SiglipModel").unwrap(), &out, false).unwrap_err());
     assert!(err.contains("not empty") && err.contains("--force"), "{err}");
     assert_eq!(listing(&out), before, "a refused export changed the directory");
-    std::fs::write(out.join("vocab.txt"), "stale").unwrap();
     export(&siglip.files().unwrap(), named("SiglipModel").unwrap(), &out, true).unwrap();
-    assert!(!out.join("vocab.txt").exists(), "a file of the replaced model survived");
+    assert!(!out.join("vocab.json").exists() && !out.join("merges.txt").exists(), "a file of the replaced model survived");
     assert_eq!(load_model(&out, &Device::Cpu).unwrap().format.name(), "SiglipModel");
     let left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
     assert_eq!(left, vec!["model".to_string()], "temporary directories or locks left beside it");
@@ -84,4 +83,81 @@ fn a_model_a_format_cannot_hold_is_refused_before_anything_is_written() {
     let err = format!("{:#}", export(&m.files().unwrap(), named("open_clip").unwrap(), &out, false).unwrap_err());
     assert!(err.contains("cannot export as open_clip") && err.contains("timm"), "{err}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// `--force` replaces what an earlier export wrote and nothing else: a file someone else put
+/// there, or a run at any depth, is refused by name and left as it was.
+#[test]
+fn forcing_replaces_only_an_earlier_exports_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let clip = load_model(&fixtures().join("towers/clip-tiny"), &Device::Cpu).unwrap();
+    let out = dir.path().join("model");
+    export(&clip.files().unwrap(), named("CLIPModel").unwrap(), &out, false).unwrap();
+    std::fs::create_dir(out.join("notes")).unwrap();
+    std::fs::write(out.join("notes/results.csv"), "mine").unwrap();
+    let before = listing(&out);
+    let err = format!("{:#}", export(&clip.files().unwrap(), named("CLIPModel").unwrap(), &out, true).unwrap_err());
+    assert!(err.contains("did not write") && err.contains("results.csv"), "{err}");
+    assert_eq!(listing(&out), before);
+    std::fs::remove_dir_all(out.join("notes")).unwrap();
+
+    // A folder of the user's own, with no export in it.
+    let theirs = dir.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::fs::write(theirs.join("config.json"), "{}").unwrap();
+    let err = format!("{:#}", export(&clip.files().unwrap(), named("CLIPModel").unwrap(), &theirs, true).unwrap_err());
+    assert!(err.contains("did not write") && err.contains("config.json"), "{err}");
+    assert_eq!(std::fs::read(theirs.join("config.json")).unwrap(), b"{}");
+
+    // A training run below --out, as a user's experiment folder holds one.
+    let (_, cfg, _) = common::tiny_run(&dir.path().join("exp"), &["train.steps=1", "train.checkpoint_every=1"]);
+    align::train::trainer::train(&cfg, &common::cpu_options()).unwrap();
+    let err = format!("{:#}", export(&clip.files().unwrap(), named("CLIPModel").unwrap(), &dir.path().join("exp"), true).unwrap_err());
+    assert!(err.contains("holds the align run directory") && err.contains("tiny"), "{err}");
+    assert!(cfg.run_dir().join("latest").exists(), "the run was touched");
+    export(&clip.files().unwrap(), named("CLIPModel").unwrap(), &out, true).unwrap();
+}
+
+/// What a killed export leaves (its temporary directory, its lock file, the old export moved
+/// aside) is cleaned by the next export to the same place, which says so.
+#[test]
+fn a_killed_exports_debris_is_cleaned_by_the_next_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let clip = load_model(&fixtures().join("towers/clip-tiny"), &Device::Cpu).unwrap();
+    let out = dir.path().join("model");
+    std::fs::create_dir_all(dir.path().join(".model.partial-1234-5678/model")).unwrap();
+    std::fs::write(dir.path().join(".model.partial-1234-5678/model/model.safetensors"), "half").unwrap();
+    std::fs::write(dir.path().join(".model.export-lock"), "").unwrap();
+    export(&clip.files().unwrap(), named("CLIPModel").unwrap(), &out, false).unwrap();
+    let left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, vec!["model".to_string()]);
+
+    // Killed after moving the old export aside, before moving the new one in.
+    let first = listing(&out);
+    std::fs::rename(&out, dir.path().join(".model.old-99-1")).unwrap();
+    std::fs::create_dir_all(dir.path().join(".model.partial-99-1/model")).unwrap();
+    let err = format!("{:#}", export(&clip.files().unwrap(), named("CLIPModel").unwrap(), &out, false).unwrap_err());
+    assert!(err.contains("not empty"), "the old export was not put back: {err}");
+    assert_eq!(listing(&out), first);
+    let left: Vec<String> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert_eq!(left, vec!["model".to_string()], "a refused export left its lock or debris");
+}
+
+/// The same checkpoint exported twice gives the same bytes, in every format that writes it,
+/// including open_clip's record of its tokenizer's folder.
+#[test]
+fn exports_of_one_checkpoint_are_byte_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let vtde = load_model(&fixtures().join("towers/vtde-tiny"), &Device::Cpu).unwrap();
+    let clip = load_model(&fixtures().join("towers/clip-tiny"), &Device::Cpu).unwrap();
+    let siglip = load_model(&fixtures().join("towers/siglip-tiny"), &Device::Cpu).unwrap();
+    for (model, format) in [(&vtde, "VisionTextDualEncoderModel"), (&clip, "CLIPModel"), (&clip, "open_clip"), (&siglip, "SiglipModel")] {
+        let a = dir.path().join("a").join(format);
+        let b = dir.path().join("b").join(format);
+        export(&model.files().unwrap(), named(format).unwrap(), &a, false).unwrap();
+        export(&model.files().unwrap(), named(format).unwrap(), &b, false).unwrap();
+        assert_eq!(listing(&a), listing(&b), "{format}");
+        let text = listing(&a).iter().map(|(_, bytes)| String::from_utf8_lossy(bytes).into_owned()).collect::<String>();
+        assert!(!text.contains("partial"), "{format}: the temporary directory's name was written");
+    }
 }

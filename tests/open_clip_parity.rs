@@ -172,3 +172,21 @@ fn the_open_clip_export_writes_only_open_clips_keys() {
     export(&native.files().unwrap(), named("open_clip").unwrap(), &out, false).unwrap();
     assert!(!out.join("tokenizer.json").exists());
 }
+
+/// A checkpoint saved from DistributedDataParallel (`module.` before every key) in safetensors
+/// reads as open_clip reads it: the same model as the plain file.
+#[test]
+fn ddp_module_keys_in_safetensors_are_read_as_open_clip_reads_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures().join("open_clip/clip-native");
+    let ddp = dir.path().join("ddp");
+    std::fs::create_dir(&ddp).unwrap();
+    std::fs::copy(src.join("open_clip_config.json"), ddp.join("open_clip_config.json")).unwrap();
+    let plain = read_tensors(&src.join("open_clip_model.safetensors"), &Device::Cpu).unwrap();
+    let prefixed: HashMap<String, Tensor> = plain.into_iter().map(|(k, t)| (format!("module.{k}"), t)).collect();
+    align::io::tensors::write_tensors(&prefixed, &ddp.join("open_clip_model.safetensors")).unwrap();
+    let (a, b) = (load_model(&src, &Device::Cpu).unwrap(), load_model(&ddp, &Device::Cpu).unwrap());
+    let pixels = Tensor::randn(0f32, 1.0, (2, 3, a.spec().image.image_size(), a.spec().image.image_size()), &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[49406u32, 320, 1929, 49407]], &Device::Cpu).unwrap();
+    same_embeddings(&a, &b, &pixels, &ids);
+}

@@ -61,6 +61,38 @@ fn a_stop_signal_ends_a_run_waiting_for_a_silent_pipe() {
     assert!(!String::from_utf8_lossy(&ps.stdout).lines().any(|l| l.trim() == marker), "the pipe command outlived the run");
 }
 
+/// kill -9 of align while a pipe command runs: the command and everything it started die with
+/// it (nothing left downloading into a closed pipe).
+#[test]
+fn pipe_commands_die_with_a_killed_align() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = format!("sleep 601.{}", std::process::id());
+    let (_, _, cfg_path) = common::tiny_run(dir.path(), &["data.stall_timeout_s=600"]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_align"))
+        .args(["train", "--config", cfg_path.to_str().unwrap(), "--quiet", "--set"])
+        // A pipeline, so the command has children of its own.
+        .arg(format!("data.train=pipe:{marker} | cat"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let running = || {
+        let ps = Command::new("ps").args(["-eo", "args"]).output().unwrap();
+        String::from_utf8_lossy(&ps.stdout).lines().any(|l| l.trim() == marker)
+    };
+    let started = Instant::now();
+    while !running() {
+        assert!(started.elapsed() < Duration::from_secs(30), "the pipe command never started");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let killed = Instant::now();
+    while running() {
+        assert!(killed.elapsed() < Duration::from_secs(10), "the pipe command outlived a kill -9 of align");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[test]
 fn a_resume_without_the_weight_average_is_refused_unless_allowed() {
     let dir = tempfile::tempdir().unwrap();

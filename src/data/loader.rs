@@ -56,7 +56,17 @@ pub struct WorkerState {
     pub pops: u64,
     /// Samples emitted into batches, all epochs.
     pub samples: u64,
+    /// Samples emitted into batches in `epoch`, so that an epoch resumed after its last batch
+    /// still reports what it produced; None in a state saved before this was recorded.
+    #[serde(default)]
+    pub epoch_samples: Option<u64>,
     pub skips: SkipCounts,
+}
+
+impl WorkerState {
+    fn fresh() -> Self {
+        WorkerState { epoch_samples: Some(0), ..Default::default() }
+    }
 }
 
 /// The whole loader's position: what to save in a checkpoint.
@@ -67,6 +77,13 @@ pub struct LoaderPosition {
     pub exhausted: Vec<bool>,
     pub workers: Vec<WorkerState>,
     pub batches: u64,
+    /// Samples the workers reported at the ends of `epoch` received so far; None where a
+    /// position saved before this was recorded leaves it unknown.
+    #[serde(default)]
+    pub epoch_samples: Option<u64>,
+    /// Epoch ends received for `epoch`.
+    #[serde(default)]
+    pub epoch_ends: usize,
 }
 
 impl LoaderPosition {
@@ -75,8 +92,10 @@ impl LoaderPosition {
             epoch: 0,
             next_worker: 0,
             exhausted: vec![false; workers],
-            workers: vec![WorkerState::default(); workers],
+            workers: vec![WorkerState::fresh(); workers],
             batches: 0,
+            epoch_samples: Some(0),
+            epoch_ends: 0,
         }
     }
 
@@ -111,7 +130,7 @@ enum Msg {
     /// batch to report them with).
     EpochEnd {
         epoch: u64,
-        samples_in_epoch: u64,
+        samples_in_epoch: Option<u64>,
         skips: SkipCounts,
     },
 }
@@ -136,9 +155,6 @@ pub struct TrainLoader {
     receivers: Vec<Receiver<Msg>>,
     handles: Vec<JoinHandle<()>>,
     pos: LoaderPosition,
-    samples_this_epoch: u64,
-    /// Epoch ends received for the current epoch by this loader (not those before a resume).
-    ends_this_epoch: usize,
     /// Each worker's skips at its last epoch end, for the error of an epoch without a sample.
     epoch_end_skips: Vec<SkipCounts>,
 }
@@ -177,6 +193,7 @@ impl TrainLoader {
                 placement.workers
             );
         }
+        check_position(&pos, &plan, placement)?;
         let per_rank = plan.shards.len().div_ceil(placement.world_size);
         if !plan.resampled && per_rank < placement.workers {
             log::warn(format!("{} workers but at most {per_rank} shards per rank: some workers will idle", placement.workers));
@@ -194,7 +211,6 @@ impl TrainLoader {
                 state: pos.workers[w].clone(),
                 buffer: ShuffleBuffer::new(settings.shuffle_buffer),
                 batch: BatchBuilder::new(settings.batch_size, settings.image.image_size, tokenizer.max_len()),
-                samples_in_epoch: 0,
                 cache: None,
             };
             let (rx, handle) = super::reader_thread::spawn(&format!("loader-{w}"), settings.prefetch, move |tx| worker.run(tx))?;
@@ -202,7 +218,7 @@ impl TrainLoader {
             handles.push(handle);
         }
         let epoch_end_skips = vec![SkipCounts::default(); placement.workers];
-        Ok(TrainLoader { receivers, handles, pos, samples_this_epoch: 0, ends_this_epoch: 0, epoch_end_skips })
+        Ok(TrainLoader { receivers, handles, pos, epoch_end_skips })
     }
 
     /// The next batch, in an order fixed by the seed and worker count.
@@ -211,9 +227,10 @@ impl TrainLoader {
         loop {
             if self.pos.exhausted.iter().all(|&e| e) {
                 // Any epoch, not only the first: shards that vanish mid-run would otherwise make
-                // the workers race through empty epochs forever. An epoch some of whose ends came
-                // before a resume cannot be judged (their counts were not saved).
-                if self.samples_this_epoch == 0 && self.ends_this_epoch == n {
+                // the workers race through empty epochs forever. The counts are part of the saved
+                // position, so an epoch resumed at any step (its last batch included) is judged
+                // on all of its samples.
+                if self.pos.epoch_samples == Some(0) && self.pos.epoch_ends == n {
                     bail!(
                         "epoch {} produced no usable sample: every shard is unreadable or empty (skipped: {})",
                         self.pos.epoch,
@@ -228,8 +245,8 @@ impl TrainLoader {
                 }
                 self.pos.epoch += 1;
                 self.pos.exhausted.iter_mut().for_each(|e| *e = false);
-                self.samples_this_epoch = 0;
-                self.ends_this_epoch = 0;
+                self.pos.epoch_samples = Some(0);
+                self.pos.epoch_ends = 0;
             }
             let w = self.pos.next_worker;
             if self.pos.exhausted[w] {
@@ -248,8 +265,8 @@ impl TrainLoader {
                 Msg::EpochEnd { epoch, .. } if epoch < self.pos.epoch => {}
                 Msg::EpochEnd { samples_in_epoch, skips, .. } => {
                     self.epoch_end_skips[w] = skips;
-                    self.samples_this_epoch += samples_in_epoch;
-                    self.ends_this_epoch += 1;
+                    self.pos.epoch_samples = self.pos.epoch_samples.zip(samples_in_epoch).map(|(a, b)| a + b);
+                    self.pos.epoch_ends += 1;
                     self.pos.exhausted[w] = true;
                     self.pos.next_worker = (w + 1) % n;
                 }
@@ -287,6 +304,46 @@ impl TrainLoader {
     }
 }
 
+/// A saved position must be one this loader could have reached: a damaged or hand-edited state
+/// (a cursor of 10^9, an epoch of 2^60) is refused, naming the field, instead of skipping data
+/// or spinning through empty epochs.
+fn check_position(pos: &LoaderPosition, plan: &ShardPlan, placement: Placement) -> Result<()> {
+    // Every finished epoch produced at least one sample (an empty one is an error).
+    if pos.epoch > pos.samples() {
+        bail!(
+            "the saved loader position is at epoch {} after only {} samples: the checkpoint's state.json is damaged",
+            pos.epoch,
+            pos.samples()
+        );
+    }
+    if pos.exhausted.len() != pos.workers.len() || pos.next_worker >= pos.workers.len().max(1) {
+        bail!(
+            "the saved loader position's worker bookkeeping does not match its {} workers: the checkpoint's state.json is damaged",
+            pos.workers.len()
+        );
+    }
+    for (w, state) in pos.workers.iter().enumerate() {
+        let bad = |what: String| anyhow::anyhow!("the saved loader position of worker {w}: {what}: the checkpoint's state.json is damaged");
+        if state.epoch > pos.epoch + 1 {
+            return Err(bad(format!("epoch {} is past the loader's epoch {}", state.epoch, pos.epoch)));
+        }
+        let read = state.samples + state.skips.total() + state.buffer.len() as u64;
+        if state.next_index > read {
+            return Err(bad(format!("sample index {} in its shard, after reading {read} samples in all", state.next_index)));
+        }
+        if !plan.resampled {
+            let shards = plan.worker_shards(state.epoch, placement.with_worker(w)).len();
+            if state.cursor > shards {
+                return Err(bad(format!("shard position {} of the {shards} it reads in an epoch", state.cursor)));
+            }
+        }
+        if let Some((c, i)) = state.buffer.iter().find(|(c, i)| *c > state.cursor || (*c == state.cursor && *i >= state.next_index)) {
+            return Err(bad(format!("buffered sample {i} of shard position {c} lies past its reading position")));
+        }
+    }
+    Ok(())
+}
+
 impl Drop for TrainLoader {
     fn drop(&mut self) {
         // Closing the queues makes each worker's next send fail, which ends it.
@@ -305,7 +362,6 @@ struct Worker {
     state: WorkerState,
     buffer: ShuffleBuffer<RawSample>,
     batch: BatchBuilder,
-    samples_in_epoch: u64,
     cache: Option<(u64, Vec<usize>)>,
 }
 
@@ -333,12 +389,12 @@ impl Worker {
             }
             let epoch = self.state.epoch;
             let skips = self.state.skips.clone();
-            tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.samples_in_epoch, skips }).map_err(|_| Closed)?;
+            tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.state.epoch_samples, skips }).map_err(|_| Closed)?;
             self.state.epoch += 1;
             self.state.cursor = 0;
             self.state.next_index = 0;
             self.state.pops = 0;
-            self.samples_in_epoch = 0;
+            self.state.epoch_samples = Some(0);
         }
     }
 
@@ -407,7 +463,9 @@ impl Worker {
             return Ok(());
         }
         self.state.samples += 1;
-        self.samples_in_epoch += 1;
+        if let Some(n) = self.state.epoch_samples.as_mut() {
+            *n += 1;
+        }
         if self.batch.is_full() {
             let mut snapshot = self.state.clone();
             snapshot.buffer = self.buffer.positions();
@@ -544,30 +602,75 @@ mod tests {
         assert_eq!(sorted, want);
     }
 
+    /// Every step is a possible checkpoint: a loader restored from the position after any batch
+    /// (epoch ends included) continues with exactly the batches of the uninterrupted one, for one
+    /// and two ranks, one and two workers, in epoch, resampled and weighted resampled modes.
     #[test]
-    fn a_restored_position_continues_with_exactly_the_same_batches() {
+    fn a_position_saved_after_any_batch_continues_with_exactly_the_same_batches() {
         let dir = tempfile::tempdir().unwrap();
+        // 35 samples dealt to up to four workers at 4 a batch: 25 batches span five or more epochs
+        // on every rank, and partial batches carry samples across epoch ends.
         let shards = make_shards(dir.path(), 5, 7);
+        let batches = 25;
         for (resampled, weights) in [(false, vec![]), (true, vec![]), (true, vec![3.0, 1.0, 1.0, 0.5, 0.5])] {
-            let plan = ShardPlan { shards: shards.clone(), seed: 5, shuffle: true, resampled, weights };
-            let mut full = TrainLoader::start(plan.clone(), Placement::single(2), settings(4, 6), tokenizer(), None).unwrap();
-            let reference: Vec<Batch> = (0..25).map(|_| full.next_batch().unwrap()).collect();
-            for stop in [1, 4, 9, 17] {
-                let mut first = TrainLoader::start(plan.clone(), Placement::single(2), settings(4, 6), tokenizer(), None).unwrap();
-                for _ in 0..stop {
-                    first.next_batch().unwrap();
-                }
-                let saved: LoaderPosition = serde_json::from_str(&serde_json::to_string(first.position()).unwrap()).unwrap();
-                drop(first);
-                let mut resumed = TrainLoader::start(plan.clone(), Placement::single(2), settings(4, 6), tokenizer(), Some(saved)).unwrap();
-                for (k, want) in reference.iter().enumerate().skip(stop) {
-                    let got = resumed.next_batch().unwrap();
-                    assert_eq!(got.keys, want.keys, "resampled={resampled} stop={stop} batch={k}");
-                    assert_eq!(got.images, want.images);
-                    assert_eq!(got.ids, want.ids);
+            for world_size in [1, 2] {
+                for workers in [1, 2] {
+                    let plan = ShardPlan { shards: shards.clone(), seed: 5, shuffle: true, resampled, weights: weights.clone() };
+                    for rank in 0..world_size {
+                        let at = Placement { rank, world_size, worker: 0, workers };
+                        let start =
+                            |from: Option<LoaderPosition>| TrainLoader::start(plan.clone(), at, settings(4, 6), tokenizer(), from).unwrap();
+                        let mut full = start(None);
+                        let mut reference = Vec::new();
+                        let mut positions = Vec::new();
+                        for _ in 0..batches {
+                            reference.push(full.next_batch().unwrap());
+                            positions.push(serde_json::to_string(full.position()).unwrap());
+                        }
+                        assert!(resampled || full.position().epoch >= 2, "the reference run must cross two epoch ends");
+                        for stop in 1..batches {
+                            let saved: LoaderPosition = serde_json::from_str(&positions[stop - 1]).unwrap();
+                            let mut resumed = start(Some(saved));
+                            for (k, want) in reference.iter().enumerate().skip(stop) {
+                                let got = resumed.next_batch().unwrap_or_else(|e| {
+                                    panic!(
+                                        "resampled={resampled} ranks={world_size} rank={rank} workers={workers} stop={stop} batch={k}: {e}"
+                                    )
+                                });
+                                let at =
+                                    format!("resampled={resampled} ranks={world_size} rank={rank} workers={workers} stop={stop} batch={k}");
+                                assert_eq!(got.keys, want.keys, "{at}");
+                                assert!(got.images == want.images && got.ids == want.ids, "{at}");
+                                assert_eq!(serde_json::to_string(resumed.position()).unwrap(), positions[k], "{at}");
+                            }
+                        }
+                    }
                 }
             }
         }
+    }
+
+    /// A position written before the epoch's counts were saved still loads and resumes; its
+    /// epoch simply cannot be judged empty.
+    #[test]
+    fn a_position_without_epoch_counts_still_resumes() {
+        let dir = tempfile::tempdir().unwrap();
+        let shards = make_shards(dir.path(), 2, 4);
+        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
+        let mut l = TrainLoader::start(plan.clone(), Placement::single(1), settings(4, 0), tokenizer(), None).unwrap();
+        l.next_batch().unwrap();
+        l.next_batch().unwrap();
+        let want = l.next_batch().unwrap().keys;
+        let mut l = TrainLoader::start(plan.clone(), Placement::single(1), settings(4, 0), tokenizer(), None).unwrap();
+        l.next_batch().unwrap();
+        l.next_batch().unwrap();
+        let mut old = serde_json::to_value(l.position()).unwrap();
+        old.as_object_mut().unwrap().remove("epoch_samples");
+        old.as_object_mut().unwrap().remove("epoch_ends");
+        old["workers"][0].as_object_mut().unwrap().remove("epoch_samples");
+        let old: LoaderPosition = serde_json::from_value(old).unwrap();
+        let mut resumed = TrainLoader::start(plan, Placement::single(1), settings(4, 0), tokenizer(), Some(old)).unwrap();
+        assert_eq!(resumed.next_batch().unwrap().keys, want);
     }
 
     #[test]

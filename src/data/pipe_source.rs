@@ -20,6 +20,10 @@ static STALL_TIMEOUT_MS: AtomicU64 = AtomicU64::new(300_000);
 /// after one (5 s), so a step that can still finish does.
 const STOP_GRACE: Duration = Duration::from_secs(7);
 
+/// The shell around every pipe command (`$1`): on SIGTERM, the signal a dying align sends it, it
+/// kills its process group, the command and all it started.
+const GUARD: &str = r#"trap 'kill -KILL 0' TERM; sh -c "$1" & wait $!"#;
+
 /// The process ids of the pipe commands running now.
 static RUNNING: Mutex<Option<HashSet<u32>>> = Mutex::new(None);
 
@@ -73,7 +77,26 @@ pub struct PipeReader {
 impl PipeReader {
     pub fn spawn(cmd: &str) -> io::Result<PipeReader> {
         use std::os::unix::process::CommandExt;
-        let mut child = Command::new("sh").arg("-c").arg(cmd).stdout(Stdio::piped()).stdin(Stdio::null()).process_group(0).spawn()?;
+        // The command runs under a shell that kills its whole group when align dies, even by
+        // SIGKILL: the kernel sends that shell SIGTERM on its parent's death, and because the
+        // command runs in the background, `wait` returns at once to run the trap.
+        let parent = std::process::id() as libc::pid_t;
+        let mut command = Command::new("sh");
+        command.arg("-c").arg(GUARD).arg("align-pipe").arg(cmd).stdout(Stdio::piped()).stdin(Stdio::null()).process_group(0);
+        // SAFETY: prctl and getppid are async-signal-safe, and the closure allocates nothing.
+        unsafe {
+            command.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                // align died between the fork and the prctl: nobody would send the signal.
+                if libc::getppid() != parent {
+                    return Err(io::Error::other("align exited while starting a pipe command"));
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn()?;
         register(child.id(), true);
         let mut stdout = child.stdout.take().expect("piped stdout");
         let (tx, chunks) = sync_channel(4);

@@ -75,7 +75,13 @@ pub fn source_count(spec: &str) -> usize {
 }
 
 fn expand_parts_in(spec: &str, base: &Path) -> Result<Vec<Vec<ShardSource>>, SpecError> {
-    spec.split("::").map(str::trim).filter(|p| !p.is_empty()).map(|part| expand_one(part, base)).collect()
+    let parts: Vec<&str> = spec.split("::").map(str::trim).collect();
+    // `a::::b` or a trailing `::` names a source with nothing in it, which would silently shift
+    // every upsampling factor after it onto the wrong source.
+    if parts.len() > 1 && parts.iter().any(|p| p.is_empty()) {
+        return Err(SpecError::Malformed { spec: spec.into(), what: "an empty source between `::` separators".into() });
+    }
+    parts.into_iter().filter(|p| !p.is_empty()).map(|part| expand_one(part, base)).collect()
 }
 
 fn expand_one(part: &str, base: &Path) -> Result<Vec<ShardSource>, SpecError> {

@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use candle_core::Device;
 use serde::Serialize;
 
-use crate::data::curate::scores::{self, ShardScores};
+use crate::data::curate::scores::{self, Scorer, ShardScores};
 use crate::data::eval_reader::{EvalSource, Needs};
 use crate::data::skips::SkipCounts;
 use crate::data::spec::ShardSource;
@@ -23,51 +23,98 @@ use crate::ops::kernels::bf16_gemm::forward_precision;
 use crate::util::log;
 use crate::util::progress::Progress;
 
+#[derive(Debug, Clone)]
 pub struct ScoreOptions {
     pub out: PathBuf,
+    /// Seconds a `pipe:` shard may send nothing before it is abandoned.
+    pub stall_timeout_s: f64,
     /// Also keep the image and text embeddings (for deduplication and clustering).
     pub embeddings: bool,
     pub batch: usize,
     pub quiet: bool,
     /// The checkpoint as the user named it, recorded in each file.
     pub checkpoint: String,
+    /// The model's directory as loaded: what the score files name as their model.
+    pub model: String,
 }
 
 #[derive(Debug, Serialize)]
 pub struct ScoreReport {
     pub checkpoint: String,
+    /// The model's directory as loaded: what the score files name as their model.
+    pub model: String,
     /// The towers' products: `f32`, or `bf16` (`--precision bf16`).
     pub precision: &'static str,
     pub shards: usize,
     /// Shards whose score file was already there (a resumed run).
     pub already_scored: usize,
     pub samples: u64,
+    /// Shards that gave no usable sample (each named in a warning).
+    pub empty_shards: usize,
     pub skipped: SkipCounts,
     pub seconds: f64,
     pub images_per_s: f64,
     pub out: PathBuf,
 }
 
-/// Whether `path` already holds the scores of `shard` by `checkpoint` at this run's precision
-/// (files written before precisions were recorded are f32's).
-fn done(path: &Path, shard: &str, checkpoint: &str) -> bool {
-    scores::read(path, false).is_ok_and(|s| {
-        s.meta("shard") == Some(shard)
-            && s.meta("checkpoint") == Some(checkpoint)
-            && s.meta("precision").unwrap_or("f32") == forward_precision()
-    })
+/// Whether `path` already holds the scores of `shard` by this scorer (with embeddings, when
+/// they are asked for).
+fn done(path: &Path, shard: &str, scorer: &Scorer, embeddings: bool) -> bool {
+    scores::read(path, false)
+        .is_ok_and(|s| s.meta("shard") == Some(shard) && Scorer::of(&s) == *scorer && (!embeddings || s.meta("embeddings") == Some("true")))
+}
+
+/// The name of the lock file that keeps two scorers out of one directory (hidden, as pandas and
+/// pyarrow skip such files when they read the directory).
+const LOCK: &str = ".align-score.lock";
+
+/// The report `align data score` leaves beside the score files; its leading underscore keeps it
+/// out of `pd.read_parquet(DIR)`, which skips such names.
+pub const REPORT: &str = "_score-report.json";
+
+/// Takes the directory's lock and refuses a directory that holds score files of another model
+/// or precision: one directory is one scorer's, so that `data build` never mixes two.
+fn claim(out: &Path, scorer: &Scorer) -> Result<std::fs::File> {
+    let path = out.join(LOCK);
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!("another align data score is writing into {} now", out.display()),
+        Err(std::fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
+    }
+    for file in scores::files(out)? {
+        let theirs = Scorer::of(&scores::read_meta(&file)?);
+        if theirs != *scorer {
+            anyhow::bail!(
+                "{} holds scores by {theirs} ({}), and this run scores with {scorer}: one directory holds one model's scores; choose another --out",
+                out.display(),
+                file.display()
+            );
+        }
+    }
+    Ok(lock)
 }
 
 /// Scores every shard of `shards` with `m` into `o.out`.
 pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, device: &Device) -> Result<ScoreReport> {
     std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
+    let scorer = Scorer { model: o.model.clone(), precision: forward_precision().to_string() };
+    let _lock = claim(&o.out, &scorer)?;
+    crate::data::pipe_source::set_stall_timeout(std::time::Duration::from_secs_f64(o.stall_timeout_s));
     let started = Instant::now();
     let mut report = ScoreReport {
         checkpoint: o.checkpoint.clone(),
+        model: o.model.clone(),
         precision: forward_precision(),
         shards: shards.len(),
         already_scored: 0,
         samples: 0,
+        empty_shards: 0,
         skipped: SkipCounts::default(),
         seconds: 0.0,
         images_per_s: 0.0,
@@ -82,7 +129,7 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
         if let Some(other) = names.insert(path.clone(), name.clone()) {
             anyhow::bail!("shards {other} and {name} would both be scored into {}: give shards distinct file names", path.display());
         }
-        if done(&path, &name, &o.checkpoint) {
+        if done(&path, &name, &scorer, o.embeddings) {
             report.already_scored += 1;
             bar.inc(1);
             continue;
@@ -119,10 +166,16 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
             s.image_embeddings = Some(image_rows);
             s.text_embeddings = Some(text_rows);
         }
+        if s.keys.is_empty() {
+            report.empty_shards += 1;
+            log::warn(format!("{name}: no usable sample to score (skipped: {})", e.skipped.summary()));
+        }
         s.meta = vec![
             ("shard".into(), name.clone()),
             ("checkpoint".into(), o.checkpoint.clone()),
+            ("model".into(), o.model.clone()),
             ("precision".into(), forward_precision().into()),
+            ("embeddings".into(), o.embeddings.to_string()),
             ("samples".into(), s.keys.len().to_string()),
             ("skipped".into(), e.skipped.summary()),
         ];
@@ -135,6 +188,13 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
         bar.inc(1);
     }
     bar.finish();
+    if report.samples == 0 && report.already_scored == 0 {
+        anyhow::bail!(
+            "no sample of {} shard(s) could be scored (skipped: {}): check the shards with `align data stats`",
+            shards.len(),
+            report.skipped.summary()
+        );
+    }
     report.seconds = started.elapsed().as_secs_f64();
     report.images_per_s = report.samples as f64 / report.seconds.max(1e-9);
     Ok(report)

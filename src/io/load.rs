@@ -95,6 +95,9 @@ fn used_weights(spec: &ModelSpec, mut weights: HashMap<String, Tensor>, origin: 
         crate::util::log::warn(format!("{origin}: {} tensors not used: {unused:?}", unused.len()));
     }
     weights.retain(|k, _| planned.contains_key(k));
+    for (name, t) in &weights {
+        super::tensors::check_weight(name, t, origin)?;
+    }
     Ok(weights)
 }
 

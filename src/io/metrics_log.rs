@@ -19,7 +19,7 @@ impl MetricsLog {
     pub fn open(path: &Path, keep_through: Option<u64>) -> Result<Self> {
         if let Some(limit) = keep_through {
             if path.exists() {
-                let kept: Vec<String> = BufReader::new(File::open(path)?)
+                let kept: Vec<String> = BufReader::new(File::open(path).with_context(|| format!("reading {}", path.display()))?)
                     .lines()
                     .map_while(|l| l.ok())
                     .filter(|l| {
@@ -29,12 +29,13 @@ impl MetricsLog {
                             .is_some_and(|s| s <= limit)
                     })
                     .collect();
-                let tmp = path.with_extension("jsonl.tmp");
-                std::fs::write(&tmp, kept.iter().map(|l| format!("{l}\n")).collect::<String>())?;
-                std::fs::rename(&tmp, path)?;
+                // Written beside and renamed over it: a full disk leaves the old log whole and
+                // names the file it could not write.
+                crate::util::files::write_atomic(path, kept.iter().map(|l| format!("{l}\n")).collect::<String>().as_bytes())
+                    .context("keeping the metrics log's records up to the resumed step")?;
             }
         } else if path.exists() {
-            std::fs::remove_file(path)?;
+            std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
         }
         let file = OpenOptions::new().create(true).append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
         Ok(MetricsLog { file, path: path.to_path_buf() })

@@ -83,6 +83,7 @@ fn read_each(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let json: serde_json::Value = serde_json::from_slice(&header).context("the header is not JSON")?;
     let entries = json.as_object().context("the header is not an object")?;
     let data_start = 8 + n;
+    check_offsets(entries)?;
     let mut out = HashMap::with_capacity(entries.len());
     let mut bytes = Vec::new();
     for (name, e) in entries {
@@ -123,6 +124,27 @@ fn read_each(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     Ok(out)
 }
 
+/// Two tensors whose data overlap are one damaged or crafted file: each would read the other's
+/// bytes. (The format lays tensors end to end.)
+fn check_offsets(entries: &serde_json::Map<String, serde_json::Value>) -> Result<()> {
+    let mut spans: Vec<(u64, u64, &str)> = entries
+        .iter()
+        .filter(|(name, _)| *name != "__metadata__")
+        .filter_map(|(name, e)| {
+            let o = e.get("data_offsets")?.as_array()?;
+            Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?, name.as_str()))
+        })
+        .collect();
+    spans.sort();
+    for w in spans.windows(2) {
+        let ((b0, e0, a), (b1, _, b)) = (w[0], w[1]);
+        if b1 < e0 && e0 > b0 {
+            bail!("tensors {a} ({b0}..{e0}) and {b} (from {b1}) overlap in the file: it is damaged");
+        }
+    }
+    Ok(())
+}
+
 /// The name and shape of every tensor of a safetensors file, from its header alone: the 8-byte
 /// length and the JSON that follows it, checked against the file's size before it is read.
 pub fn header_shapes(path: &Path) -> Result<HashMap<String, Vec<usize>>> {
@@ -153,6 +175,26 @@ pub fn header_shapes(path: &Path) -> Result<HashMap<String, Vec<usize>>> {
         out.insert(name.clone(), shape);
     }
     Ok(out)
+}
+
+/// A tensor that is to become a model parameter: floating point (an integer tensor in a weights
+/// file is damage or another kind of buffer, and casting it would load nonsense without a word),
+/// and, for the scalars (the logit scale and bias, the temperature), finite: a single infinite
+/// value there makes every score infinite.
+pub fn check_weight(name: &str, t: &Tensor, origin: &str) -> Result<()> {
+    use candle_core::DType;
+    if !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        bail!("{origin}: tensor {name} holds {:?} integers where the model has floating-point weights: the file is damaged or not this model's", t.dtype());
+    }
+    if t.elem_count() == 1 {
+        let v = t.flatten_all()?.to_dtype(DType::F64)?.to_vec1::<f64>()?[0];
+        if !v.is_finite() {
+            bail!(
+                "{origin}: tensor {name} is {v}: a model's scale or bias must be finite (the checkpoint was saved after training diverged)"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The variables of a model by name, for saving.
@@ -188,6 +230,7 @@ pub fn load_strict(vm: &VarMap, tensors: &HashMap<String, Tensor>, origin: &Path
     }
     for (name, var) in data.iter() {
         let t = &tensors[name];
+        check_weight(name, t, &origin.display().to_string())?;
         var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
     }
     Ok(())

@@ -28,6 +28,11 @@ use crate::ops::kernels::spatial_mean::spatial_mean;
 use crate::ops::kernels::stochastic_depth::scaled_residual;
 use crate::util::rng::Rng;
 
+/// The most blocks and the widest layer an EfficientNet config may derive (L2, the largest, has
+/// 97 blocks and 5,504 channels at its head).
+const MAX_BLOCKS: usize = 1024;
+const MAX_CHANNELS: usize = 1 << 16;
+
 /// The base (B0) network's stages, which compound scaling widens and deepens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Stages {
@@ -105,8 +110,6 @@ pub enum DepthwiseImpl {
 }
 
 impl EfficientNetConfig {
-    /// `efficientnet-b0` … `efficientnet-b7` and `efficientnet-l2` (width, depth coefficients as
-    /// published; the image size is ALIGN's choice, 289 for every variant, unless configured).
     /// The preset whose width and depth coefficients a config has, if any.
     pub fn preset_name(c: &EfficientNetConfig) -> Option<&'static str> {
         crate::model::presets::EFFICIENTNET_PRESETS.iter().copied().find(|name| {
@@ -115,6 +118,8 @@ impl EfficientNetConfig {
         })
     }
 
+    /// `efficientnet-b0` … `efficientnet-b7` and `efficientnet-l2` (width, depth coefficients as
+    /// published; the image size is ALIGN's choice, 289 for every variant, unless configured).
     pub fn preset(name: &str, image_size: usize) -> Option<Self> {
         let (w, d) = match name {
             "efficientnet-b0" => (1.0, 1.0),
@@ -170,13 +175,32 @@ impl EfficientNetConfig {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        if self.width_coefficient <= 0.0 || self.depth_coefficient <= 0.0 {
-            return Err("EfficientNet width and depth coefficients must be positive".into());
+        for (name, v) in [("width_coefficient", self.width_coefficient), ("depth_coefficient", self.depth_coefficient)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("EfficientNet {name} is {v}; it must be a positive number (B0: 1.0, B7: 2.0 / 3.1)"));
+            }
         }
         if !(0.0..1.0).contains(&self.drop_path) || !(0.0..=1.0).contains(&self.bn_momentum) {
             return Err(format!("drop_path {} must be in [0, 1) and bn_momentum {} in [0, 1]", self.drop_path, self.bn_momentum));
         }
         self.stages.validate()?;
+        // The sizes the coefficients derive are bounded like the sizes a file states: a
+        // coefficient of 1e4 would otherwise plan tens of thousands of blocks before any check.
+        let blocks: usize = self.stages.repeats.iter().map(|&r| self.round_repeats(r)).sum();
+        if blocks > MAX_BLOCKS {
+            return Err(format!(
+                "EfficientNet depth_coefficient {} makes {blocks} blocks, beyond any real model (L2 has 97; at most {MAX_BLOCKS})",
+                self.depth_coefficient
+            ));
+        }
+        let widest = self.stages.in_channels.iter().chain(&self.stages.out_channels).chain([&1280]).map(|&c| self.round_filters(c)).max();
+        if widest.is_some_and(|w| w > MAX_CHANNELS) {
+            return Err(format!(
+                "EfficientNet width_coefficient {} makes layers {} channels wide, beyond any real model (L2: 5504; at most {MAX_CHANNELS})",
+                self.width_coefficient,
+                widest.unwrap_or(0)
+            ));
+        }
         if self.image_size < 32 {
             return Err(format!("EfficientNet needs images of at least 32 px (five stride-2 stages), got {}", self.image_size));
         }

@@ -24,7 +24,16 @@ use crate::model::dual_encoder::DualEncoder;
 
 /// The validation loss of `model` on `cfg.eval.validation`.
 pub fn run(model: &DualEncoder, tokenizer: &TextTokenizer, cfg: &Config, device: &Device) -> Result<ValidationLoss> {
-    let source = EvalSource::Shards(spec::expand(&cfg.eval.validation)?);
+    let shards = spec::expand(&cfg.eval.validation)?;
+    // A held-out set is read whole or not at all: a validation loss over part of it would not
+    // compare with the last one.
+    for shard in &shards {
+        if let crate::data::spec::ShardSource::File(path) = shard {
+            let len = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+            ensure!(len > 0, "eval.validation: {} is empty (0 bytes): the held-out set is damaged", path.display());
+        }
+    }
+    let source = EvalSource::Shards(shards);
     let needs = Needs { image: true, captions: true, label: false };
     let e = embed_pairs(model, tokenizer, source, &cfg.data.image, needs, cfg.eval.batch_size, device, true)?;
     let texts = e.caption_embeddings.as_ref().expect("embed_pairs embeds the captions");
@@ -42,7 +51,7 @@ pub fn run(model: &DualEncoder, tokenizer: &TextTokenizer, cfg: &Config, device:
     let scale = model.logit_scale()?.to_device(&Device::Cpu)?;
     let bias = model.logit_bias()?.map(|b| b.to_device(&Device::Cpu)).transpose()?;
     let single: Arc<dyn Collective> = Arc::new(SingleProcess);
-    let batch = cfg.eval.validation_batch.max(2);
+    let batch = cfg.eval.validation_batch;
     let (mut loss, mut i2t, mut t2i) = (0.0, 0.0, 0.0);
     let mut start = 0;
     while start < pairs {

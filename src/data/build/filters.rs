@@ -35,6 +35,10 @@ pub struct CurateFilters {
     /// Keep the samples in the top this fraction of the whole input by score (0: off; DataComp's
     /// best simple baseline: 0.3). With `min_score` too, both must hold.
     pub top_fraction: f64,
+    /// The fraction of the input whose key is in the score files with another caption (another
+    /// dataset's sample under the same key) that the build tolerates; such samples are never
+    /// kept. Above it the build fails. 0: any such sample is an error.
+    pub max_caption_mismatch: f64,
     pub image_based: ImageBasedFilter,
     pub metaclip: MetaClipFilter,
     pub semdedup: SemDedupFilter,
@@ -214,6 +218,7 @@ impl Filters {
         let c = &self.curate;
         anyhow::ensure!((0.0..=1.0).contains(&c.top_fraction), "curate.top_fraction must be in [0, 1] (0: off)");
         anyhow::ensure!((-1.0..=1.0).contains(&c.min_score), "curate.min_score must be a cosine in [-1, 1] (0: off)");
+        anyhow::ensure!((0.0..=1.0).contains(&c.max_caption_mismatch), "curate.max_caption_mismatch must be a fraction in [0, 1]");
         anyhow::ensure!(
             !c.needs_scores() || !c.scores.as_os_str().is_empty(),
             "curate.min_score, curate.top_fraction, curate.image_based and curate.semdedup read scores: set curate.scores to the directory `align data score --out` wrote"

@@ -25,7 +25,7 @@ use self::filters::Filters;
 use self::input::{Candidate, Input, Item};
 use self::phash::NearIndex;
 use super::curate::metaclip::Matcher;
-use super::curate::scores::ScoreTable;
+use super::curate::scores::{passes, Lookup, ScoreTable};
 use super::shard_writer::ShardWriter;
 use super::spec::ShardSource;
 use super::stats::Distribution;
@@ -36,7 +36,7 @@ use crate::util::progress::Progress;
 use crate::util::rng::{hash_str, mix64, Rng};
 
 /// The filters in the order they are applied; the report lists removals in this order.
-pub const FILTER_ORDER: [&str; 18] = [
+pub const FILTER_ORDER: [&str; 20] = [
     "unreadable",
     "image_format",
     "image_size",
@@ -52,6 +52,8 @@ pub const FILTER_ORDER: [&str; 18] = [
     "duplicate_image",
     "near_duplicate_eval",
     "clip_score",
+    "unusable_score",
+    "other_caption",
     "image_based",
     "metaclip_balance",
     "semantic_duplicate",
@@ -88,8 +90,12 @@ pub struct Distributions {
 /// The CLIP-score filters' part of the report.
 #[derive(Debug, Clone, Serialize)]
 pub struct ScoreFilterReport {
+    /// The model and precision that wrote the score files.
+    pub scorer: String,
     /// The score a sample needed: `min_score`, or the top fraction's cut, whichever is higher.
     pub threshold: f32,
+    /// Rows of the score files whose score is NaN, infinite or null.
+    pub unusable_scores: u64,
     pub before: Distribution,
     pub after: Distribution,
 }
@@ -119,6 +125,9 @@ pub struct ImageBasedReport {
 /// Semantic deduplication's part of the report.
 #[derive(Debug, Clone, Serialize)]
 pub struct DedupReport {
+    /// The k-means clusters used: `curate.semdedup.clusters`, or the samples' count where that
+    /// is smaller (each sample then its own cluster, with nothing to compare).
+    pub clusters: usize,
     /// Groups of near-duplicates among the scored samples, and the members they drop.
     pub groups: usize,
     pub duplicates: usize,
@@ -183,12 +192,35 @@ impl Curation {
                     c.scores.display(),
                     table.dim
                 );
+                let embedded_by = crate::data::curate::image_based::target_model(&c.image_based.target);
+                anyhow::ensure!(
+                    embedded_by.as_deref() == Some(table.scorer.model.as_str()),
+                    "the target embeddings {} were embedded by {}, the scores in {} by {}: embed the target with the checkpoint that scored the input",
+                    c.image_based.target.display(),
+                    embedded_by.as_deref().unwrap_or("a model its sidecar does not name"),
+                    c.scores.display(),
+                    table.scorer.model
+                );
                 let bar = Progress::spinner("clustering for the image-based filter", quiet);
                 let s = crate::data::curate::image_based::select(embeddings, &target, dim, c.image_based.clusters, c.image_based.seed);
                 bar.finish();
                 cur.off_target = keys.iter().zip(&s.keep).filter(|(_, &k)| !k).map(|(k, _)| k.clone()).collect();
                 cur.image_based =
                     Some(ImageBasedReport { clusters: s.clusters, target_images: s.target_images, target_clusters: s.target_clusters });
+            }
+            for (setting, k) in [("curate.semdedup.clusters", c.semdedup.clusters), ("curate.image_based.clusters", c.image_based.clusters)]
+            {
+                if k > 0 && k >= keys.len() {
+                    log::warn(format!(
+                        "{setting} = {k} but the score files hold {} samples: each sample is a cluster of its own, so {}",
+                        keys.len(),
+                        if setting.contains("semdedup") {
+                            "no duplicate can be found"
+                        } else {
+                            "every sample is kept only if a target image is nearest to it"
+                        }
+                    ));
+                }
             }
             if c.semdedup.clusters > 0 {
                 let bar = Progress::spinner("deduplicating", quiet);
@@ -348,6 +380,8 @@ fn count_corpus(input: &Input, f: &Filters, matcher: Option<&Matcher>, quiet: bo
 struct Checked {
     key: String,
     origin: String,
+    /// The input's caption as it came, which a score must have been computed on.
+    caption: String,
     words: usize,
     dims: Option<(u32, u32)>,
     verdict: Result<Prepared, Failed>,
@@ -388,7 +422,14 @@ impl Header {
 fn check(s: Candidate, f: &Filters, counts: &Counts, near: &NearIndex, matcher: Option<&Matcher>) -> Checked {
     let caption = filters::trim_boilerplate(&s.caption, &f.text.trim_boilerplate);
     let words = filters::word_count(&caption);
-    let mut out = Checked { key: s.key, origin: s.origin, words, dims: None, verdict: Err(("unreadable", String::new())) };
+    let mut out = Checked {
+        key: s.key,
+        origin: s.origin,
+        caption: s.caption.clone(),
+        words,
+        dims: None,
+        verdict: Err(("unreadable", String::new())),
+    };
     let header = match read_header(&s.image, f) {
         Ok(h) => h,
         Err(e) => {
@@ -659,18 +700,32 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
             f.curate.scores.display()
         );
     }
+    let other = tally.removed[filter_index("other_caption")];
+    if other as f64 > f.curate.max_caption_mismatch * tally.input_samples as f64 {
+        anyhow::bail!(
+            "{other} of {} input samples were scored with another caption under the same key (the first: {}): {} scores another input; score this one, or raise curate.max_caption_mismatch",
+            tally.input_samples,
+            tally.first_other_caption.clone().unwrap_or_default(),
+            f.curate.scores.display()
+        );
+    }
     let shards = output.finish(f.output.seed, o.quiet)?;
     let clip_score = curation.table.as_ref().map(|t| ScoreFilterReport {
+        scorer: t.scorer.to_string(),
         threshold: curation.threshold.unwrap_or(f32::NEG_INFINITY),
-        before: Distribution::of(t.scores.iter().map(|&x| x as f64).collect()),
+        unusable_scores: t.unusable,
+        before: Distribution::of(t.scores.iter().filter(|x| x.is_finite()).map(|&x| x as f64).collect()),
         after: Distribution::of(std::mem::take(&mut tally.scores_after)),
     });
     let metaclip = match &curation.matcher {
         Some(m) => Some(metaclip_report(o, m, &counts, &tally.metaclip_after, f.curate.metaclip.t)?),
         None => None,
     };
-    let semdedup =
-        (f.curate.semdedup.clusters > 0).then_some(DedupReport { groups: curation.dedup_groups, duplicates: curation.duplicates.len() });
+    let semdedup = (f.curate.semdedup.clusters > 0).then_some(DedupReport {
+        clusters: f.curate.semdedup.clusters.min(curation.table.as_ref().map_or(0, |t| t.scores.len())),
+        groups: curation.dedup_groups,
+        duplicates: curation.duplicates.len(),
+    });
     let report = BuildReport {
         filters: f.description.clone(),
         input_samples: tally.input_samples,
@@ -731,6 +786,7 @@ struct Tally {
     /// Samples the score files have no score for, and the first of them.
     missing_scores: u64,
     first_missing: Option<String>,
+    first_other_caption: Option<String>,
 }
 
 impl Default for Tally {
@@ -746,6 +802,7 @@ impl Default for Tally {
             metaclip_after: Vec::new(),
             missing_scores: 0,
             first_missing: None,
+            first_other_caption: None,
         }
     }
 }
@@ -792,12 +849,24 @@ impl Tally {
         }
         let mut score = None;
         if let Some(table) = &cur.table {
-            let Some(s) = table.score(&c.key) else {
-                self.missing_scores += 1;
-                self.first_missing.get_or_insert_with(|| format!("{} in {}", c.key, c.origin));
-                return None;
+            let s = match table.lookup(&c.key, &c.caption) {
+                Lookup::Score(s) => s,
+                Lookup::Missing => {
+                    self.missing_scores += 1;
+                    self.first_missing.get_or_insert_with(|| format!("{} in {}", c.key, c.origin));
+                    return None;
+                }
+                Lookup::OtherCaption => {
+                    self.removed[filter_index("other_caption")] += 1;
+                    self.first_other_caption.get_or_insert_with(|| format!("{} in {}", c.key, c.origin));
+                    return None;
+                }
             };
-            if cur.threshold.is_some_and(|t| s < t) {
+            if !s.is_finite() {
+                self.removed[filter_index("unusable_score")] += 1;
+                return None;
+            }
+            if !passes(s, cur.threshold) {
                 self.removed[filter_index("clip_score")] += 1;
                 return None;
             }

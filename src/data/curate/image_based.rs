@@ -39,6 +39,13 @@ pub fn select(pool: &[f32], target: &[f32], dim: usize, clusters: usize, seed: u
 
 /// Reads the target's image embeddings from an `align embed` output, each row scaled to unit
 /// length; returns them and their dimension.
+/// The model that embedded a target, as `align embed` records it beside the matrix (the
+/// directory it loaded), or None where nothing says.
+pub fn target_model(path: &Path) -> Option<String> {
+    let side: serde_json::Value = serde_json::from_slice(&std::fs::read(path.with_extension("json")).ok()?).ok()?;
+    side.get("checkpoint")?.as_str().map(str::to_string)
+}
+
 pub fn read_target(path: &Path) -> Result<(Vec<f32>, usize)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading the target embeddings {}", path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)

@@ -45,7 +45,24 @@ impl Matcher {
         let bytes = std::fs::read(path).with_context(|| format!("reading the metadata file {}", path.display()))?;
         let text = String::from_utf8(bytes)
             .map_err(|e| anyhow::anyhow!("{}: not UTF-8 (at byte {})", path.display(), e.utf8_error().valid_up_to()))?;
-        let entries: Vec<String> = text.lines().map(|l| l.trim_end_matches('\r').to_string()).filter(|l| !l.trim().is_empty()).collect();
+        // MetaCLIP publishes its metadata as `metadata.json`, one JSON list of strings; a text
+        // file holds one entry a line.
+        let entries: Vec<String> = if text.trim_start().starts_with('[') {
+            let list: Vec<serde_json::Value> =
+                serde_json::from_str(&text).with_context(|| format!("{}: starts like a JSON list but is not one", path.display()))?;
+            list.into_iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    serde_json::Value::String(e) => Ok(e),
+                    other => bail!("{}: entry {i} is {other}, not a string", path.display()),
+                })
+                .collect::<Result<Vec<String>>>()?
+                .into_iter()
+                .filter(|e| !e.trim().is_empty())
+                .collect()
+        } else {
+            text.lines().map(|l| l.trim_end_matches('\r').to_string()).filter(|l| !l.trim().is_empty()).collect()
+        };
         if entries.is_empty() {
             bail!("{} has no metadata entries (one per line)", path.display());
         }
@@ -113,5 +130,19 @@ mod tests {
         let c: Vec<bool> = (0..100).map(|i| keep(&format!("k{i}"), &[0], &counts, t, 8)).collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
+    }
+
+    /// MetaCLIP's own `metadata.json` (a JSON list) is read as its entries, not as one entry.
+    #[test]
+    fn metaclips_json_list_is_read_as_its_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metadata.json");
+        std::fs::write(&path, r#"["red", "blue sky", "caf\u00e9"]"#).unwrap();
+        let m = Matcher::from_file(&path).unwrap();
+        assert_eq!(m.entries, vec!["red", "blue sky", "café"]);
+        assert_eq!(m.matches("a red car under a blue sky"), vec![0, 1]);
+        std::fs::write(&path, r#"["red", 3]"#).unwrap();
+        let e = format!("{:#}", Matcher::from_file(&path).err().unwrap());
+        assert!(e.contains("entry 1 is 3") && e.contains("metadata.json"), "{e}");
     }
 }

@@ -94,21 +94,26 @@ pub fn write(path: &Path, s: &ShardScores) -> Result<()> {
     })
 }
 
+/// A score file's metadata alone, without its rows.
+pub fn read_meta(path: &Path) -> Result<ShardScores> {
+    (|| -> Result<ShardScores> {
+        let builder = ParquetRecordBatchReaderBuilder::try_new(File::open(path)?)?;
+        Ok(ShardScores { meta: align_meta(builder.metadata().file_metadata().key_value_metadata()), ..Default::default() })
+    })()
+    .with_context(|| format!("reading score file {}", path.display()))
+}
+
+fn align_meta(kv: Option<&Vec<KeyValue>>) -> Vec<(String, String)> {
+    kv.map(|kv| kv.iter().filter_map(|e| Some((e.key.strip_prefix("align.")?.to_string(), e.value.clone().unwrap_or_default()))).collect())
+        .unwrap_or_default()
+}
+
 /// Reads a score file, with its embeddings when `embeddings` is set.
 pub fn read(path: &Path, embeddings: bool) -> Result<ShardScores> {
     (|| -> Result<ShardScores> {
         let file = File::open(path)?;
         let builder = ParquetRecordBatchReaderBuilder::try_new(file)?;
-        let meta = builder
-            .metadata()
-            .file_metadata()
-            .key_value_metadata()
-            .map(|kv| {
-                kv.iter()
-                    .filter_map(|e| Some((e.key.strip_prefix("align.")?.to_string(), e.value.clone().unwrap_or_default())))
-                    .collect::<Vec<_>>()
-            })
-            .unwrap_or_default();
+        let meta = align_meta(builder.metadata().file_metadata().key_value_metadata());
         let mut out = ShardScores { meta, ..Default::default() };
         for batch in builder.build()? {
             let batch = batch?;
@@ -122,7 +127,8 @@ pub fn read(path: &Path, embeddings: bool) -> Result<ShardScores> {
             out.captions.extend(strings("caption")?);
             let scores = column("score")?;
             let scores = scores.as_any().downcast_ref::<Float32Array>().context("score is not float32")?;
-            out.scores.extend(scores.values().iter().copied());
+            // A null score (a file written by another tool) is no score, not zero.
+            out.scores.extend((0..scores.len()).map(|i| if scores.is_null(i) { f32::NAN } else { scores.value(i) }));
             if embeddings {
                 for (name, slot) in [("image_embedding", &mut out.image_embeddings), ("text_embedding", &mut out.text_embeddings)] {
                     let Some(c) = batch.column_by_name(name) else { continue };
@@ -138,47 +144,136 @@ pub fn read(path: &Path, embeddings: bool) -> Result<ShardScores> {
     .with_context(|| format!("reading score file {}", path.display()))
 }
 
+/// The first caption line of a sample with its whitespace folded, hashed: what a score file's
+/// `caption` column is compared on, so that a caption the input stores with other line breaks
+/// or padding still matches the one scored.
+pub fn caption_fingerprint(caption: &str) -> u64 {
+    let first = caption.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+    xxhash_rust::xxh3::xxh3_64(first.split_whitespace().collect::<Vec<_>>().join(" ").as_bytes())
+}
+
+/// What the score files say of a sample.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Lookup {
+    /// No file has the key.
+    Missing,
+    /// The key was scored with another caption: another dataset's sample under the same key.
+    OtherCaption,
+    /// The score: finite, or NaN / infinite for a sample whose score is unusable.
+    Score(f32),
+}
+
+/// Who wrote a score file: the model (the directory it was loaded from, else the name the user
+/// gave), the precision of its products and the embeddings' width, when kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Scorer {
+    pub model: String,
+    pub precision: String,
+}
+
+impl Scorer {
+    pub fn of(s: &ShardScores) -> Scorer {
+        let model = s.meta("model").or(s.meta("checkpoint")).unwrap_or("an unnamed model").to_string();
+        Scorer { model, precision: s.meta("precision").unwrap_or("f32").to_string() }
+    }
+}
+
+impl std::fmt::Display for Scorer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} in {}", self.model, self.precision)
+    }
+}
+
+/// The score files of a directory, sorted.
+pub fn files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading the score directory {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
 /// Every sample's score (and image embedding, when asked and kept) from the score files of a
-/// directory, by key. Keys must be unique across the files, as img2dataset makes them.
+/// directory, by key. Keys must be unique across the files, as img2dataset makes them; every
+/// file must come from one model at one precision, with embeddings of one width.
 pub struct ScoreTable {
     pub by_key: HashMap<String, usize>,
     pub scores: Vec<f32>,
+    /// Each row's [`caption_fingerprint`].
+    pub captions: Vec<u64>,
     pub image_embeddings: Option<Vec<f32>>,
     pub dim: usize,
     pub dir: PathBuf,
+    pub scorer: Scorer,
+    /// Rows whose score is NaN, infinite or null: never kept by a score filter.
+    pub unusable: u64,
 }
 
 impl ScoreTable {
     pub fn load(dir: &Path, embeddings: bool) -> Result<ScoreTable> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .with_context(|| format!("reading the score directory {}", dir.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "parquet"))
-            .collect();
-        files.sort();
+        let files = files(dir)?;
         if files.is_empty() {
             bail!("{} holds no score files (align data score writes them)", dir.display());
         }
-        let mut t = ScoreTable { by_key: HashMap::new(), scores: Vec::new(), image_embeddings: None, dim: 0, dir: dir.to_path_buf() };
+        let mut t = ScoreTable {
+            by_key: HashMap::new(),
+            scores: Vec::new(),
+            captions: Vec::new(),
+            image_embeddings: None,
+            dim: 0,
+            dir: dir.to_path_buf(),
+            scorer: Scorer { model: String::new(), precision: String::new() },
+            unusable: 0,
+        };
+        let mut first: Option<(PathBuf, Scorer)> = None;
+        let mut width: Option<(PathBuf, usize)> = None;
         for f in files {
             let s = read(&f, embeddings)?;
+            let scorer = Scorer::of(&s);
+            match &first {
+                None => first = Some((f.clone(), scorer.clone())),
+                Some((path, want)) if *want != scorer => bail!(
+                    "the score files of {} come from different models: {} from {want}, {} from {scorer}; score the whole input with one checkpoint into a directory of its own",
+                    dir.display(),
+                    path.display(),
+                    f.display()
+                ),
+                Some(_) => {}
+            }
             if embeddings && s.image_embeddings.is_none() && !s.keys.is_empty() {
                 bail!("{} holds no image embeddings: score with --embeddings for deduplication", f.display());
             }
-            for key in s.keys {
+            if s.image_embeddings.is_some() {
+                match &width {
+                    None => width = Some((f.clone(), s.dim)),
+                    Some((path, d)) if *d != s.dim => bail!(
+                        "{} holds {}-dimensional embeddings and {} {d}-dimensional ones: the files come from different models",
+                        f.display(),
+                        s.dim,
+                        path.display()
+                    ),
+                    Some(_) => {}
+                }
+            }
+            for (key, caption) in s.keys.iter().zip(&s.captions) {
                 let row = t.scores.len();
                 if t.by_key.insert(key.clone(), row).is_some() {
                     bail!("sample key {key:?} appears twice in the score files of {} (keys must be unique across shards)", dir.display());
                 }
                 t.scores.push(0.0);
+                t.captions.push(caption_fingerprint(caption));
             }
             let start = t.scores.len() - s.scores.len();
             t.scores[start..].copy_from_slice(&s.scores);
+            t.unusable += s.scores.iter().filter(|x| !x.is_finite()).count() as u64;
             if let Some(e) = s.image_embeddings {
                 t.dim = s.dim;
                 t.image_embeddings.get_or_insert_with(Vec::new).extend(e);
             }
         }
+        t.scorer = first.map(|(_, s)| s).expect("at least one file");
         Ok(t)
     }
 
@@ -191,17 +286,28 @@ impl ScoreTable {
         keys
     }
 
-    pub fn score(&self, key: &str) -> Option<f32> {
-        self.by_key.get(key).map(|&i| self.scores[i])
+    /// The score of the sample `key` with `caption`, only if that is the pair that was scored.
+    pub fn lookup(&self, key: &str, caption: &str) -> Lookup {
+        match self.by_key.get(key) {
+            None => Lookup::Missing,
+            Some(&i) if self.captions[i] != caption_fingerprint(caption) => Lookup::OtherCaption,
+            Some(&i) => Lookup::Score(self.scores[i]),
+        }
     }
 
-    /// The score above which the top `fraction` of all scored samples lie.
+    /// The score above which the top `fraction` of the usable scores lie (NaN, infinite and
+    /// null scores take no part: they are never kept).
     pub fn quantile_threshold(&self, fraction: f64) -> f32 {
-        let mut s = self.scores.clone();
+        let mut s: Vec<f32> = self.scores.iter().copied().filter(|x| x.is_finite()).collect();
         s.sort_by(|a, b| b.total_cmp(a));
         let keep = ((fraction * s.len() as f64).ceil() as usize).clamp(1, s.len().max(1));
-        s.get(keep - 1).copied().unwrap_or(f32::NEG_INFINITY)
+        s.get(keep - 1).copied().unwrap_or(f32::INFINITY)
     }
+}
+
+/// Whether a score filter keeps `score` at `threshold`: never a NaN or infinite score.
+pub fn passes(score: f32, threshold: Option<f32>) -> bool {
+    score.is_finite() && threshold.is_none_or(|t| score >= t)
 }
 
 #[cfg(test)]
@@ -227,8 +333,78 @@ mod tests {
         let plain = read(&path, false).unwrap();
         assert_eq!((plain.scores.clone(), plain.image_embeddings), (s.scores.clone(), None));
         let t = ScoreTable::load(dir.path(), true).unwrap();
-        assert_eq!((t.score("b"), t.dim, t.image_embeddings.as_ref().unwrap().len()), (Some(-0.25), 2, 6));
+        assert_eq!((t.lookup("b", "y"), t.dim, t.image_embeddings.as_ref().unwrap().len()), (Lookup::Score(-0.25), 2, 6));
+        assert_eq!(
+            (t.lookup("b", "  y \n"), t.lookup("b", "another"), t.lookup("q", "y")),
+            (Lookup::Score(-0.25), Lookup::OtherCaption, Lookup::Missing)
+        );
         // The top third of three scores is the best one; two thirds keep the two best.
         assert_eq!((t.quantile_threshold(1.0 / 3.0), t.quantile_threshold(0.5)), (0.5, 0.125));
+    }
+
+    fn shard(keys: &[&str], scores: Vec<f32>, model: &str, dim: usize) -> ShardScores {
+        ShardScores {
+            keys: keys.iter().map(|k| k.to_string()).collect(),
+            captions: keys.iter().map(|k| format!("caption of {k}")).collect(),
+            image_embeddings: Some(vec![0.5; keys.len() * dim]),
+            text_embeddings: None,
+            scores,
+            dim,
+            meta: vec![("model".into(), model.into()), ("precision".into(), "f32".into())],
+        }
+    }
+
+    #[test]
+    fn files_of_two_models_or_two_widths_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        write(&dir.path().join("a.parquet"), &shard(&["a"], vec![0.1], "/m/one", 2)).unwrap();
+        write(&dir.path().join("b.parquet"), &shard(&["b"], vec![0.2], "/m/two", 2)).unwrap();
+        let e = format!("{:#}", ScoreTable::load(dir.path(), false).err().unwrap());
+        assert!(e.contains("different models") && e.contains("a.parquet") && e.contains("/m/two"), "{e}");
+        write(&dir.path().join("b.parquet"), &shard(&["b"], vec![0.2], "/m/one", 3)).unwrap();
+        let e = format!("{:#}", ScoreTable::load(dir.path(), true).err().unwrap());
+        assert!(e.contains("3-dimensional") && e.contains("a.parquet"), "{e}");
+        let mut other = shard(&["b"], vec![0.2], "/m/one", 2);
+        other.meta[1].1 = "bf16".into();
+        write(&dir.path().join("b.parquet"), &other).unwrap();
+        let e = format!("{:#}", ScoreTable::load(dir.path(), false).err().unwrap());
+        assert!(e.contains("/m/one in bf16"), "{e}");
+    }
+
+    /// NaN, infinite and null scores are counted, take no part in the top fraction's cut and pass
+    /// no threshold; a file of nothing but them leaves no cut anything passes.
+    #[test]
+    fn unusable_scores_are_counted_and_never_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        write(&dir.path().join("a.parquet"), &shard(&["a", "b", "c", "d"], vec![f32::NAN, 0.3, f32::INFINITY, 0.1], "m", 2)).unwrap();
+        let t = ScoreTable::load(dir.path(), false).unwrap();
+        assert_eq!(t.unusable, 2);
+        assert_eq!(t.quantile_threshold(0.5), 0.3);
+        assert!(!passes(f32::NAN, None) && !passes(f32::INFINITY, Some(0.0)) && passes(0.3, Some(0.3)) && !passes(0.1, Some(0.3)));
+        write(&dir.path().join("a.parquet"), &shard(&["a"], vec![f32::NAN], "m", 2)).unwrap();
+        let t = ScoreTable::load(dir.path(), false).unwrap();
+        assert!(!passes(t.scores[0], Some(t.quantile_threshold(0.3))));
+
+        // A score column with nulls, as pandas writes a missing value.
+        let schema = Arc::new(Schema::new(vec![
+            Field::new("key", DataType::Utf8, false),
+            Field::new("caption", DataType::Utf8, false),
+            Field::new("score", DataType::Float32, true),
+        ]));
+        let batch = RecordBatch::try_new(
+            schema.clone(),
+            vec![
+                Arc::new(StringArray::from(vec!["x", "y"])),
+                Arc::new(StringArray::from(vec!["cx", "cy"])),
+                Arc::new(Float32Array::from(vec![None, Some(0.5)])),
+            ],
+        )
+        .unwrap();
+        let path = dir.path().join("a.parquet");
+        let mut w = ArrowWriter::try_new(File::create(&path).unwrap(), schema, None).unwrap();
+        w.write(&batch).unwrap();
+        w.close().unwrap();
+        let s = read(&path, false).unwrap();
+        assert!(s.scores[0].is_nan() && s.scores[1] == 0.5, "{:?}", s.scores);
     }
 }

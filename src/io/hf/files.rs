@@ -156,6 +156,7 @@ pub fn load_prefixed(vm: &VarMap, checkpoint: &HashMap<String, Tensor>, from: &s
             None => missing.push(source),
             Some(t) if t.dims() != var.dims() => wrong.push(format!("{source}: checkpoint {:?}, model {:?}", t.dims(), var.dims())),
             Some(t) => {
+                crate::io::tensors::check_weight(&source, t, origin)?;
                 var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
                 loaded += 1;
             }

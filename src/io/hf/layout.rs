@@ -125,7 +125,7 @@ pub fn efficientnet_from_hf(c: &Value) -> Result<EfficientNetConfig, String> {
         }
     }
     let momentum = f64_of(c, "batch_norm_momentum", ctx).unwrap_or(0.99);
-    Ok(EfficientNetConfig {
+    let config = EfficientNetConfig {
         image_size: usize_of(c, "image_size", ctx)?,
         width_coefficient: f64_of(c, "width_coefficient", ctx)?,
         depth_coefficient: f64_of(c, "depth_coefficient", ctx)?,
@@ -145,7 +145,10 @@ pub fn efficientnet_from_hf(c: &Value) -> Result<EfficientNetConfig, String> {
             in_channels: list_of(c, "in_channels", ctx)?,
             out_channels: list_of(c, "out_channels", ctx)?,
         },
-    })
+    };
+    // The blocks and widths the coefficients derive, bounded before anything is planned.
+    config.validate().map_err(|e| format!("{ctx}: {e}"))?;
+    Ok(config)
 }
 
 pub fn efficientnet_to_hf(e: &EfficientNetConfig) -> Value {

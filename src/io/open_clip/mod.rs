@@ -73,7 +73,13 @@ fn state_dict(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
         };
         all.into_iter().map(|(k, t)| Ok((k, t.to_device(device)?))).collect::<Result<_>>()?
     };
-    Ok(raw.into_iter().map(|(k, t)| (k.strip_prefix("module.").map(str::to_string).unwrap_or(k), t)).collect())
+    Ok(raw.into_iter().map(|(k, t)| (without_ddp(k), t)).collect())
+}
+
+/// A state-dict key without the `module.` that DistributedDataParallel puts before every name
+/// (open_clip strips it when it loads a checkpoint saved from DDP).
+fn without_ddp(key: String) -> String {
+    key.strip_prefix("module.").map(str::to_string).unwrap_or(key)
 }
 
 fn text_prefix(m: &OpenClipModel, names: impl Fn(&str) -> bool) -> &'static str {
@@ -146,7 +152,8 @@ impl Format for OpenClip {
         let m = model(dir)?;
         let header = crate::io::tensors::header_shapes(&path)?;
         let zero = Tensor::zeros((), DType::F32, &Device::Cpu)?;
-        let fake: HashMap<String, Tensor> = header.into_iter().map(|(k, s)| Ok((k, zero.broadcast_as(s)?))).collect::<Result<_>>()?;
+        let fake: HashMap<String, Tensor> =
+            header.into_iter().map(|(k, s)| Ok((without_ddp(k), zero.broadcast_as(s)?))).collect::<Result<_>>()?;
         let prefix = text_prefix(&m, |k| fake.contains_key(k));
         let mapped = keys::to_align(fake, prefix, m.text_kind).with_context(|| path.display().to_string())?;
         Ok(mapped.into_iter().map(|(k, t)| (k, t.dims().to_vec())).collect())

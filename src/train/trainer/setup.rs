@@ -55,6 +55,16 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
     let lock = lock.transpose()?;
     let (resumed_from, start) = resume_point(opts, &run_dir, group.world_size())?;
     if let Some(dir) = &resumed_from {
+        if start.step > cfg.train.steps {
+            bail!(
+                "{} is at step {}, past this run's length of {} steps: there is nothing to train; to go on, raise train.steps (with --allow-change train.steps)",
+                dir.display(),
+                start.step,
+                cfg.train.steps
+            );
+        }
+    }
+    if let Some(dir) = &resumed_from {
         for change in changes_on_resume(cfg, dir, &opts.allow_change)? {
             if !opts.quiet {
                 log::info(format!("resuming with {change} (--allow-change)"));
