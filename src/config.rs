@@ -283,6 +283,18 @@ pub enum Exchange {
     Gather,
 }
 
+/// How the softmax loss's two directions make one loss (`loss.directions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Directions {
+    /// Image→text plus text→image (ALIGN §4.1).
+    #[default]
+    Sum,
+    /// Their average (CLIP's pseudocode, open_clip's `ClipLoss`, transformers' `clip_loss`): the
+    /// loss a CLIP start logs compares with theirs.
+    Mean,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LossConfig {
@@ -290,8 +302,10 @@ pub struct LossConfig {
     /// loss learns t = exp(s) as `logit_scale` (the model's `temperature` settings do not apply)
     /// and a bias b as `logit_bias`.
     pub kind: LossKind,
-    /// Label smoothing of both softmax losses. ALIGN §5: 0.1.
+    /// Label smoothing of both softmax losses. ALIGN §5: 0.1; CLIP and open_clip: 0.
     pub label_smoothing: f64,
+    /// Softmax loss: `sum` of the two directions (ALIGN) or their `mean` (CLIP, open_clip).
+    pub directions: Directions,
     /// Sigmoid loss: how texts reach other ranks (open_clip's `dist_impl`): `shift` passes them
     /// around the ring (logits n × n per rank), `gather` gathers them all (n × N).
     pub dist_impl: Exchange,
@@ -306,6 +320,7 @@ impl Default for LossConfig {
         LossConfig {
             kind: LossKind::Softmax,
             label_smoothing: 0.1,
+            directions: Directions::Sum,
             dist_impl: Default::default(),
             init_logit_scale: 10f64.ln(),
             init_logit_bias: -10.0,
@@ -554,6 +569,28 @@ pub enum ScheduleKind {
     Constant,
 }
 
+/// The fields that state a run's length; a recipe sets one of them.
+const LENGTH_FIELDS: [&str; 3] = ["steps", "epochs", "samples"];
+
+/// A length given with `--set` wins over the file's for this run: the file's other length
+/// fields are dropped, each with a line saying what replaced it (`--set train.epochs=10` on a
+/// recipe that states `train.steps`).
+fn replace_length(table: &mut toml::Table, origin: &str, overrides: &[String]) {
+    let set: Vec<&str> = overrides
+        .iter()
+        .filter_map(|o| o.split_once('=').map(|(k, _)| k.trim()))
+        .filter_map(|k| k.strip_prefix("train."))
+        .filter(|k| LENGTH_FIELDS.contains(k))
+        .collect();
+    let Some(&given) = set.last() else { return };
+    let Some(train) = table.get_mut("train").and_then(toml::Value::as_table_mut) else { return };
+    for field in LENGTH_FIELDS.iter().filter(|f| **f != given) {
+        if let Some(old) = train.remove(*field) {
+            crate::util::log::info(format!("--set train.{given} replaces train.{field} = {old} of {origin} for this run"));
+        }
+    }
+}
+
 impl Config {
     pub fn from_toml(text: &str, origin: &str) -> Result<Self> {
         let cfg: Config = toml::from_str(text).with_context(|| format!("config {origin}"))?;
@@ -567,6 +604,7 @@ impl Config {
 
     pub fn from_str_with_overrides(text: &str, origin: &str, overrides: &[String]) -> Result<Self> {
         let mut table: toml::Table = toml::from_str(text).with_context(|| format!("config {origin}"))?;
+        replace_length(&mut table, origin, overrides);
         for o in overrides {
             apply_override(&mut table, o)?;
         }
@@ -905,5 +943,20 @@ mod tests {
             assert_eq!(c.train.steps, 100_000);
             c.model_spec(1000).unwrap();
         }
+    }
+
+    /// `--set` on the command line states the run's length over the file's, in any of its
+    /// three forms; two lengths in the file itself are still an error.
+    #[test]
+    fn a_length_set_on_the_command_line_replaces_the_files() {
+        let file = "[train]\nsteps = 5000\n";
+        let c = Config::from_str_with_overrides(file, "f.toml", &["train.epochs=10".into()]).unwrap();
+        assert_eq!((c.train.epochs, c.train.steps), (10.0, Config::default().train.steps));
+        let c = Config::from_str_with_overrides("[train]\nepochs = 3.0\n", "f.toml", &["train.steps=7".into()]).unwrap();
+        assert_eq!((c.train.epochs, c.train.steps), (0.0, 7));
+        let c = Config::from_str_with_overrides(file, "f.toml", &["train.samples=100".into()]).unwrap();
+        assert_eq!(c.train.samples, 100);
+        let e = Config::from_str_with_overrides("[train]\nsteps = 5\nepochs = 2.0\n", "f.toml", &[]).unwrap_err();
+        assert!(format!("{e:#}").contains("set one of"), "{e:#}");
     }
 }

@@ -21,6 +21,10 @@ pub struct Field {
     /// The value in the config being described, when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub value: Option<Value>,
+    /// Where the described config's value came from: `default`, `file`, `--set`, or `start`
+    /// (adopted from `model.init`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
     /// The field's doc comment.
     pub description: String,
     /// For a field with named values: each value and what it means.
@@ -81,6 +85,7 @@ impl<'a> Walk<'a> {
                 default: lookup(self.defaults, &path).filter(|v| !v.is_null()),
                 value: self.values.and_then(|v| lookup(v, &path)).filter(|v| !v.is_null()),
                 choices: choices(target),
+                source: None,
                 description,
                 path,
             });

@@ -46,6 +46,30 @@ fn candle_pool_on_small_machines() {
     }
 }
 
+/// Batch jobs size their threads with `OMP_NUM_THREADS` (SLURM's `--cpus-per-task` scripts set
+/// it); rayon reads only its own variable, so a job would start a thread per core of the whole
+/// node beside the other jobs. `RAYON_NUM_THREADS` in the environment still wins.
+fn threads_from_omp() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return;
+    }
+    let omp = std::env::var("OMP_NUM_THREADS").ok();
+    // OpenMP allows a list per nesting level; the first is the outer one.
+    if let Some(n) = omp.as_deref().and_then(|v| v.split(',').next()?.trim().parse::<usize>().ok()).filter(|&n| n > 0) {
+        // SAFETY (of the environment write): main has started no threads yet.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
+/// A reader that goes away (`align inspect ... | head`) ends align quietly, as it ends any Unix
+/// tool: Rust ignores SIGPIPE, which turns the next print into a panic instead.
+fn quiet_on_closed_pipe() {
+    // SAFETY: restores the default action of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 #[derive(Parser)]
 #[command(name = "align", version, about = "Train and evaluate contrastive image-text dual encoders (ALIGN, CLIP)")]
 struct Cli {
@@ -175,6 +199,8 @@ fn main() {
 }
 
 fn run() -> Result<()> {
+    quiet_on_closed_pipe();
+    threads_from_omp();
     keep_freed_memory();
     align::util::log::init();
     candle_pool_on_small_machines();

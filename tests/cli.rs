@@ -669,3 +669,47 @@ fn bf16_embeddings_track_the_f32_ones() {
         assert!(largest < 1e-3, "{name}: 1 − cosine up to {largest}");
     }
 }
+
+/// `align ... | head`: a reader that has gone away ends the command quietly, as it ends any Unix
+/// tool (status 0, or death by SIGPIPE, which a shell reports as 141), never a panic.
+#[test]
+fn a_closed_pipe_ends_every_printing_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let clip = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/towers/clip-tiny");
+    let clip = clip.to_str().unwrap();
+    let commands: Vec<Vec<&str>> =
+        vec![vec!["inspect", clip], vec!["inspect", clip, "--json"], vec!["data", "stats", "--data", &data.train], vec!["config"]];
+    for args in commands {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_align")).args(&args).stdout(writer).stderr(std::process::Stdio::piped()).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() || out.status.signal() == Some(libc::SIGPIPE), "{args:?}: {:?}: {stderr}", out.status);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
+/// `align config --config F` says where each value comes from: the file, `--set`, the start's
+/// recipe (`model.init`) or the default.
+#[test]
+fn config_shows_where_each_value_comes_from() {
+    let dir = tempfile::tempdir().unwrap();
+    let clip = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/towers/clip-tiny");
+    let file = dir.path().join("f.toml");
+    std::fs::write(&file, format!("[model]\ninit = {:?}\n[train]\nsteps = 77\n", clip.display().to_string())).unwrap();
+    let (ok, out, err) = align(&["config", "--config", file.to_str().unwrap(), "--set", "train.lr=0.25"]);
+    assert!(ok, "{err}");
+    let line = |path: &str| out.lines().find(|l| l.trim_start().starts_with(&format!("{path} = "))).unwrap_or_default().to_string();
+    assert!(line("train.steps").ends_with("from file"), "{}", line("train.steps"));
+    assert!(line("train.lr").ends_with("from --set"), "{}", line("train.lr"));
+    assert!(line("optimizer.kind").contains("\"adamw\"") && line("optimizer.kind").ends_with("from start"), "{}", line("optimizer.kind"));
+    assert!(!line("train.warmup_steps").contains("from"), "{}", line("train.warmup_steps"));
+    let (ok, out, _) = align(&["config", "loss", "--config", file.to_str().unwrap(), "--json"]);
+    assert!(ok);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let smoothing = v["fields"].as_array().unwrap().iter().find(|f| f["path"] == "loss.label_smoothing").unwrap();
+    assert_eq!((smoothing["value"].as_f64(), smoothing["source"].as_str()), (Some(0.0), Some("start")));
+}

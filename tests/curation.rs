@@ -476,6 +476,9 @@ fn scores_belong_to_one_model_and_to_the_pairs_they_scored() {
     let filters: Filters = toml::from_str(&format!("[curate]\nscores = {:?}\nmin_score = 0.01\n", out.display().to_string())).unwrap();
     let e = format!("{:#}", build_into(renamed.display().to_string(), &dir.path().join("built"), filters.clone()).unwrap_err());
     assert!(e.contains("40 of 40") && e.contains("scored with another caption"), "{e}");
+    let tars = std::fs::read_dir(dir.path().join("built"))
+        .map_or(0, |d| d.filter(|e| e.as_ref().unwrap().path().to_string_lossy().contains(".tar")).count());
+    assert_eq!(tars, 0, "a build that failed on its scores left shards");
     let built = build_into(shards[0].to_string(), &dir.path().join("built-same"), filters).unwrap();
     assert_eq!(built.removed.iter().find(|r| r.filter == "other_caption").unwrap().samples, 0);
 

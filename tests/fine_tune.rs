@@ -101,3 +101,40 @@ fn explicit_settings_win_and_another_image_size_resamples_positions() {
     // 48 px in patches of 8: a 6×6 grid and the class token.
     assert_eq!(w["vision_model.embeddings.position_embedding.weight"].dims(), &[37, 32]);
 }
+
+/// A CLIP start trains and logs open_clip's `ClipLoss`: no label smoothing, the mean of the two
+/// directions. The validation loss of the fine-tuned model equals that loss computed by hand in
+/// f64 from its embeddings (open_clip's `ClipLoss` is the same formula).
+#[test]
+fn a_clip_start_logs_open_clips_loss() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let val = format!("eval.validation={}", data.test);
+    let (c, checkpoint) = fine_tune(dir.path(), "towers/clip-tiny", &[&val, "eval.validation_batch=36"]);
+    assert_eq!((c.loss.label_smoothing, c.loss.directions), (0.0, align::config::Directions::Mean));
+    assert_eq!((c.optimizer.kind, c.optimizer.beta2, c.optimizer.weight_decay), (align::config::OptimizerKind::Adamw, 0.98, 0.2));
+    let log = std::fs::read_to_string(checkpoint.parent().unwrap().join("metrics.jsonl")).unwrap();
+    let logged = log
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("eval")?.get("validation")?.get("loss")?.as_f64())
+        .expect("the last step evaluates");
+
+    let m = align::io::load::load_model(&checkpoint, &Device::Cpu).unwrap();
+    let (img, txt, scale) = common::first_caption_pairs(&m, &data.test, 36);
+    let cross_entropy = |a: &[Vec<f64>], b: &[Vec<f64>]| common::cross_entropy_by_hand(a, b, scale, 0.0);
+    let want = (cross_entropy(&img, &txt) + cross_entropy(&txt, &img)) / 2.0;
+    assert!((logged - want).abs() < 1e-4 * want, "logged {logged}, open_clip's ClipLoss by hand {want}");
+}
+
+/// The sigmoid loss chosen for a softmax-trained start: its bias starts at
+/// `loss.init_logit_bias` and trains, with a warning that the start was trained otherwise.
+#[test]
+fn the_sigmoid_loss_on_a_clip_start_adds_its_bias() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c, checkpoint) = fine_tune(dir.path(), "towers/clip-tiny", &["loss.kind=\"sigmoid\""]);
+    assert_eq!(c.loss.kind, LossKind::Sigmoid);
+    let after = read_tensors(&checkpoint.join("model.safetensors"), &Device::Cpu).unwrap();
+    let bias = after["logit_bias"].to_scalar::<f32>().unwrap();
+    assert!(bias != -10.0 && (bias + 10.0).abs() < 0.1, "the bias starts at -10 and trains: {bias}");
+}

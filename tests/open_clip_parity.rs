@@ -190,3 +190,23 @@ fn ddp_module_keys_in_safetensors_are_read_as_open_clip_reads_them() {
     let ids = Tensor::new(&[[49406u32, 320, 1929, 49407]], &Device::Cpu).unwrap();
     same_embeddings(&a, &b, &pixels, &ids);
 }
+
+/// open_clip's own training checkpoint (`epoch_N.pt`: a dict with `state_dict` under
+/// DistributedDataParallel's `module.` keys, beside the model's open_clip_config.json), named as
+/// a file, is the same model as the exported weights it was saved from
+/// (`scripts/make_open_clip_epoch_fixture.py`).
+#[test]
+fn an_open_clip_training_checkpoint_file_reads_as_its_model() {
+    let bin = load_model(&fixtures().join("open_clip/clip-native-bin"), &Device::Cpu).unwrap();
+    let epoch = load_model(&fixtures().join("open_clip/clip-native-epoch/epoch_3.pt"), &Device::Cpu).unwrap();
+    assert_eq!(epoch.format.name(), "open_clip");
+    let pixels = Tensor::randn(0f32, 1.0, (2, 3, bin.spec().image.image_size(), bin.spec().image.image_size()), &Device::Cpu).unwrap();
+    let ids = Tensor::new(&[[49406u32, 320, 1929, 49407]], &Device::Cpu).unwrap();
+    same_embeddings(&bin, &epoch, &pixels, &ids);
+    // Without the config beside it, the error says what to put there.
+    let dir = tempfile::tempdir().unwrap();
+    let alone = dir.path().join("epoch_3.pt");
+    std::fs::copy(fixtures().join("open_clip/clip-native-epoch/epoch_3.pt"), &alone).unwrap();
+    let e = format!("{:#}", load_model(&alone, &Device::Cpu).err().unwrap());
+    assert!(e.contains("open_clip_config.json") && e.contains("epoch_N.pt"), "{e}");
+}

@@ -126,3 +126,35 @@ fn an_empty_validation_shard_is_named() {
     let e = log.iter().find_map(|r| r.get("eval_error").and_then(|e| e.as_str())).expect("the failed evaluation is logged").to_string();
     assert!(e.contains("val-empty.tar") && e.contains("0 bytes"), "{e}");
 }
+
+/// A start that fails before its first checkpoint (here: shards without one usable sample)
+/// leaves no run directory behind to confuse the next `--resume`.
+#[test]
+fn a_start_that_fails_before_step_one_leaves_no_run_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let empty = dir.path().join("empty.tar");
+    align::data::shard_writer::ShardWriter::create(&empty).unwrap().finish().unwrap();
+    let cfg = common::tiny_config(&data, &tok, &dir.path().join("runs"), &[&format!("data.train={}", empty.display())]);
+    let e = format!("{:#}", train(&cfg, &common::cpu_options()).unwrap_err());
+    assert!(e.contains("no usable sample"), "{e}");
+    assert!(!cfg.run_dir().exists(), "{} was left behind", cfg.run_dir().display());
+}
+
+/// A resume that cannot rewrite the metrics log (a full disk; here the temporary file's place is
+/// taken) names the log it could not write, and the log is left as it was.
+#[test]
+fn a_failed_metrics_log_rewrite_names_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, cfg, _) = common::tiny_run(dir.path(), &["train.steps=2", "train.checkpoint_every=1"]);
+    train(&cfg, &common::cpu_options()).unwrap();
+    let log = cfg.run_dir().join("metrics.jsonl");
+    let before = std::fs::read(&log).unwrap();
+    std::fs::create_dir(cfg.run_dir().join(format!(".metrics.jsonl.tmp-{}", std::process::id()))).unwrap();
+    let from = TrainOptions { resume: true, resume_from: Some(cfg.run_dir().join("step-1")), ..common::cpu_options() };
+    std::fs::remove_dir_all(cfg.run_dir().join("step-2")).unwrap();
+    let e = format!("{:#}", train(&cfg, &from).unwrap_err());
+    assert!(e.contains("metrics.jsonl") && e.contains("resumed step"), "{e}");
+    assert_eq!(std::fs::read(&log).unwrap(), before);
+}

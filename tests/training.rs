@@ -108,28 +108,9 @@ fn the_validation_loss_is_the_training_loss_on_held_out_pairs() {
 
     // By hand: the first caption of each test image, batches of 16, 16 and 4.
     let m = load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
-    let needs = align::data::eval_reader::Needs { image: true, captions: true, label: false };
-    let source = align::data::eval_reader::EvalSource::Shards(align::data::spec::expand(&data.test).unwrap());
-    let e = align::eval::embed::embed_pairs(&m.model, &m.tokenizer, source, &m.usage.image, needs, 8, &Device::Cpu, true).unwrap();
-    let d = e.embeddings.dim;
-    let texts = e.caption_embeddings.as_ref().unwrap();
-    let img: Vec<Vec<f64>> = (0..36).map(|i| e.embeddings.data[i * d..(i + 1) * d].iter().map(|&x| x as f64).collect()).collect();
-    let txt: Vec<Vec<f64>> = (0..36).map(|i| texts.data[i * 5 * d..(i * 5 + 1) * d].iter().map(|&x| x as f64).collect()).collect();
-    let scale = m.model.logit_scale().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    let (img, txt, scale) = common::first_caption_pairs(&m, &data.test, 36);
     let eps = cfg.loss.label_smoothing;
-    let direction = |a: &[Vec<f64>], b: &[Vec<f64>]| {
-        let n = a.len();
-        let mut total = 0.0;
-        for (r, x) in a.iter().enumerate() {
-            let logits: Vec<f64> = b.iter().map(|y| scale * x.iter().zip(y).map(|(p, q)| p * q).sum::<f64>()).collect();
-            let m = logits.iter().cloned().fold(f64::MIN, f64::max);
-            let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
-            for (j, l) in logits.iter().enumerate() {
-                total -= (eps / n as f64 + if j == r { 1.0 - eps } else { 0.0 }) * (l - lse);
-            }
-        }
-        total / n as f64
-    };
+    let direction = |a: &[Vec<f64>], b: &[Vec<f64>]| common::cross_entropy_by_hand(a, b, scale, eps);
     let mut want = 0.0;
     for (start, n) in [(0, 16), (16, 16), (32, 4)] {
         let (a, b) = (&img[start..start + n], &txt[start..start + n]);
@@ -446,4 +427,27 @@ fn a_locked_image_tower_stays_byte_identical() {
         assert!(locked_moments.is_empty(), "optimizer state for locked weights: {locked_moments:?}");
         assert!(moments.keys().any(|k| k.contains("text_model.")));
     }
+}
+
+/// A mix of `::` sources reports how many samples each gave, over every rank: the numbers a
+/// `data.upsampling_factors` ratio is checked against.
+#[test]
+fn a_mix_counts_its_samples_by_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let tok = common::tiny_tokenizer(&data, dir.path());
+    let shards = align::data::spec::expand(&data.train).unwrap();
+    let mix = format!("data.train={}::{}", shards[0], shards[1]);
+    let cfg = common::tiny_config(
+        &data,
+        &tok,
+        &dir.path().join("runs"),
+        &[&mix, "data.resampled=true", "data.upsampling_factors=[1.0, 3.0]", "train.steps=12", "data.workers=1"],
+    );
+    let mut o = opts(false, None);
+    o.nproc = 2;
+    let s = train(&cfg, &o).unwrap();
+    assert_eq!(s.samples_per_source.len(), 2);
+    assert_eq!(s.samples_per_source.iter().sum::<u64>(), s.samples_seen);
+    assert!(s.samples_per_source[1] > s.samples_per_source[0], "{:?}", s.samples_per_source);
 }

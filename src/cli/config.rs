@@ -26,8 +26,25 @@ pub struct ConfigArgs {
 const WIDTH: usize = 100;
 
 pub fn run(a: ConfigArgs) -> Result<()> {
-    let cfg = a.config.as_ref().map(|p| Config::load(p, &a.overrides)).transpose()?;
-    let (sections, fields) = reference(cfg.as_ref());
+    let mut cfg = a.config.as_ref().map(|p| Config::load(p, &a.overrides)).transpose()?;
+    // A start's settings are the run's defaults: show them as `align train` will use them.
+    let adopted = match cfg.as_mut() {
+        Some(c) if !c.model.init.is_empty() => match align::io::adopt::adopt(c) {
+            Ok(done) => done.taken,
+            Err(e) => {
+                align::util::log::warn(format!("model.init {}: {e:#}; its settings are not shown", c.model.init));
+                Vec::new()
+            }
+        },
+        _ => Vec::new(),
+    };
+    let (sections, mut fields) = reference(cfg.as_ref());
+    if let Some(path) = &a.config {
+        let file: toml::Table = toml::from_str(&std::fs::read_to_string(path)?)?;
+        for f in fields.iter_mut() {
+            f.source = Some(source(&f.path, &file, &a.overrides, &adopted).to_string());
+        }
+    }
     let wanted = |path: &str| match &a.prefix {
         Some(p) => path == p || path.starts_with(&format!("{p}.")),
         None => true,
@@ -58,7 +75,8 @@ pub fn run(a: ConfigArgs) -> Result<()> {
             (Some(v), d) if Some(v) != d.as_ref() => format!("{} (default {default})", toml_text(v)),
             _ => default,
         };
-        writeln!(out, "  {} = {shown}    [{}]", f.path, f.kind)?;
+        let from = f.source.as_deref().filter(|s| *s != "default").map_or(String::new(), |s| format!("  from {s}"));
+        writeln!(out, "  {} = {shown}    [{}]{from}", f.path, f.kind)?;
         wrap(&mut out, &f.description, 6)?;
         for c in &f.choices {
             if !c.description.is_empty() {
@@ -71,6 +89,31 @@ pub fn run(a: ConfigArgs) -> Result<()> {
     match std::io::stdout().lock().write_all(out.as_bytes()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
         _ => Ok(()),
+    }
+}
+
+/// Where the value at `path` came from: a `--set` override, the start (`model.init`), the file,
+/// or the default. An override names the field or a table above it.
+fn source(path: &str, file: &toml::Table, overrides: &[String], adopted: &[String]) -> &'static str {
+    let names = |key: &str| path == key || path.starts_with(&format!("{key}."));
+    if overrides.iter().filter_map(|o| o.split_once('=')).any(|(k, _)| names(k.trim())) {
+        return "--set";
+    }
+    if adopted.iter().any(|line| line.starts_with(&format!("{path} = "))) {
+        return "start";
+    }
+    let mut at: Option<&toml::Value> = None;
+    for (i, part) in path.split('.').enumerate() {
+        at = if i == 0 { file.get(part) } else { at.and_then(|v| v.get(part)) };
+        // A table given whole in the file (`vit = {patch_size = 8}`) sets the fields it names.
+        if at.is_none() {
+            break;
+        }
+    }
+    if at.is_some() {
+        "file"
+    } else {
+        "default"
     }
 }
 

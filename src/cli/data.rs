@@ -296,6 +296,8 @@ pub fn build(a: &BuildArgs) -> Result<()> {
 pub struct ScoreArgs {
     #[command(flatten)]
     pub precision: super::precision::PrecisionArg,
+    #[command(flatten)]
+    pub stall: super::stall::StallArg,
     /// The scoring model: any checkpoint align reads (an align run, a Hugging Face or open_clip
     /// folder, `hf:ORG/NAME`).
     #[arg(long)]
@@ -312,9 +314,6 @@ pub struct ScoreArgs {
     /// Images (and captions) per forward pass (default: the model's, 64 or 32).
     #[arg(long)]
     pub batch: Option<usize>,
-    /// Seconds a `pipe:` shard may send nothing before it is abandoned (and counted as skipped).
-    #[arg(long, default_value_t = 300.0)]
-    pub stall_timeout: f64,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -322,8 +321,8 @@ pub struct ScoreArgs {
 
 /// `align data score`: each sample's image-text cosine, as Parquet files beside the shards'.
 pub fn score(a: &ScoreArgs) -> Result<()> {
-    anyhow::ensure!(a.stall_timeout > 0.0 && a.stall_timeout.is_finite(), "--stall-timeout must be a positive number of seconds");
     a.precision.apply()?;
+    a.stall.apply()?;
     let device = super::default_device();
     let m = align::io::load::load_model(&a.checkpoint, &device)?;
     let shards = align::data::spec::expand(&a.data)?;
@@ -334,7 +333,7 @@ pub fn score(a: &ScoreArgs) -> Result<()> {
         quiet: a.json,
         checkpoint: a.checkpoint.display().to_string(),
         model: m.dir.canonicalize().unwrap_or_else(|_| m.dir.clone()).display().to_string(),
-        stall_timeout_s: a.stall_timeout,
+        stall_timeout_s: a.stall.stall_timeout,
     };
     let r = align::eval::score::score_shards(&m, &shards, &o, &device)?;
     align::util::files::write_atomic(&a.out.join(align::eval::score::REPORT), serde_json::to_string_pretty(&r)?.as_bytes())?;

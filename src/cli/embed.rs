@@ -22,6 +22,8 @@ use serde::{Deserialize, Serialize};
 pub struct EmbedArgs {
     #[command(flatten)]
     pub precision: super::precision::PrecisionArg,
+    #[command(flatten)]
+    pub stall: super::stall::StallArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -105,6 +107,7 @@ fn to_tensor(e: &Embeddings) -> Result<Tensor> {
 
 pub fn embed(a: &EmbedArgs) -> Result<()> {
     a.precision.apply()?;
+    a.stall.apply()?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));

@@ -18,6 +18,8 @@ use super::table::{add_retrieval, add_zeroshot, pct, Table};
 pub struct RetrievalArgs {
     #[command(flatten)]
     pub precision: super::precision::PrecisionArg,
+    #[command(flatten)]
+    pub stall: super::stall::StallArg,
     /// Checkpoint directory, or a run directory (its latest checkpoint).
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -55,6 +57,7 @@ pub struct RetrievalArgs {
 
 pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
     a.precision.apply()?;
+    a.stall.apply()?;
     let (source, what) = retrieval_source(&a.data, &a.karpathy, &a.images, &a.split)?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
@@ -100,6 +103,8 @@ impl Outcome {
 pub struct ZeroShotArgs {
     #[command(flatten)]
     pub precision: super::precision::PrecisionArg,
+    #[command(flatten)]
+    pub stall: super::stall::StallArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -141,6 +146,7 @@ pub struct ZeroShotArgs {
 
 pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
     a.precision.apply()?;
+    a.stall.apply()?;
     let task = ZeroShotData::new(&a.data, &a.imagenet, a.variant, &a.classes, &a.wnids, &a.templates)?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
@@ -157,6 +163,8 @@ pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
 pub struct KnnArgs {
     #[command(flatten)]
     pub precision: super::precision::PrecisionArg,
+    #[command(flatten)]
+    pub stall: super::stall::StallArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -194,6 +202,7 @@ pub struct KnnArgs {
 
 pub fn knn(a: &KnnArgs) -> Result<()> {
     a.precision.apply()?;
+    a.stall.apply()?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.val, &a.val_imagenet, "val")?);
@@ -219,6 +228,8 @@ fn split_names(a: &Option<String>, a_dir: &Option<PathBuf>, b: &Option<String>, 
 pub struct LinearProbeArgs {
     #[command(flatten)]
     pub precision: super::precision::PrecisionArg,
+    #[command(flatten)]
+    pub stall: super::stall::StallArg,
     /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
     #[arg(long)]
     pub checkpoint: PathBuf,
@@ -265,6 +276,7 @@ pub struct LinearProbeArgs {
 
 pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
     a.precision.apply()?;
+    a.stall.apply()?;
     let device = super::default_device();
     let m = load_model_with(&a.checkpoint, &device, a.ema)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.test, &a.test_imagenet, "test")?);

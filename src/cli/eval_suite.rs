@@ -12,6 +12,8 @@ use clap::Args;
 pub struct SuiteArgs {
     #[command(flatten)]
     pub precision: super::precision::PrecisionArg,
+    #[command(flatten)]
+    pub stall: super::stall::StallArg,
     /// The suite (TOML): `checkpoints`, optional `output_dir`, `batch`, `recall_k`, `strict`, and
     /// one `[[dataset]]` each with its `name`, `task` (zeroshot_classification,
     /// zeroshot_retrieval, linear_probe) and data; `configs/evals/` has examples.
@@ -49,6 +51,7 @@ fn headline(r: &EvalRecord) -> String {
 
 pub fn suite(a: &SuiteArgs) -> Result<()> {
     a.precision.apply()?;
+    a.stall.apply()?;
     let s = Suite::read(&a.config)?;
     let output_dir = a.output_dir.clone().or_else(|| s.output_dir.clone());
     let records = suite::run(&s, a.strict || s.strict, output_dir.as_deref(), &super::default_device(), a.json)?;

@@ -34,6 +34,8 @@ struct Report {
     embed_dim: usize,
     parameters: Parameters,
     tokenizer: TokenizerReport,
+    /// The checkpoint's preprocessing, with the training augmentation a fine-tune from it uses
+    /// (`train_crop`, `rrc_*`, `hflip`).
     preprocessing: align::data::transform::ImageConfig,
     loss: align::config::LossKind,
     logit_scale: f64,
@@ -114,7 +116,7 @@ pub fn run(a: &InspectArgs) -> Result<()> {
             max_len: m.tokenizer.max_len(),
             pad_token: m.tokenizer.inner().id_to_token(m.tokenizer.pad_id()).unwrap_or_default(),
         },
-        preprocessing: m.usage.image.clone(),
+        preprocessing: align::io::adopt::train_image(&m.usage.image, &spec),
         loss: m.usage.loss,
         logit_scale: m.model.logit_scale()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
         logit_bias: m.model.logit_bias()?.map(|b| b.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()).transpose()?,
@@ -150,9 +152,11 @@ pub fn run(a: &InspectArgs) -> Result<()> {
             report.tokenizer.vocabulary, report.tokenizer.max_len, report.tokenizer.pad_token
         ),
     );
-    t.row("image size", format!("{} px (resize {} {:?}, {:?})", p.image_size, p.resize, p.resize_mode, p.interpolation));
-    t.row("mean / std", format!("{:?} / {:?}", p.mean, p.std));
-    t.row("loss", format!("{:?}", report.loss));
+    use align::io::adopt::as_written as w;
+    t.row("image size", format!("{} px (resize {} {}, {})", p.image_size, p.resize, w(&p.resize_mode), w(&p.interpolation)));
+    t.row("mean / std", format!("{} / {}", w(&p.mean), w(&p.std)));
+    t.row("fine-tune augmentation", format!("{}, flip {}", w(&p.train_crop), p.hflip));
+    t.row("loss", w(&report.loss));
     t.row("logit scale", format!("{:.4}", report.logit_scale));
     if let Some(b) = report.logit_bias {
         t.row("logit bias", format!("{b:.4}"));

@@ -11,6 +11,7 @@ pub mod inspect;
 pub mod launch;
 pub mod plot;
 pub mod precision;
+pub mod stall;
 pub mod table;
 pub mod train;
 

@@ -51,12 +51,20 @@ pub struct ShardPlan {
     pub resampled: bool,
     /// Resampled mode: each shard's weight (empty: uniform).
     pub weights: Vec<f64>,
+    /// The `::` source of `data.train` each shard belongs to (empty: all one source), so that a
+    /// mix's samples can be counted by source.
+    pub sources: Vec<usize>,
 }
 
 const EPOCH_ORDER: u64 = 0x5348_4152_4445_5053; // "SHARDEPS"
 const RESAMPLE: u64 = 0x5245_5341_4d50_4c45; // "RESAMPLE"
 
 impl ShardPlan {
+    /// The source shard `shard` belongs to.
+    pub fn source_of(&self, shard: usize) -> usize {
+        self.sources.get(shard).copied().unwrap_or(0)
+    }
+
     /// The shard order of an epoch before it is dealt out.
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.shards.len()).collect();
@@ -113,6 +121,7 @@ mod tests {
             shuffle,
             resampled: false,
             weights: Vec::new(),
+            sources: Vec::new(),
         }
     }
 

@@ -130,7 +130,7 @@ impl EvalReader {
                                 ShardEvent::Sample(s) => cur.samples.push((i, s)),
                                 ShardEvent::BadSample { key, reason, detail, .. } => {
                                     cur.skips.add(reason);
-                                    log::warn(format!("shard {src}: sample {key}: {detail}; skipped"));
+                                    log::warn_sample(&src.to_string(), reason, format!("shard {src}: sample {key}: {detail}; skipped"));
                                 }
                                 ShardEvent::Failed { reason, detail } => {
                                     cur.skips.add(reason);
@@ -203,7 +203,11 @@ fn prepare_chunk(shards: &[String], cfg: &ImageConfig, needs: Needs, chunk: Chun
             }
             Err(rej) => {
                 skips.add(rej.reason);
-                log::warn(format!("shard {}: sample {}: {}; skipped", shards[*i], s.key, rej.detail));
+                log::warn_sample(
+                    &shards[*i].to_string(),
+                    rej.reason,
+                    format!("shard {}: sample {}: {}; skipped", shards[*i], s.key, rej.detail),
+                );
             }
         }
     }

@@ -60,6 +60,10 @@ pub struct WorkerState {
     /// still reports what it produced; None in a state saved before this was recorded.
     #[serde(default)]
     pub epoch_samples: Option<u64>,
+    /// Samples emitted into batches, all epochs, by the `::` source of `data.train` they came
+    /// from (index: source).
+    #[serde(default)]
+    pub source_samples: Vec<u64>,
     pub skips: SkipCounts,
 }
 
@@ -109,6 +113,20 @@ impl LoaderPosition {
 
     pub fn samples(&self) -> u64 {
         self.workers.iter().map(|w| w.samples).sum()
+    }
+
+    /// Samples emitted by source, over the workers.
+    pub fn source_samples(&self) -> Vec<u64> {
+        let mut total: Vec<u64> = Vec::new();
+        for w in &self.workers {
+            if total.len() < w.source_samples.len() {
+                total.resize(w.source_samples.len(), 0);
+            }
+            for (t, n) in total.iter_mut().zip(&w.source_samples) {
+                *t += n;
+            }
+        }
+        total
     }
 }
 
@@ -422,7 +440,7 @@ impl Worker {
                     if index >= start {
                         self.state.next_index = index + 1;
                         self.state.skips.add(reason);
-                        log::warn(format!("shard {source}: sample {key}: {detail}; skipped"));
+                        log::warn_sample(&source.to_string(), reason, format!("shard {source}: sample {key}: {detail}; skipped"));
                     }
                 }
                 ShardEvent::Failed { reason, detail } => {
@@ -459,13 +477,18 @@ impl Worker {
         if let Err(rej) = outcome {
             self.state.skips.add(rej.reason);
             let shard = self.plan.shards[self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache).unwrap_or(0)].clone();
-            log::warn(format!("shard {shard}: sample {}: {}; skipped", s.key, rej.detail));
+            log::warn_sample(&shard.to_string(), rej.reason, format!("shard {shard}: sample {}: {}; skipped", s.key, rej.detail));
             return Ok(());
         }
         self.state.samples += 1;
         if let Some(n) = self.state.epoch_samples.as_mut() {
             *n += 1;
         }
+        let source = self.plan.source_of(self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache).unwrap_or(0));
+        if self.state.source_samples.len() <= source {
+            self.state.source_samples.resize(source + 1, 0);
+        }
+        self.state.source_samples[source] += 1;
         if self.batch.is_full() {
             let mut snapshot = self.state.clone();
             snapshot.buffer = self.buffer.positions();
@@ -574,7 +597,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // Three workers with two shards of five each: six batches of five are exactly one epoch.
         let shards = make_shards(dir.path(), 6, 5);
-        let plan = ShardPlan { shards, seed: 3, shuffle: true, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan { shards, seed: 3, shuffle: true, resampled: false, weights: Vec::new(), sources: Vec::new() };
         let mut a = TrainLoader::start(plan.clone(), Placement::single(3), settings(5, 4), tokenizer(), None).unwrap();
         let ka = keys(&mut a, 6);
         let mut all: Vec<String> = ka.iter().flatten().cloned().collect();
@@ -589,7 +612,7 @@ mod tests {
     fn the_shuffle_buffer_mixes_samples_within_a_worker() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 30);
-        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false, weights: Vec::new(), sources: Vec::new() };
         let mut l = TrainLoader::start(plan.clone(), Placement::single(1), settings(30, 0), tokenizer(), None).unwrap();
         let sequential = l.next_batch().unwrap().keys;
         let want: Vec<String> = (0..30).map(|i| format!("s0-{i:03}")).collect();
@@ -615,7 +638,14 @@ mod tests {
         for (resampled, weights) in [(false, vec![]), (true, vec![]), (true, vec![3.0, 1.0, 1.0, 0.5, 0.5])] {
             for world_size in [1, 2] {
                 for workers in [1, 2] {
-                    let plan = ShardPlan { shards: shards.clone(), seed: 5, shuffle: true, resampled, weights: weights.clone() };
+                    let plan = ShardPlan {
+                        shards: shards.clone(),
+                        seed: 5,
+                        shuffle: true,
+                        resampled,
+                        weights: weights.clone(),
+                        sources: Vec::new(),
+                    };
                     for rank in 0..world_size {
                         let at = Placement { rank, world_size, worker: 0, workers };
                         let start =
@@ -656,7 +686,7 @@ mod tests {
     fn a_position_without_epoch_counts_still_resumes() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 2, 4);
-        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false, weights: Vec::new(), sources: Vec::new() };
         let mut l = TrainLoader::start(plan.clone(), Placement::single(1), settings(4, 0), tokenizer(), None).unwrap();
         l.next_batch().unwrap();
         l.next_batch().unwrap();
@@ -689,7 +719,14 @@ mod tests {
         // Cut inside the 5000-byte caption of the last sample.
         let at = bytes.windows(4).position(|w| w == b"xxxx").unwrap() + 100;
         std::fs::write(&path, &bytes[..at]).unwrap();
-        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan {
+            shards: vec![ShardSource::File(path)],
+            seed: 1,
+            shuffle: false,
+            resampled: false,
+            weights: Vec::new(),
+            sources: Vec::new(),
+        };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let b = l.next_batch().unwrap();
         assert_eq!(b.keys, vec!["good1", "good2"]);
@@ -710,7 +747,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("empty.tar");
         ShardWriter::create(&path).unwrap().finish().unwrap();
-        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan {
+            shards: vec![ShardSource::File(path)],
+            seed: 1,
+            shuffle: false,
+            resampled: false,
+            weights: Vec::new(),
+            sources: Vec::new(),
+        };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("no usable sample") && err.contains("skipped: none"), "{err}");
@@ -720,7 +764,14 @@ mod tests {
         w.write_sample("corrupt", &[("png", b"not a png".to_vec()), ("txt", b"ok".to_vec())]).unwrap();
         w.write_sample("nocap", &[("png", png(2))]).unwrap();
         w.finish().unwrap();
-        let plan = ShardPlan { shards: vec![ShardSource::File(path)], seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan {
+            shards: vec![ShardSource::File(path)],
+            seed: 1,
+            shuffle: false,
+            resampled: false,
+            weights: Vec::new(),
+            sources: Vec::new(),
+        };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("corrupt_image=1, missing_caption=1"), "{err}");
@@ -732,7 +783,7 @@ mod tests {
     fn an_empty_epoch_after_good_ones_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 4);
-        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan { shards, seed: 1, shuffle: false, resampled: false, weights: Vec::new(), sources: Vec::new() };
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(4, 0), tokenizer(), None).unwrap();
         l.next_batch().unwrap();
         std::fs::remove_file(dir.path().join("shard-0.tar")).unwrap();
@@ -744,7 +795,7 @@ mod tests {
     fn pixels_and_tokens_land_in_their_batch_rows() {
         let dir = tempfile::tempdir().unwrap();
         let shards = make_shards(dir.path(), 1, 3);
-        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false, weights: Vec::new() };
+        let plan = ShardPlan { shards, seed: 3, shuffle: false, resampled: false, weights: Vec::new(), sources: Vec::new() };
         let mut s = settings(3, 0);
         s.image.hflip = false;
         let mut l = TrainLoader::start(plan, Placement::single(1), s, tokenizer(), None).unwrap();

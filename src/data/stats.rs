@@ -86,13 +86,13 @@ pub fn compute(shards: &[ShardSource], max_pixels: u64, on_shard: impl Fn() + Sy
                             }
                             Err(rej) => {
                                 st.skipped.add(rej.reason);
-                                log::warn(format!("shard {src}: sample {}: {}", s.key, rej.detail));
+                                log::warn_sample(&src.to_string(), rej.reason, format!("shard {src}: sample {}: {}", s.key, rej.detail));
                             }
                         }
                     }
                     ShardEvent::BadSample { key, reason, detail, .. } => {
                         st.skipped.add(reason);
-                        log::warn(format!("shard {src}: sample {key}: {detail}"));
+                        log::warn_sample(&src.to_string(), reason, format!("shard {src}: sample {key}: {detail}"));
                     }
                     ShardEvent::Failed { reason, detail } => {
                         st.skipped.add(reason);

@@ -75,18 +75,10 @@ pub const REPORT: &str = "_score-report.json";
 /// Takes the directory's lock and refuses a directory that holds score files of another model
 /// or precision: one directory is one scorer's, so that `data build` never mixes two.
 fn claim(out: &Path, scorer: &Scorer) -> Result<std::fs::File> {
-    let path = out.join(LOCK);
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .with_context(|| format!("creating {}", path.display()))?;
-    match lock.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!("another align data score is writing into {} now", out.display()),
-        Err(std::fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
-    }
+    let lock = match crate::util::files::try_lock(&out.join(LOCK))? {
+        crate::util::files::Lock::Held(file) => file,
+        crate::util::files::Lock::Busy(_) => anyhow::bail!("another align data score is writing into {} now", out.display()),
+    };
     for file in scores::files(out)? {
         let theirs = Scorer::of(&scores::read_meta(&file)?);
         if theirs != *scorer {

@@ -1,6 +1,8 @@
 //! A run that starts from a checkpoint (`model.init`) takes the checkpoint's way of being used as
-//! its defaults: image size, resize mode, crop, filter, mean and std, text length, and the loss
-//! family (SigLIP's sigmoid with its bias trained; CLIP's and ALIGN's softmax). Training
+//! its defaults: image size, resize mode, crop, filter, mean and std, text length, the loss
+//! family (SigLIP's sigmoid with its bias trained; CLIP's and ALIGN's softmax), and the family's
+//! training recipe (open_clip's objective and AdamW settings for a CLIP start, big_vision's for a
+//! SigLIP one). Training
 //! augmentation follows the family's recipe at that size: ALIGN's square resize, random crop and
 //! flip for an EfficientNet start, open_clip's random resized crop (scale 0.9-1, bicubic, no
 //! flip) for the others. A setting the user made explicitly wins; where it differs from the
@@ -20,6 +22,8 @@ use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 pub struct Adopted {
     pub taken: Vec<String>,
     pub kept: Vec<String>,
+    /// Explicit settings of the architecture that the start's own replaces: errors.
+    pub conflicts: Vec<String>,
 }
 
 /// Applies `model.init`'s settings to `cfg` as defaults (nothing without `model.init`).
@@ -27,11 +31,19 @@ pub fn adopt(cfg: &mut Config) -> Result<Adopted> {
     let Some(start) = super::init_from::start(cfg)? else { return Ok(Adopted::default()) };
     let (dir, format) = (&start.located.dir, start.located.format);
     let usage = format.usage(dir, &start.spec).with_context(|| format!("model.init {}", cfg.model.init))?;
-    Ok(adopt_usage(cfg, &start.spec, &usage, format.name()))
+    let done = adopt_usage(cfg, &start.spec, &usage, format.name());
+    if !done.conflicts.is_empty() {
+        anyhow::bail!(
+            "model.init {} brings its own architecture, which these settings would change: {}; remove them, or train from scratch without model.init",
+            cfg.model.init,
+            done.conflicts.join("; ")
+        );
+    }
+    Ok(done)
 }
 
 /// The training transform a family trains with, at the evaluation settings `eval`.
-fn train_image(eval: &ImageConfig, spec: &ModelSpec) -> ImageConfig {
+pub fn train_image(eval: &ImageConfig, spec: &ModelSpec) -> ImageConfig {
     let mut image = eval.clone();
     if matches!(spec.image, ImageSpec::EfficientNet(_)) {
         // ALIGN §5: the square resize, a random crop and a horizontal flip.
@@ -50,6 +62,33 @@ fn train_image(eval: &ImageConfig, spec: &ModelSpec) -> ImageConfig {
     image
 }
 
+/// A value as a config file writes it (`"shorter"`, `[0.5, 0.5, 0.5]`), so that a line can be
+/// copied into `--set` as it is.
+pub fn as_written<T: serde::Serialize>(v: &T) -> String {
+    match toml::Value::try_from(v) {
+        Ok(t) => render(&t),
+        // What TOML cannot hold (an unset option) reads as JSON's null.
+        Err(_) => serde_json::to_string(v).unwrap_or_default(),
+    }
+}
+
+/// A TOML value with its floats as short as they round-trip: an f32 field's 0.48 is written
+/// 0.48, not the 0.47999998927116394 its widening to f64 gives.
+fn render(v: &toml::Value) -> String {
+    match v {
+        toml::Value::Float(x) if (*x as f32) as f64 == *x => {
+            let short = format!("{}", *x as f32);
+            if short.contains(['.', 'e', 'n', 'i']) {
+                short
+            } else {
+                format!("{short}.0")
+            }
+        }
+        toml::Value::Array(items) => format!("[{}]", items.iter().map(render).collect::<Vec<_>>().join(", ")),
+        other => other.to_string(),
+    }
+}
+
 fn adopt_usage(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) -> Adopted {
     let mut done = Adopted::default();
     let from = format!("model.init ({format})");
@@ -61,10 +100,10 @@ fn adopt_usage(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) 
             let path = concat!("data.image.", stringify!($name));
             if cfg.is_explicit(path) {
                 if image.$name != want.$name {
-                    done.kept.push(format!("{path} = {:?} (the checkpoint's is {:?})", image.$name, want.$name));
+                    done.kept.push(format!("{path} = {} (the checkpoint's is {})", as_written(&image.$name), as_written(&want.$name)));
                 }
             } else if image.$name != want.$name {
-                done.taken.push(format!("{path} = {:?}", want.$name));
+                done.taken.push(format!("{path} = {}", as_written(&want.$name)));
                 image.$name = want.$name.clone();
             }
         }};
@@ -112,25 +151,123 @@ fn adopt_usage(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) 
                 (LossKind::Softmax, LossKind::Sigmoid) => ": a bias starts at loss.init_logit_bias",
                 _ => "",
             };
-            done.kept.push(format!("loss.kind = {:?} (the checkpoint was trained with {loss:?}{why})", cfg.loss.kind));
+            done.kept.push(format!(
+                "loss.kind = {} (the checkpoint was trained with {}{why})",
+                as_written(&cfg.loss.kind),
+                as_written(&loss)
+            ));
         }
     } else if cfg.loss.kind != loss {
-        done.taken.push(format!("loss.kind = {loss:?}"));
+        done.taken.push(format!("loss.kind = {}", as_written(&loss)));
         cfg.loss.kind = loss;
     }
 
-    // For the record: the run's config names the towers it trains.
+    family_recipe(cfg, format, &mut done);
+
+    // For the record: the run's config names the towers it trains. A size the user set that the
+    // start's differs from cannot be honoured: say so rather than train something else.
     let (image_tower, text_tower) = tower_names(spec);
+    macro_rules! architecture {
+        ($path:literal, $field:ident, $value:expr) => {{
+            let value = $value;
+            if cfg.is_explicit($path) && cfg.model.$field != value {
+                done.conflicts.push(format!("{} = {} (the start's is {})", $path, as_written(&cfg.model.$field), as_written(&value)));
+            }
+            cfg.model.$field = value;
+        }};
+    }
+    // Tower names describe (`vit-768x12/16` for a start, `vit-b16` as a preset): a named tower of
+    // another family, or another EfficientNet preset, is what cannot be honoured.
+    for (path, set, start) in
+        [("model.image_tower", &cfg.model.image_tower, &image_tower), ("model.text_tower", &cfg.model.text_tower, &text_tower)]
+    {
+        let family = |n: &str| n.split('-').next().unwrap_or_default().to_string();
+        let presets = crate::model::presets::EFFICIENTNET_PRESETS;
+        let other_preset = presets.contains(&set.as_str()) && presets.contains(&start.as_str()) && set != start;
+        if cfg.is_explicit(path) && (family(set) != family(start) || other_preset) {
+            done.conflicts.push(format!("{path} = {} (the start's is {})", as_written(set), as_written(start)));
+        }
+    }
     cfg.model.image_tower = image_tower;
     cfg.model.text_tower = text_tower;
-    cfg.model.embed_dim = spec.embed_dim;
-    cfg.model.image_projection = spec.image_projection;
-    cfg.model.text_projection_bias = spec.text_projection_bias;
-    cfg.model.text_pooling = spec.text_pooling;
+    architecture!("model.embed_dim", embed_dim, spec.embed_dim);
+    architecture!("model.image_projection", image_projection, spec.image_projection);
+    architecture!("model.text_projection_bias", text_projection_bias, spec.text_projection_bias);
+    architecture!("model.text_pooling", text_pooling, spec.text_pooling);
     for line in done.taken.iter_mut() {
         *line = format!("{line} from {from}");
     }
     done
+}
+
+/// The family a start was trained in, by the format it came in: its objective and optimizer are
+/// what a fine-tune of it should keep unless told otherwise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    /// ALIGN's recipe: the defaults (LAMB, label smoothing 0.1, the sum of both directions).
+    Align,
+    /// CLIP as open_clip and transformers train it (`CLIPModel`, open_clip's folders,
+    /// `VisionTextDualEncoderModel`, whose `clip_loss` is the same).
+    Clip,
+    /// SigLIP as big_vision trains it (`SiglipModel`).
+    Siglip,
+}
+
+impl Family {
+    fn of(format: &str) -> Family {
+        match format {
+            "CLIPModel" | "open_clip" | "VisionTextDualEncoderModel" => Family::Clip,
+            "SiglipModel" => Family::Siglip,
+            _ => Family::Align,
+        }
+    }
+}
+
+/// The family's objective and optimizer as defaults: an explicit setting wins, with a warning
+/// where it differs.
+/// - CLIP: open_clip's `ClipLoss` (no label smoothing, the mean of the two directions) and its
+///   optimizer defaults for ViTs (`--beta1 0.9 --beta2 0.98 --eps 1e-6 --wd 0.2`), AdamW, with
+///   gains, biases, norms and the logit scale not decayed (tensors of fewer than two dimensions,
+///   as open_clip exempts them).
+/// - SigLIP: big_vision's SigLIP recipes: Adam with optax's defaults (β 0.9 / 0.999, ε 1e-8) and
+///   gradient clipping at global norm 1.0; decoupled weight decay 1e-4.
+fn family_recipe(cfg: &mut Config, format: &str, done: &mut Adopted) {
+    use crate::config::{Directions, OptimizerKind};
+    macro_rules! recipe {
+        ($path:literal, $($field:ident).+, $want:expr) => {{
+            let want = $want;
+            if cfg.is_explicit($path) {
+                if cfg.$($field).+ != want {
+                    done.kept.push(format!("{} = {} (the start's recipe has {})", $path, as_written(&cfg.$($field).+), as_written(&want)));
+                }
+            } else if cfg.$($field).+ != want {
+                done.taken.push(format!("{} = {}", $path, as_written(&want)));
+                cfg.$($field).+ = want;
+            }
+        }};
+    }
+    match Family::of(format) {
+        Family::Align => {}
+        Family::Clip => {
+            if cfg.loss.kind == LossKind::Softmax {
+                recipe!("loss.label_smoothing", loss.label_smoothing, 0.0);
+                recipe!("loss.directions", loss.directions, Directions::Mean);
+            }
+            recipe!("optimizer.kind", optimizer.kind, OptimizerKind::Adamw);
+            recipe!("optimizer.beta1", optimizer.beta1, 0.9);
+            recipe!("optimizer.beta2", optimizer.beta2, 0.98);
+            recipe!("optimizer.eps", optimizer.eps, 1e-6);
+            recipe!("optimizer.weight_decay", optimizer.weight_decay, 0.2);
+        }
+        Family::Siglip => {
+            recipe!("optimizer.kind", optimizer.kind, OptimizerKind::Adamw);
+            recipe!("optimizer.beta1", optimizer.beta1, 0.9);
+            recipe!("optimizer.beta2", optimizer.beta2, 0.999);
+            recipe!("optimizer.eps", optimizer.eps, 1e-8);
+            recipe!("optimizer.weight_decay", optimizer.weight_decay, 1e-4);
+            recipe!("optimizer.grad_clip", optimizer.grad_clip, 1.0);
+        }
+    }
 }
 
 /// Names for the towers of a pretrained model, as the run's `config.toml` records them: a preset's
@@ -198,5 +335,49 @@ mod tests {
         assert_eq!((cfg.data.image.image_size, cfg.data.image.resize), (16, 20));
         assert_eq!(cfg.loss.kind, LossKind::Softmax);
         assert!(done.kept.iter().any(|k| k.contains("logit_bias stays unused")), "{done:?}");
+    }
+
+    /// A CLIP start trains open_clip's objective with its AdamW settings, a SigLIP start
+    /// big_vision's, an ALIGN start ALIGN's; an explicit setting wins, warned about in the
+    /// spelling a config uses.
+    #[test]
+    fn a_start_brings_its_familys_recipe() {
+        use crate::config::{Directions, OptimizerKind};
+        let (spec, mut usage) = clip_like();
+        usage.loss = LossKind::Softmax;
+        let mut cfg = Config::from_str_with_overrides("", "t", &["optimizer.weight_decay=0.05".into()]).unwrap();
+        let done = adopt_usage(&mut cfg, &spec, &usage, "open_clip");
+        let (o, l) = (&cfg.optimizer, &cfg.loss);
+        assert_eq!((o.kind, o.beta1, o.beta2, o.eps), (OptimizerKind::Adamw, 0.9, 0.98, 1e-6));
+        assert_eq!((l.label_smoothing, l.directions, o.weight_decay), (0.0, Directions::Mean, 0.05));
+        assert!(done.taken.iter().any(|t| t == "optimizer.kind = \"adamw\" from model.init (open_clip)"), "{done:?}");
+        assert!(done.kept.iter().any(|k| k.starts_with("optimizer.weight_decay = 0.05 (the start's recipe has 0.2)")), "{done:?}");
+
+        let mut cfg = Config::default();
+        adopt_usage(&mut cfg, &spec, &Usage { loss: LossKind::Sigmoid, ..usage.clone() }, "SiglipModel");
+        assert_eq!((cfg.optimizer.kind, cfg.optimizer.grad_clip, cfg.optimizer.eps), (OptimizerKind::Adamw, 1.0, 1e-8));
+
+        let mut cfg = Config::default();
+        adopt_usage(&mut cfg, &spec, &usage, "AlignModel");
+        assert_eq!((cfg.optimizer, cfg.loss.label_smoothing, cfg.loss.directions), (Config::default().optimizer, 0.1, Directions::Sum));
+    }
+
+    /// An architecture setting the start replaces is an error naming it, not a silent change.
+    #[test]
+    fn an_explicit_architecture_setting_a_start_replaces_is_a_conflict() {
+        let (spec, usage) = clip_like();
+        let mut cfg = Config::from_str_with_overrides(
+            "",
+            "t",
+            &["model.embed_dim=64".into(), "model.image_tower=\"efficientnet-b0\"".into(), "model.text_tower=\"bert\"".into()],
+        )
+        .unwrap();
+        let done = adopt_usage(&mut cfg, &spec, &usage, "CLIPModel");
+        assert_eq!(done.conflicts.len(), 2, "{done:?}");
+        assert!(done.conflicts.iter().any(|c| c == "model.embed_dim = 64 (the start's is 8)"), "{done:?}");
+        assert!(done.taken.iter().any(|t| t.starts_with("data.image.mean = [0.48, 0.46, 0.41]")), "{done:?}");
+        // The names a run's own config.toml records are the start's: no conflict.
+        let mut recorded = Config::from_str_with_overrides(&cfg.to_toml().unwrap(), "t", &[]).unwrap();
+        assert!(adopt_usage(&mut recorded, &spec, &usage, "CLIPModel").conflicts.is_empty());
     }
 }

@@ -127,7 +127,12 @@ pub fn apply_run_settings(spec: &mut ModelSpec, cfg: &Config) -> Result<()> {
 
 fn towers(cfg: &Config, vocab: usize) -> Result<ModelSpec> {
     if let Some(s) = start(cfg)? {
-        let spec = s.spec;
+        let mut spec = s.spec;
+        // The sigmoid loss on a softmax-trained start: the bias it needs starts at
+        // loss.init_logit_bias, as it would in a model built here.
+        if cfg.loss.kind == crate::config::LossKind::Sigmoid && spec.logit_bias.is_none() {
+            spec.logit_bias = Some(cfg.loss.init_logit_bias);
+        }
         if spec.text.vocab_size() < vocab {
             bail!("model.init {} has a {}-token vocabulary but the tokenizer has {vocab}", cfg.model.init, spec.text.vocab_size());
         }
@@ -188,6 +193,10 @@ pub fn load_weights(cfg: &Config, run_spec: &ModelSpec, vm: &VarMap, device: &De
         let mut weights = format.weights(dir, &s.spec, device)?;
         if let Some(line) = crate::model::pos_embed::resample_for(&s.spec, run_spec, &mut weights)? {
             done.push(line);
+        }
+        if let (None, Some(bias)) = (s.spec.logit_bias, run_spec.logit_bias) {
+            weights.insert("logit_bias".into(), Tensor::new(bias as f32, device)?);
+            done.push(format!("logit_bias = {bias} (loss.init_logit_bias: the start was trained without one)"));
         }
         let n = load_prefixed(vm, &weights, "", "", &origin)?;
         done.push(format!("{n} tensors from {} ({} format)", cfg.model.init, format.name()));

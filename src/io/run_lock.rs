@@ -5,7 +5,7 @@
 //! exits, however it exits, so a lock left by a killed process never blocks the next run; the
 //! stale file's contents are simply overwritten.
 
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
@@ -24,16 +24,9 @@ impl RunLock {
     /// Takes the lock of `run_dir` (which must exist), or fails naming who holds it.
     pub fn acquire(run_dir: &Path) -> Result<RunLock> {
         let path = run_dir.join(LOCK_FILE);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .with_context(|| format!("opening {}", path.display()))?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
+        let mut file = match crate::util::files::try_lock(&path)? {
+            crate::util::files::Lock::Held(file) => file,
+            crate::util::files::Lock::Busy(mut file) => {
                 let mut holder = String::new();
                 let _ = file.read_to_string(&mut holder);
                 let holder = holder.trim();
@@ -43,8 +36,7 @@ impl RunLock {
                     run_dir.display()
                 );
             }
-            Err(TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
-        }
+        };
         let me = format!("pid {} on host {} since {}", std::process::id(), crate::util::host::name(), crate::util::clock::utc_now());
         file.set_len(0)
             .and_then(|_| file.seek(SeekFrom::Start(0)))

@@ -11,10 +11,19 @@
 use candle_core::{DType, Result, Tensor, D};
 
 pub struct LossParts {
-    /// `i2t + t2i` (ALIGN eq. 1 + eq. 2), a 0-d tensor.
+    /// `i2t + t2i` (ALIGN eq. 1 + eq. 2), a 0-d tensor, or their mean (see
+    /// [`LossParts::mean_of_directions`]).
     pub total: Tensor,
     pub i2t: Tensor,
     pub t2i: Tensor,
+}
+
+impl LossParts {
+    /// The loss as CLIP and open_clip state it: the mean of the two directions, not their sum
+    /// (half the gradient, and a logged value that compares with open_clip's `ClipLoss`).
+    pub fn mean_of_directions(self) -> candle_core::Result<LossParts> {
+        Ok(LossParts { total: (self.total * 0.5)?, ..self })
+    }
 }
 
 /// Cross-entropy of each row of `logits` (`[rows, cols]`) against target column `offset + row`,

@@ -49,7 +49,7 @@ fn collective(e: super::collective::CollectiveError) -> candle_core::Error {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StepLoss {
     /// ALIGN's softmax loss over gathered embeddings.
-    Softmax { opts: GatherOptions, smoothing: f64 },
+    Softmax { opts: GatherOptions, smoothing: f64, mean: bool },
     /// SigLIP's sigmoid loss, texts exchanged as `exchange` says.
     Sigmoid { exchange: Exchange },
 }
@@ -60,6 +60,7 @@ impl StepLoss {
             LossKind::Softmax => StepLoss::Softmax {
                 opts: GatherOptions { gather_with_grad: cfg.train.gather_with_grad, local_loss: cfg.train.local_loss },
                 smoothing: cfg.loss.label_smoothing,
+                mean: cfg.loss.directions == crate::config::Directions::Mean,
             },
             LossKind::Sigmoid => StepLoss::Sigmoid { exchange: cfg.loss.dist_impl },
         }
@@ -83,7 +84,10 @@ impl StepLoss {
 
     fn loss(self, model: &DualEncoder, img: &Tensor, txt: &Tensor, group: &Arc<dyn Collective>) -> Result<LossParts> {
         match self {
-            StepLoss::Softmax { opts, smoothing } => distributed_loss(img, txt, &model.logit_scale()?, smoothing, group, opts),
+            StepLoss::Softmax { opts, smoothing, mean } => {
+                let parts = distributed_loss(img, txt, &model.logit_scale()?, smoothing, group, opts)?;
+                Ok(if mean { parts.mean_of_directions()? } else { parts })
+            }
             StepLoss::Sigmoid { exchange } => {
                 let bias = model
                     .logit_bias()?
@@ -221,7 +225,8 @@ mod tests {
     use crate::train::optim::OptimizerConfig;
     use candle_core::Device;
 
-    const SOFTMAX: StepLoss = StepLoss::Softmax { opts: GatherOptions { gather_with_grad: true, local_loss: true }, smoothing: 0.1 };
+    const SOFTMAX: StepLoss =
+        StepLoss::Softmax { opts: GatherOptions { gather_with_grad: true, local_loss: true }, smoothing: 0.1, mean: false };
     const SIGMOID: StepLoss = StepLoss::Sigmoid { exchange: Exchange::Shift };
 
     /// The tiny model, with a logit bias (SigLIP's −10) for the sigmoid loss.
@@ -348,7 +353,7 @@ mod tests {
         for world in [2usize, 3, 4] {
             for local_loss in [true, false] {
                 let opts = GatherOptions { gather_with_grad: true, local_loss };
-                assert_ranks_match_one_big_batch(world, StepLoss::Softmax { opts, smoothing: 0.1 }, 3, 1);
+                assert_ranks_match_one_big_batch(world, StepLoss::Softmax { opts, smoothing: 0.1, mean: false }, 3, 1);
             }
         }
     }
@@ -383,7 +388,7 @@ mod tests {
                 let model =
                     DualEncoder::new(&spec, SeededVars::builder(&vm, 5, &Device::Cpu)).unwrap().with_grad_checkpointing(checkpointing);
                 let opt = Optimizer::new(crate::model::batch_norm::trainable_vars(&vm), OptimizerConfig::default()).unwrap();
-                let out = compute(&model, &opt, micro, &single, StepLoss::Softmax { opts, smoothing: 0.1 }, 9, true).unwrap();
+                let out = compute(&model, &opt, micro, &single, StepLoss::Softmax { opts, smoothing: 0.1, mean: false }, 9, true).unwrap();
                 let data = vm.data().lock().unwrap();
                 let mut names: Vec<&String> = data.keys().filter(|k| crate::model::batch_norm::is_running_stat(k)).collect();
                 names.sort();

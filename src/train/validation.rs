@@ -63,7 +63,14 @@ pub fn run(model: &DualEncoder, tokenizer: &TextTokenizer, cfg: &Config, device:
         let (img, txt) = (images.narrow(0, start, n)?, captions.narrow(0, start, n)?);
         let parts = match (cfg.loss.kind, &bias) {
             (LossKind::Sigmoid, Some(b)) => sigmoid_loss(&img, &txt, &scale, b, &single, Exchange::Gather)?,
-            _ => contrastive_loss(&img, &txt, &img, &txt, 0, &scale, cfg.loss.label_smoothing)?,
+            _ => {
+                let parts = contrastive_loss(&img, &txt, &img, &txt, 0, &scale, cfg.loss.label_smoothing)?;
+                if cfg.loss.directions == crate::config::Directions::Mean {
+                    parts.mean_of_directions()?
+                } else {
+                    parts
+                }
+            }
         };
         let value = |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?) };
         let w = n as f64 / pairs as f64;

@@ -1,4 +1,4 @@
-//! Files written whole or not at all.
+//! Files written whole or not at all, and the lock files that keep two writers apart.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -34,6 +34,29 @@ pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&mut std::fs::File) -> R
 pub fn temporary_beside(path: &Path) -> Result<PathBuf> {
     let name = path.file_name().with_context(|| format!("{} names no file", path.display()))?.to_string_lossy();
     Ok(path.with_file_name(format!(".{name}.tmp-{}", std::process::id())))
+}
+
+/// A lock file opened (created if need be) and locked without waiting: `Held` holds an advisory
+/// lock (`flock`) on it, which the kernel drops when the holder exits, however it exits; `Busy`
+/// is the file another process holds, open for reading what it wrote there.
+pub enum Lock {
+    Held(std::fs::File),
+    Busy(std::fs::File),
+}
+
+pub fn try_lock(path: &Path) -> Result<Lock> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Lock::Held(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(Lock::Busy(file)),
+        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("locking {}", path.display())),
+    }
 }
 
 #[cfg(test)]

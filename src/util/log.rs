@@ -57,6 +57,27 @@ pub fn warn(msg: impl AsRef<str>) {
     }
 }
 
+/// Lines shown for one problem of one shard before the rest are only counted.
+const PER_SHARD_REASON: u64 = 3;
+
+/// A skipped sample's warning: the first few for each shard and reason are shown, then one line
+/// says the rest are counted (a shard of 10,000 captionless samples is a few lines, not 10,000;
+/// the counts by reason are in the command's summary).
+pub fn warn_sample(shard: &str, reason: &str, msg: impl AsRef<str>) {
+    static SEEN: std::sync::Mutex<Option<std::collections::HashMap<(String, String), u64>>> = std::sync::Mutex::new(None);
+    let n = {
+        let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+        let count = seen.get_or_insert_with(Default::default).entry((shard.to_string(), reason.to_string())).or_insert(0);
+        *count += 1;
+        *count
+    };
+    if n <= PER_SHARD_REASON {
+        warn(msg);
+    } else if n == PER_SHARD_REASON + 1 {
+        warn(format!("shard {shard}: more samples skipped for {reason}; counted in the summary, not shown"));
+    }
+}
+
 fn emit(level: Level, msg: &str) {
     if !tracing::dispatcher::has_been_set() {
         // No subscriber: straight to stderr, as a terminal shows it.

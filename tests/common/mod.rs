@@ -98,3 +98,34 @@ pub fn file_cosines(m: &align::io::load::LoadedModel, files: &[PathBuf], referen
     let dim = got.embeddings.dim;
     reference.iter().enumerate().map(|(i, r)| cosine(&got.embeddings.data[i * dim..(i + 1) * dim], r)).collect()
 }
+
+/// Each test image's embedding and its first caption's, in f64, with the model's logit scale:
+/// what a loss computed by hand starts from. The test shard has `n` images of five captions.
+pub fn first_caption_pairs(m: &align::io::load::LoadedModel, test: &str, n: usize) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, f64) {
+    let cpu = candle_core::Device::Cpu;
+    let needs = align::data::eval_reader::Needs { image: true, captions: true, label: false };
+    let source = align::data::eval_reader::EvalSource::Shards(align::data::spec::expand(test).unwrap());
+    let e = align::eval::embed::embed_pairs(&m.model, &m.tokenizer, source, &m.usage.image, needs, 8, &cpu, true).unwrap();
+    let d = e.embeddings.dim;
+    let texts = e.caption_embeddings.as_ref().unwrap();
+    let img = (0..n).map(|i| e.embeddings.data[i * d..(i + 1) * d].iter().map(|&x| x as f64).collect()).collect();
+    let txt = (0..n).map(|i| texts.data[i * 5 * d..(i * 5 + 1) * d].iter().map(|&x| x as f64).collect()).collect();
+    let scale = m.model.logit_scale().unwrap().to_dtype(candle_core::DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    (img, txt, scale)
+}
+
+/// One direction of the softmax loss by hand: each row of `a` against every row of `b`, the
+/// target the same row, label smoothing `eps`, averaged over rows.
+pub fn cross_entropy_by_hand(a: &[Vec<f64>], b: &[Vec<f64>], scale: f64, eps: f64) -> f64 {
+    let n = a.len();
+    let mut total = 0.0;
+    for (r, x) in a.iter().enumerate() {
+        let logits: Vec<f64> = b.iter().map(|y| scale * x.iter().zip(y).map(|(p, q)| p * q).sum::<f64>()).collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let lse = m + logits.iter().map(|l| (l - m).exp()).sum::<f64>().ln();
+        for (j, l) in logits.iter().enumerate() {
+            total -= (eps / n as f64 + if j == r { 1.0 - eps } else { 0.0 }) * (l - lse);
+        }
+    }
+    total / n as f64
+}

@@ -62,7 +62,7 @@ pub fn loader(a: &LoaderArgs) -> Result<()> {
     let shards = spec::expand(&a.data)?;
     let captions = captions_from_shards(&shards, 5000);
     let tok = Arc::new(TextTokenizer::new(train_wordpiece(captions.iter(), 2000, true, 1)?, cfg.text.max_len)?);
-    let plan = ShardPlan { shards, seed: 0, shuffle: true, resampled: true, weights: Vec::new() };
+    let plan = ShardPlan { shards, seed: 0, shuffle: true, resampled: true, weights: Vec::new(), sources: Vec::new() };
     let settings = LoaderSettings {
         image: cfg.data.image.clone(),
         batch_size: a.batch,

@@ -589,6 +589,16 @@ impl ShardSink {
         }
         Ok(())
     }
+
+    /// Removes every shard this build wrote, finished or not.
+    fn abandon(&mut self) {
+        if self.current.take().is_some() {
+            let _ = std::fs::remove_file(self.dir.join(format!("{:05}.tar.tmp", self.shards.len())));
+        }
+        for path in self.shards.drain(..) {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 fn index_eval_sets(specs: &[String], max_pixels: u64, quiet: bool) -> Result<NearIndex> {
@@ -692,6 +702,7 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
     }
     bar.finish();
     if tally.missing_scores > 0 {
+        output.abandon();
         anyhow::bail!(
             "{} input samples have no score in {} (the first: {}): score this input with `align data score --data ... --out {}`",
             tally.missing_scores,
@@ -702,6 +713,7 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
     }
     let other = tally.removed[filter_index("other_caption")];
     if other as f64 > f.curate.max_caption_mismatch * tally.input_samples as f64 {
+        output.abandon();
         anyhow::bail!(
             "{other} of {} input samples were scored with another caption under the same key (the first: {}): {} scores another input; score this one, or raise curate.max_caption_mismatch",
             tally.input_samples,
@@ -834,7 +846,7 @@ impl Tally {
             Err((filter, detail)) => {
                 self.removed[filter_index(filter)] += 1;
                 if filter == "undecodable" {
-                    log::warn(format!("{}: sample {}: {detail}", c.origin, c.key));
+                    log::warn_sample(&c.origin, filter, format!("{}: sample {}: {detail}", c.origin, c.key));
                 }
                 return None;
             }
@@ -934,6 +946,14 @@ impl Output {
             self.buckets[b] = Some(ShardWriter::create(&self.staging.join(format!("bucket-{b:05}.tar")))?);
         }
         self.buckets[b].as_mut().expect("just created").write_sample(key, fields)
+    }
+
+    /// A build that fails after its pass (scores that do not fit the input) leaves no shard:
+    /// what it wrote is removed, staging included.
+    fn abandon(mut self) {
+        self.buckets.clear();
+        let _ = std::fs::remove_dir_all(&self.staging);
+        self.sink.abandon();
     }
 
     /// Shuffles each bucket into the output shards, closes the last one, and names them.

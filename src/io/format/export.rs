@@ -105,17 +105,10 @@ impl ExportLock {
         use std::os::unix::fs::MetadataExt;
         let path = parent.join(format!(".{name}.export-lock"));
         loop {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-                .with_context(|| format!("creating {}", path.display()))?;
-            match file.try_lock() {
-                Ok(()) => {}
-                Err(std::fs::TryLockError::WouldBlock) => bail!("another export is writing {} now", out.display()),
-                Err(std::fs::TryLockError::Error(e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
-            }
+            let file = match crate::util::files::try_lock(&path)? {
+                crate::util::files::Lock::Held(file) => file,
+                crate::util::files::Lock::Busy(_) => bail!("another export is writing {} now", out.display()),
+            };
             // The previous holder removes the file as it finishes: a lock taken on a file that is
             // no longer at the path keeps nobody out, so take the one that is.
             let held = file.metadata().with_context(|| format!("reading {}", path.display()))?;

@@ -35,7 +35,15 @@ pub fn locate(loc: &str) -> Result<Located> {
         bail!("{loc} does not exist (a checkpoint is a directory, a run directory, or hf:ORG/NAME)");
     }
     if !path.is_dir() {
-        bail!("{loc} is a file; a checkpoint is a directory (formats read: {})", super::read_list());
+        // A training checkpoint named as a file (open_clip's `epoch_N.pt` beside its
+        // open_clip_config.json) is the one kind of file a format reads.
+        if let Some(format) = FORMATS.iter().copied().find(|f| f.detect(path)) {
+            return Ok(Located { dir: path.to_path_buf(), format, location: loc.to_string() });
+        }
+        bail!(
+            "{loc} is a file; a checkpoint is a directory (formats read: {}), or open_clip's training checkpoint (epoch_N.pt) beside the model's open_clip_config.json",
+            super::read_list()
+        );
     }
     let dir = if path.join(crate::io::run_dir::LATEST).is_file() && !super::align_run::AlignRun.detect(path) {
         crate::io::run_dir::resolve(path)?

@@ -345,6 +345,11 @@ pub fn preprocess_to(image: &ImageConfig, image_size: usize) -> Result<Value, St
         ResizeMode::Square => "squash",
         ResizeMode::Longer => "longest",
     };
+    if image.crop_offset != CropOffset::Round && image.resize_mode == ResizeMode::Shorter {
+        crate::util::log::warn(
+            "open_clip's centre crop (torchvision's) rounds an odd margin where this model's (transformers') takes its floor: crops may shift by a pixel",
+        );
+    }
     Ok(json!({"mean": image.mean, "std": image.std, "interpolation": interpolation, "resize_mode": resize_mode}))
 }
 

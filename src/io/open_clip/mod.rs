@@ -40,12 +40,25 @@ const WEIGHTS: [&str; 4] =
 /// The open_clip format.
 pub struct OpenClip;
 
+/// Extensions of a training checkpoint named directly (`epoch_3.pt`, `epoch_latest.pt`).
+const CHECKPOINT_FILES: [&str; 4] = ["pt", "pth", "bin", "safetensors"];
+
+/// The folder a location's files are in: the directory itself, or the folder of a training
+/// checkpoint named as a file (open_clip's `epoch_N.pt`, read beside its `open_clip_config.json`).
+fn folder(dir: &Path) -> &Path {
+    if dir.is_file() {
+        dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))
+    } else {
+        dir
+    }
+}
+
 fn config(dir: &Path) -> Result<Value> {
-    read_json(&dir.join(CONFIG))
+    read_json(&folder(dir).join(CONFIG))
 }
 
 fn model(dir: &Path) -> Result<OpenClipModel> {
-    let path = dir.join(CONFIG);
+    let path = folder(dir).join(CONFIG);
     let c = config(dir)?;
     let mut cfg = c.get("model_cfg").cloned().unwrap_or(Value::Null);
     if std::env::var("ALIGN_OPEN_CLIP_QUICK_GELU").is_ok_and(|v| v == "1") && cfg.is_object() {
@@ -57,6 +70,9 @@ fn model(dir: &Path) -> Result<OpenClipModel> {
 }
 
 fn weights_file(dir: &Path) -> Option<PathBuf> {
+    if dir.is_file() {
+        return Some(dir.to_path_buf());
+    }
     WEIGHTS.iter().map(|f| dir.join(f)).find(|p| p.is_file())
 }
 
@@ -107,7 +123,10 @@ impl Format for OpenClip {
     }
 
     fn claims(&self, dir: &Path) -> bool {
-        dir.join(CONFIG).is_file() && !dir.join(crate::io::run_dir::SPEC_FILE).is_file()
+        let checkpoint_file = dir.extension().is_some_and(|e| CHECKPOINT_FILES.iter().any(|x| e == *x));
+        (dir.is_dir() || (dir.is_file() && checkpoint_file))
+            && folder(dir).join(CONFIG).is_file()
+            && !folder(dir).join(crate::io::run_dir::SPEC_FILE).is_file()
     }
 
     fn config_file(&self) -> &'static str {
@@ -160,6 +179,7 @@ impl Format for OpenClip {
     }
 
     fn tokenizer(&self, dir: &Path, spec: &ModelSpec, max_len: Option<usize>) -> Result<TextTokenizer> {
+        let dir = folder(dir);
         let path = dir.join(CONFIG);
         let text_cfg = config(dir)?.pointer("/model_cfg/text_cfg").cloned().unwrap_or(json!({}));
         let max_len = max_len.unwrap_or_else(|| spec.text.max_position());
@@ -208,7 +228,7 @@ impl Format for OpenClip {
     fn usage(&self, dir: &Path, spec: &ModelSpec) -> Result<Usage> {
         let c = config(dir)?;
         let image = preprocess_from(c.get("preprocess_cfg"), spec.image.image_size())
-            .map_err(|e| anyhow!("{}: {e}", dir.join(CONFIG).display()))?;
+            .map_err(|e| anyhow!("{}: {e}", folder(dir).join(CONFIG).display()))?;
         Ok(Usage { image, text_len: spec.text.max_position(), loss: loss_of(spec) })
     }
 

@@ -161,10 +161,20 @@ fn rank_zero_or_first_failure(results: Vec<Result<TrainSummary>>) -> Result<Trai
 
 /// One rank's run.
 fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> Result<TrainSummary> {
-    let mut run = setup::prepare(cfg, opts, &*group)?;
-    let mut log = logging::RunLog::open(cfg, &run, opts.quiet, group.rank() == 0)?;
-    let end = step_loop::run(cfg, opts, &group, &mut run, &mut log)?;
-    summary::finish(cfg, &*group, &run, log, end)
+    let run_dir = cfg.run_dir();
+    let new_dir = group.rank() == 0 && !run_dir.exists();
+    let result = (|| {
+        let mut run = setup::prepare(cfg, opts, &*group)?;
+        let mut log = logging::RunLog::open(cfg, &run, opts.quiet, group.rank() == 0)?;
+        let end = step_loop::run(cfg, opts, &group, &mut run, &mut log)?;
+        summary::finish(cfg, &*group, &run, log, end)
+    })();
+    // A run that failed before its first checkpoint leaves nothing behind: its directory held
+    // only what this start wrote (the lock, the vocabulary, the first log lines).
+    if result.is_err() && new_dir && crate::io::run_dir::list_steps(&run_dir).is_ok_and(|s| s.is_empty()) {
+        let _ = std::fs::remove_dir_all(&run_dir);
+    }
+    result
 }
 
 fn coll(e: super::collective::CollectiveError) -> anyhow::Error {

@@ -75,6 +75,11 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
     let spec = init_from::spec(cfg, tokenizer.vocab_size())?;
     let varmap = VarMap::new();
     let device = opts.device.clone();
+    if cfg.train.precision == crate::config::Precision::Bf16 && device.is_cpu() && group.rank() == 0 {
+        log::warn(
+            "train.precision = \"bf16\" on the CPU runs candle's generic bfloat16 ops, which have no fast CPU kernels: expect about a tenth of f32's speed (bf16 training is meant for GPUs; --precision bf16 on the forward-only commands is the fast CPU path)",
+        );
+    }
     let model = build_model(cfg, &spec, SeededVars::builder(&varmap, cfg.run.seed, &device))?;
     if resumed_from.is_none() && group.rank() == 0 {
         for line in init_from::load_weights(cfg, &spec, &varmap, &device)? {
@@ -115,8 +120,24 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
             cfg.train.batch_size,
             cfg.train.batch_size / (world * accum)
         ));
+        log::info(format!("loss: {}", describe_loss(cfg)));
     }
     Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, ema, loader, device, _lock: lock })
+}
+
+/// The objective in the words of the family it comes from, so that a logged value can be
+/// compared with the same family's other tools.
+fn describe_loss(cfg: &Config) -> String {
+    use crate::config::{Directions, LossKind};
+    match (cfg.loss.kind, cfg.loss.directions) {
+        (LossKind::Sigmoid, _) => "SigLIP's sigmoid loss over every image-text pair".into(),
+        (LossKind::Softmax, Directions::Sum) => {
+            format!("softmax, image→text plus text→image (ALIGN's sum), label smoothing {}", cfg.loss.label_smoothing)
+        }
+        (LossKind::Softmax, Directions::Mean) => {
+            format!("softmax, the mean of image→text and text→image (open_clip's ClipLoss), label smoothing {}", cfg.loss.label_smoothing)
+        }
+    }
 }
 
 /// Creates the run directory, takes its lock and clears what an interrupted save or prune left.
@@ -225,23 +246,42 @@ pub(super) fn changes_on_resume(cfg: &Config, dir: &Path, allowed: &[String]) ->
     for field in RESUME_FIELDS {
         let (old, new) = (lookup(&before, field), lookup(&now, field));
         if old != new {
-            let show = |v: Option<toml::Value>| v.map_or("(none)".to_string(), |v| v.to_string());
-            let change = format!("{field} changed from {} to {}", show(old), show(new));
+            // A section (`[model]`) is compared field by field, so that a change reads as the
+            // one field that changed, not as two whole tables.
+            let mut leaves = Vec::new();
+            leaf_changes(field, old.as_ref(), new.as_ref(), &mut leaves);
             if allowed.iter().any(|a| a == field) {
-                changed.push(change);
+                changed.extend(leaves);
             } else {
-                refused.push(change);
+                refused.extend(leaves);
             }
         }
     }
     if !refused.is_empty() {
         bail!(
-            "--resume from {} would change what the run trains on, so it would not continue the same run: {}. Resume with the checkpoint's values, or pass --allow-change FIELD for each change you mean",
+            "--resume from {} would change what the run trains on, so it would not continue the same run (resume with the checkpoint's values, or pass --allow-change FIELD for each change you mean):\n  {}",
             dir.display(),
-            refused.join("; ")
+            refused.join("\n  ")
         );
     }
     Ok(changed)
+}
+
+/// The changes between two values of `path`, one line per leaf field that differs.
+fn leaf_changes(path: &str, old: Option<&toml::Value>, new: Option<&toml::Value>, out: &mut Vec<String>) {
+    if let (Some(toml::Value::Table(a)), Some(toml::Value::Table(b))) = (old, new) {
+        let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+        keys.sort();
+        keys.dedup();
+        for k in keys {
+            if a.get(k) != b.get(k) {
+                leaf_changes(&format!("{path}.{k}"), a.get(k), b.get(k), out);
+            }
+        }
+        return;
+    }
+    let show = |v: Option<&toml::Value>| v.map_or("(none)".to_string(), |v| v.to_string());
+    out.push(format!("{path} changed from {} to {}", show(old), show(new)));
 }
 
 /// The run's vocabulary, the same on every rank: rank 0 settles it (training one if needed,
@@ -368,12 +408,14 @@ fn start_loader(cfg: &Config, group: &dyn Collective, tokenizer: Arc<TextTokeniz
     } else {
         parts.iter().zip(factors).flat_map(|(p, &f)| std::iter::repeat_n(f, p.len())).collect()
     };
+    let sources: Vec<usize> = parts.iter().enumerate().flat_map(|(i, p)| std::iter::repeat_n(i, p.len())).collect();
     let plan = ShardPlan {
         shards: parts.into_iter().flatten().collect(),
         seed: cfg.run.seed,
         shuffle: cfg.data.shuffle_shards,
         resampled: cfg.data.resampled,
         weights,
+        sources,
     };
     let settings = LoaderSettings {
         image: cfg.data.image.clone(),
@@ -385,4 +427,19 @@ fn start_loader(cfg: &Config, group: &dyn Collective, tokenizer: Arc<TextTokeniz
     };
     let placement = Placement { rank, world_size: world, worker: 0, workers: cfg.data.workers };
     TrainLoader::start(plan, placement, settings, tokenizer, start.loaders.get(rank).cloned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::leaf_changes;
+
+    /// A changed section reads as the fields that changed in it, one a line.
+    #[test]
+    fn a_changed_section_is_listed_field_by_field() {
+        let a: toml::Value = toml::from_str("embed_dim = 16\n[vit]\npatch_size = 8\nwidth = 32\n").unwrap();
+        let b: toml::Value = toml::from_str("embed_dim = 16\n[vit]\npatch_size = 4\nwidth = 32\ndepth = 2\n").unwrap();
+        let mut out = Vec::new();
+        leaf_changes("model", Some(&a), Some(&b), &mut out);
+        assert_eq!(out, ["model.vit.depth changed from (none) to 2", "model.vit.patch_size changed from 8 to 4"]);
+    }
 }

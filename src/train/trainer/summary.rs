@@ -43,6 +43,11 @@ pub struct TrainSummary {
     /// The best value of each evaluation metric over the whole run, from its metrics log.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub best_eval: Vec<BestMetric>,
+    /// Samples trained on from each `::` source of `data.train`, over every rank and
+    /// resumption (a mix's ratio, to check against `data.upsampling_factors`); empty for one
+    /// source.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub samples_per_source: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -78,7 +83,35 @@ pub(super) fn finish(cfg: &Config, group: &dyn Collective, run: &Run, log: RunLo
         exit_status: end.stopped_by.map(crate::util::interrupt::exit_status),
         eval: end.eval,
         best_eval,
+        samples_per_source: per_source(cfg, group, run)?,
     })
+}
+
+/// Every rank's samples by source, summed, with a line for the log when the run mixes sources.
+fn per_source(cfg: &Config, group: &dyn Collective, run: &Run) -> Result<Vec<u64>> {
+    let all = group.all_gather_bytes(&serde_json::to_vec(&run.loader.position().source_samples())?).map_err(coll)?;
+    let mut total: Vec<u64> = Vec::new();
+    for b in all {
+        let counts: Vec<u64> = serde_json::from_slice(&b)?;
+        if total.len() < counts.len() {
+            total.resize(counts.len(), 0);
+        }
+        for (t, n) in total.iter_mut().zip(counts) {
+            *t += n;
+        }
+    }
+    let names: Vec<&str> = cfg.data.train.split("::").map(str::trim).filter(|p| !p.is_empty()).collect();
+    if names.len() < 2 {
+        return Ok(Vec::new());
+    }
+    total.resize(names.len(), 0);
+    if group.rank() == 0 {
+        let all: u64 = total.iter().sum::<u64>().max(1);
+        let parts: Vec<String> =
+            names.iter().zip(&total).map(|(name, &n)| format!("{name}: {n} ({:.1}%)", 100.0 * n as f64 / all as f64)).collect();
+        crate::util::log::info(format!("samples per source: {}", parts.join(", ")));
+    }
+    Ok(total)
 }
 
 fn best_metrics(run: &Run) -> Result<Vec<BestMetric>> {
