@@ -17,6 +17,12 @@ use align::data::tar_read::{read_shard_events, ShardEvent};
 use align::eval::score::{score_shards, ScoreOptions};
 use candle_core::Device;
 
+/// Options of a quiet `align data score` into `out` by `model`, 16 pairs a batch.
+fn score_options(out: impl Into<std::path::PathBuf>, embeddings: bool, model: impl Into<String>) -> ScoreOptions {
+    let model = model.into();
+    ScoreOptions { out: out.into(), embeddings, batch: 16, quiet: true, checkpoint: model.clone(), model, stall_timeout_s: 300.0 }
+}
+
 /// `align data build` of `input` into `out` with `filters`, quietly.
 fn build_into(input: impl Into<String>, out: &Path, filters: Filters) -> anyhow::Result<build::BuildReport> {
     build::build(&BuildOptions {
@@ -75,15 +81,7 @@ fn clip_scores_find_moved_captions_and_the_build_filters_on_them() {
 
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
-    let o = ScoreOptions {
-        out: out.clone(),
-        embeddings: true,
-        batch: 16,
-        quiet: true,
-        checkpoint: "tiny".into(),
-        model: "tiny".into(),
-        stall_timeout_s: 300.0,
-    };
+    let o = score_options(out.clone(), true, "tiny");
     let r = score_shards(&m, &shards, &o, &Device::Cpu).unwrap();
     assert_eq!((r.shards, r.already_scored, r.samples), (2, 0, 120));
 
@@ -199,15 +197,7 @@ fn training_on_the_filtered_pairs_beats_training_on_all_of_them() {
     let (shards, _) = shuffled_corpus(&data.train, dir.path());
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
-    let o = ScoreOptions {
-        out: out.clone(),
-        embeddings: false,
-        batch: 16,
-        quiet: true,
-        checkpoint: "tiny".into(),
-        model: "tiny".into(),
-        stall_timeout_s: 300.0,
-    };
+    let o = score_options(out.clone(), false, "tiny");
     score_shards(&m, &shards, &o, &Device::Cpu).unwrap();
     let f: Filters = toml::from_str(&format!("[curate]\nscores = {:?}\ntop_fraction = 0.7\n", out.display().to_string())).unwrap();
     let raw = format!("{}/raw-{{00000..00001}}.tar", dir.path().display());
@@ -257,15 +247,7 @@ fn planted_near_duplicates_are_removed_and_distinct_images_kept() {
     let s = align::train::trainer::train(&cfg, &common::cpu_options()).unwrap();
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let embed = |shards: Vec<ShardSource>, out: &Path| {
-        let o = ScoreOptions {
-            out: out.to_path_buf(),
-            embeddings: true,
-            batch: 16,
-            quiet: true,
-            checkpoint: "tiny".into(),
-            model: "tiny".into(),
-            stall_timeout_s: 300.0,
-        };
+        let o = score_options(out.to_path_buf(), true, "tiny");
         score_shards(&m, &shards, &o, &Device::Cpu).unwrap();
         scores::ScoreTable::load(out, true).unwrap()
     };
@@ -340,15 +322,7 @@ fn the_image_based_filter_keeps_what_is_near_the_target() {
     let m = align::io::load::load_model(&s.checkpoint, &Device::Cpu).unwrap();
     let out = dir.path().join("scores");
     let model = m.dir.canonicalize().unwrap().display().to_string();
-    let o = ScoreOptions {
-        out: out.clone(),
-        embeddings: true,
-        batch: 16,
-        quiet: true,
-        checkpoint: "tiny".into(),
-        model,
-        stall_timeout_s: 300.0,
-    };
+    let o = score_options(out.clone(), true, model);
     score_shards(&m, &align::data::spec::expand(&data.train).unwrap(), &o, &Device::Cpu).unwrap();
 
     let names = align::data::synth::class_names();
@@ -444,15 +418,7 @@ fn scores_belong_to_one_model_and_to_the_pairs_they_scored() {
     )
     .unwrap();
     let out = dir.path().join("scores");
-    let o = ScoreOptions {
-        out: out.clone(),
-        embeddings: false,
-        batch: 16,
-        quiet: true,
-        checkpoint: "clip-tiny".into(),
-        model: "/models/clip-tiny".into(),
-        stall_timeout_s: 300.0,
-    };
+    let o = score_options(out.clone(), false, "/models/clip-tiny");
     assert_eq!(score_shards(&m, &shards[..1], &o, &Device::Cpu).unwrap().samples, 40);
     let other = ScoreOptions { model: "/models/another".into(), ..o.clone() };
     let e = format!("{:#}", score_shards(&m, &shards[1..], &other, &Device::Cpu).unwrap_err());

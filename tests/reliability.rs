@@ -1,5 +1,5 @@
-//! Bad input never destroys, hangs or panics: a stalled `pipe:` shard is abandoned and counted,
-//! a stop signal ends a run that waits for data, a resume that would silently restart the weight
+//! Bad input never destroys, hangs or panics: a stop signal ends a run that waits for data (a
+//! stalled `pipe:` shard is abandoned: `tests/stall.rs`), a resume that would silently restart the weight
 //! average is refused, and damaged or hostile files are errors naming the file and field.
 
 mod common;
@@ -13,27 +13,6 @@ use candle_core::Device;
 
 fn fixtures() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-/// A shard source that never sends a byte, beside good shards: training goes on, the source is
-/// abandoned after `data.stall_timeout_s` and counted as a skip.
-#[test]
-fn a_silent_pipe_shard_is_abandoned_and_training_goes_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = common::tiny_data(&dir.path().join("data"));
-    let tok = common::tiny_tokenizer(&data, dir.path());
-    let spec = format!("{}::pipe:sleep 600", data.train);
-    let cfg = common::tiny_config(
-        &data,
-        &tok,
-        &dir.path().join("runs"),
-        &[&format!("data.train={spec}"), "data.stall_timeout_s=1", "train.steps=6"],
-    );
-    let started = Instant::now();
-    let s = align::train::trainer::train(&cfg, &common::cpu_options()).unwrap();
-    assert_eq!(s.steps, 6);
-    assert!(s.skipped.get("truncated_shard") >= 1, "{}", s.skipped.summary());
-    assert!(started.elapsed() < Duration::from_secs(60), "took {:?}", started.elapsed());
 }
 
 /// SIGTERM while every shard source is silent: the run stops at once with 143, keeps its last
@@ -126,6 +105,33 @@ fn a_resume_with_another_length_is_refused_unless_allowed() {
     assert!(err.contains("train.steps changed from 4 to 8"), "{err}");
     opts.allow_change = vec!["train.steps".into()];
     align::train::trainer::train(&longer, &opts).unwrap();
+}
+
+/// A resume under another objective or optimizer (their moments are in the checkpoint; a start's
+/// family recipe sets them) is refused field by field unless allowed.
+#[test]
+fn a_resume_with_another_optimizer_or_loss_is_refused_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, cfg, _) = common::tiny_run(dir.path(), &["train.steps=4"]);
+    let mut opts = common::cpu_options();
+    opts.stop_after = Some(2);
+    align::train::trainer::train(&cfg, &opts).unwrap();
+    let tok = dir.path().join("tokenizer.json");
+    let other = common::tiny_config(
+        &data,
+        &tok,
+        &dir.path().join("runs"),
+        &["train.steps=4", "optimizer.kind=\"adamw\"", "loss.label_smoothing=0.0"],
+    );
+    opts.resume = true;
+    let err = format!("{:#}", align::train::trainer::train(&other, &opts).unwrap_err());
+    assert!(
+        err.contains("\n  loss.label_smoothing changed from 0.1 to 0.0")
+            && err.contains("\n  optimizer.kind changed from \"lamb\" to \"adamw\""),
+        "{err}"
+    );
+    opts.allow_change = vec!["optimizer".into(), "loss".into()];
+    align::train::trainer::train(&other, &opts).unwrap();
 }
 
 /// Damaged and hostile files: errors naming the file and what is wrong, never a panic or an

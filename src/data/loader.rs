@@ -572,6 +572,11 @@ mod tests {
             .collect()
     }
 
+    /// Epoch mode over `shards`, one source.
+    fn plan_of(shards: Vec<ShardSource>, seed: u64, shuffle: bool) -> ShardPlan {
+        ShardPlan { shards, seed, shuffle, resampled: false, weights: Vec::new(), sources: Vec::new() }
+    }
+
     fn tokenizer() -> Arc<TextTokenizer> {
         let caps: Vec<String> = (0..10).map(|i| format!("shard {i} item {i}")).collect();
         Arc::new(TextTokenizer::new(train_wordpiece(caps.iter(), 100, true, 1).unwrap(), 8).unwrap())
@@ -719,14 +724,7 @@ mod tests {
         // Cut inside the 5000-byte caption of the last sample.
         let at = bytes.windows(4).position(|w| w == b"xxxx").unwrap() + 100;
         std::fs::write(&path, &bytes[..at]).unwrap();
-        let plan = ShardPlan {
-            shards: vec![ShardSource::File(path)],
-            seed: 1,
-            shuffle: false,
-            resampled: false,
-            weights: Vec::new(),
-            sources: Vec::new(),
-        };
+        let plan = plan_of(vec![ShardSource::File(path)], 1, false);
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let b = l.next_batch().unwrap();
         assert_eq!(b.keys, vec!["good1", "good2"]);
@@ -747,14 +745,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("empty.tar");
         ShardWriter::create(&path).unwrap().finish().unwrap();
-        let plan = ShardPlan {
-            shards: vec![ShardSource::File(path)],
-            seed: 1,
-            shuffle: false,
-            resampled: false,
-            weights: Vec::new(),
-            sources: Vec::new(),
-        };
+        let plan = plan_of(vec![ShardSource::File(path)], 1, false);
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("no usable sample") && err.contains("skipped: none"), "{err}");
@@ -764,14 +755,7 @@ mod tests {
         w.write_sample("corrupt", &[("png", b"not a png".to_vec()), ("txt", b"ok".to_vec())]).unwrap();
         w.write_sample("nocap", &[("png", png(2))]).unwrap();
         w.finish().unwrap();
-        let plan = ShardPlan {
-            shards: vec![ShardSource::File(path)],
-            seed: 1,
-            shuffle: false,
-            resampled: false,
-            weights: Vec::new(),
-            sources: Vec::new(),
-        };
+        let plan = plan_of(vec![ShardSource::File(path)], 1, false);
         let mut l = TrainLoader::start(plan, Placement::single(1), settings(2, 0), tokenizer(), None).unwrap();
         let err = l.next_batch().unwrap_err().to_string();
         assert!(err.contains("corrupt_image=1, missing_caption=1"), "{err}");

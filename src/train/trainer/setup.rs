@@ -226,7 +226,11 @@ fn chosen_checkpoint(path: &Path, run_dir: &Path) -> Result<PathBuf> {
 /// uninterrupted run): what `--allow-change FIELD` must name to change them.
 /// The schedule's length is one of them: a longer `train.steps` re-stretches the learning rate's
 /// decay under the steps already taken.
-const RESUME_FIELDS: [&str; 6] = ["run.seed", "train.batch_size", "train.steps", "data.train", "data.upsampling_factors", "model"];
+/// What a resume must keep: the data and its order, the length, the model, and the objective and
+/// optimizer (whose moments the checkpoint holds; a start's family recipe is one of these, so a
+/// run begun under another recipe is not silently continued under this one).
+const RESUME_FIELDS: [&str; 8] =
+    ["run.seed", "train.batch_size", "train.steps", "data.train", "data.upsampling_factors", "model", "loss", "optimizer"];
 
 /// What `cfg` changes of the config the checkpoint at `dir` was trained with: an error naming
 /// every change not allowed, else the allowed ones.
