@@ -29,7 +29,7 @@ use crate::ops::kernels::stochastic_depth::scaled_residual;
 use crate::util::rng::Rng;
 
 /// The most blocks and the widest layer an EfficientNet config may derive (L2, the largest, has
-/// 97 blocks and 5,504 channels at its head).
+/// 88 blocks and 5,504 channels at its head).
 const MAX_BLOCKS: usize = 1024;
 const MAX_CHANNELS: usize = 1 << 16;
 
@@ -189,7 +189,7 @@ impl EfficientNetConfig {
         let blocks: usize = self.stages.repeats.iter().map(|&r| self.round_repeats(r)).sum();
         if blocks > MAX_BLOCKS {
             return Err(format!(
-                "EfficientNet depth_coefficient {} makes {blocks} blocks, beyond any real model (L2 has 97; at most {MAX_BLOCKS})",
+                "EfficientNet depth_coefficient {} makes {blocks} blocks, beyond any real model (L2 has 88; at most {MAX_BLOCKS})",
                 self.depth_coefficient
             ));
         }
