@@ -20,7 +20,7 @@ use candle_core::Device;
 /// Options of a quiet `align data score` into `out` by `model`, 16 pairs a batch.
 fn score_options(out: impl Into<std::path::PathBuf>, embeddings: bool, model: impl Into<String>) -> ScoreOptions {
     let model = model.into();
-    ScoreOptions { out: out.into(), embeddings, batch: 16, quiet: true, checkpoint: model.clone(), model, stall_timeout_s: 300.0 }
+    ScoreOptions { out: out.into(), embeddings, batch: 16, quiet: true, checkpoint: model.clone(), model }
 }
 
 /// `align data build` of `input` into `out` with `filters`, quietly.

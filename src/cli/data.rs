@@ -333,7 +333,6 @@ pub fn score(a: &ScoreArgs) -> Result<()> {
         quiet: a.json,
         checkpoint: a.checkpoint.display().to_string(),
         model: m.dir.canonicalize().unwrap_or_else(|_| m.dir.clone()).display().to_string(),
-        stall_timeout_s: a.stall.stall_timeout,
     };
     let r = align::eval::score::score_shards(&m, &shards, &o, &device)?;
     align::util::files::write_atomic(&a.out.join(align::eval::score::REPORT), serde_json::to_string_pretty(&r)?.as_bytes())?;

@@ -26,8 +26,6 @@ use crate::util::progress::Progress;
 #[derive(Debug, Clone)]
 pub struct ScoreOptions {
     pub out: PathBuf,
-    /// Seconds a `pipe:` shard may send nothing before it is abandoned.
-    pub stall_timeout_s: f64,
     /// Also keep the image and text embeddings (for deduplication and clustering).
     pub embeddings: bool,
     pub batch: usize,
@@ -60,7 +58,7 @@ pub struct ScoreReport {
 /// Whether `path` already holds the scores of `shard` by this scorer (with embeddings, when
 /// they are asked for).
 fn done(path: &Path, shard: &str, scorer: &Scorer, embeddings: bool) -> bool {
-    scores::read(path, false)
+    scores::read_meta(path)
         .is_ok_and(|s| s.meta("shard") == Some(shard) && Scorer::of(&s) == *scorer && (!embeddings || s.meta("embeddings") == Some("true")))
 }
 
@@ -97,7 +95,6 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
     std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
     let scorer = Scorer { model: o.model.clone(), precision: forward_precision().to_string() };
     let _lock = claim(&o.out, &scorer)?;
-    crate::data::pipe_source::set_stall_timeout(std::time::Duration::from_secs_f64(o.stall_timeout_s));
     let started = Instant::now();
     let mut report = ScoreReport {
         checkpoint: o.checkpoint.clone(),
