@@ -785,6 +785,33 @@ impl Config {
     }
 }
 
+/// A value as a config file writes it (`"shorter"`, `[0.5, 0.5, 0.5]`), so that a line can be
+/// copied into `--set` as it is.
+pub fn as_written<T: serde::Serialize>(v: &T) -> String {
+    match toml::Value::try_from(v) {
+        Ok(t) => render(&t),
+        // What TOML cannot hold (an unset option) reads as JSON's null.
+        Err(_) => serde_json::to_string(v).unwrap_or_default(),
+    }
+}
+
+/// A TOML value with its floats as short as they round-trip: an f32 field's 0.48 is written
+/// 0.48, not the 0.47999998927116394 its widening to f64 gives.
+fn render(v: &toml::Value) -> String {
+    match v {
+        toml::Value::Float(x) if (*x as f32) as f64 == *x => {
+            let short = format!("{}", *x as f32);
+            if short.contains(['.', 'e', 'n', 'i']) {
+                short
+            } else {
+                format!("{short}.0")
+            }
+        }
+        toml::Value::Array(items) => format!("[{}]", items.iter().map(render).collect::<Vec<_>>().join(", ")),
+        other => other.to_string(),
+    }
+}
+
 /// `section.key=value`: the value is read as TOML (`1e-4`, `true`, `[1, 2]`, `"x"`), or as a bare
 /// string when it is not valid TOML (`data.train=shards/{0..9}.tar`).
 pub fn apply_override(table: &mut toml::Table, spec: &str) -> Result<()> {

@@ -138,3 +138,50 @@ fn the_sigmoid_loss_on_a_clip_start_adds_its_bias() {
     let bias = after["logit_bias"].to_scalar::<f32>().unwrap();
     assert!(bias != -10.0 && (bias + 10.0).abs() < 0.1, "the bias starts at -10 and trains: {bias}");
 }
+
+/// A resumed run reads its sizes, tokenizer, weights and start settings from its own checkpoint:
+/// the start it began from may be gone, and the run ends where an uninterrupted one does.
+#[test]
+fn a_resume_needs_no_start_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = common::tiny_data(&dir.path().join("data"));
+    let start = dir.path().join("start");
+    std::fs::create_dir(&start).unwrap();
+    for f in std::fs::read_dir(fixtures().join("towers/clip-tiny")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, start.join(f.file_name().unwrap())).unwrap();
+    }
+    let config = |name: &str| {
+        let o = [
+            format!("data.train={}", data.train),
+            format!("run.out_dir={}", dir.path().join("runs").display()),
+            format!("run.name={name}"),
+            format!("model.init={}", start.display()),
+            "data.workers=1".into(),
+            "train.batch_size=8".into(),
+            "train.steps=4".into(),
+            "train.checkpoint_every=1".into(),
+            "train.warmup_steps=0".into(),
+            "train.lr=1e-3".into(),
+        ];
+        Config::from_str_with_overrides("", "fine-tune", &o).unwrap()
+    };
+    let straight = train(&config("straight"), &common::cpu_options()).unwrap();
+    let mut stopped = common::cpu_options();
+    stopped.stop_after = Some(2);
+    train(&config("stopped"), &stopped).unwrap();
+    std::fs::remove_dir_all(&start).unwrap();
+    let mut resume = common::cpu_options();
+    resume.resume = true;
+    let resumed = train(&config("stopped"), &resume).unwrap_or_else(|e| panic!("a resume without its start: {e:#}"));
+    let (a, b) = (
+        read_tensors(&straight.checkpoint.join("model.safetensors"), &Device::Cpu).unwrap(),
+        read_tensors(&resumed.checkpoint.join("model.safetensors"), &Device::Cpu).unwrap(),
+    );
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &a {
+        assert_eq!(common::max_diff(t, &b[name]), 0.0, "{name}");
+    }
+    let saved = |s: &align::train::trainer::TrainSummary| std::fs::read_to_string(s.checkpoint.join("config.toml")).unwrap();
+    assert_eq!(saved(&straight).replace("straight", "stopped"), saved(&resumed), "the resumed run records the start's settings");
+}

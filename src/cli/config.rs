@@ -29,7 +29,7 @@ pub fn run(a: ConfigArgs) -> Result<()> {
     let mut cfg = a.config.as_ref().map(|p| Config::load(p, &a.overrides)).transpose()?;
     // A start's settings are the run's defaults: show them as `align train` will use them.
     let adopted = match cfg.as_mut() {
-        Some(c) if !c.model.init.is_empty() => match align::io::adopt::adopt(c) {
+        Some(c) if !c.model.init.is_empty() => match align::train::start::Start::resolve(c, None).and_then(|s| s.adopt(c)) {
             Ok(done) => done.taken,
             Err(e) => {
                 align::util::log::warn(format!("model.init {}: {e:#}; its settings are not shown", c.model.init));

@@ -116,7 +116,7 @@ pub fn run(a: &InspectArgs) -> Result<()> {
             max_len: m.tokenizer.max_len(),
             pad_token: m.tokenizer.inner().id_to_token(m.tokenizer.pad_id()).unwrap_or_default(),
         },
-        preprocessing: align::io::adopt::train_image(&m.usage.image, &spec),
+        preprocessing: align::train::start::train_image(&m.usage.image, &spec),
         loss: m.usage.loss,
         logit_scale: m.model.logit_scale()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
         logit_bias: m.model.logit_bias()?.map(|b| b.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()).transpose()?,
@@ -152,7 +152,7 @@ pub fn run(a: &InspectArgs) -> Result<()> {
             report.tokenizer.vocabulary, report.tokenizer.max_len, report.tokenizer.pad_token
         ),
     );
-    use align::io::adopt::as_written as w;
+    use align::config::as_written as w;
     t.row("image size", format!("{} px (resize {} {}, {})", p.image_size, p.resize, w(&p.resize_mode), w(&p.interpolation)));
     t.row("mean / std", format!("{} / {}", w(&p.mean), w(&p.std)));
     t.row("fine-tune augmentation", format!("{}, flip {}", w(&p.train_crop), p.hflip));

@@ -149,6 +149,9 @@ impl EfficientNetConfig {
         })
     }
 
+    /// The architecture the overrides name. Their training settings (`drop_path`, `bn_frozen`)
+    /// apply to a pretrained tower as much as to a new one, so a run sets them where it starts,
+    /// not here.
     pub fn with(mut self, o: &super::presets::EfficientNetOverrides) -> Self {
         if let Some(v) = o.width_coefficient {
             self.width_coefficient = v;
@@ -156,17 +159,11 @@ impl EfficientNetConfig {
         if let Some(v) = o.depth_coefficient {
             self.depth_coefficient = v;
         }
-        if let Some(v) = o.drop_path {
-            self.drop_path = v;
-        }
         if let Some(v) = o.bn_momentum {
             self.bn_momentum = v;
         }
         if let Some(v) = o.bn_eps {
             self.bn_eps = v;
-        }
-        if let Some(v) = o.bn_frozen {
-            self.bn_frozen = v;
         }
         if let Some(v) = &o.depthwise_padding {
             self.depthwise_padding = v.clone();

@@ -141,6 +141,8 @@ impl VitConfig {
         })
     }
 
+    /// The architecture the overrides name. Their training setting (`patch_dropout`) applies to a
+    /// pretrained tower as much as to a new one, so a run sets it where it starts, not here.
     pub fn with(mut self, o: &VitOverrides) -> Self {
         if let Some(v) = o.patch_size {
             self.patch_size = v;
@@ -163,9 +165,6 @@ impl VitConfig {
         }
         if let Some(e) = o.layer_norm_eps {
             self.layer_norm_eps = e;
-        }
-        if let Some(p) = o.patch_dropout {
-            self.patch_dropout = p;
         }
         self
     }

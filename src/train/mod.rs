@@ -11,6 +11,7 @@ pub mod optim;
 pub mod rendezvous;
 pub mod schedule;
 pub mod sigmoid_loss;
+pub mod start;
 pub mod step;
 pub mod trainer;
 pub mod validation;

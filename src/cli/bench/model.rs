@@ -155,7 +155,7 @@ impl Bench {
         overrides.extend(a.overrides.iter().cloned());
         overrides.push(format!("train.precision={:?}", a.precision));
         let cfg = Config::from_str_with_overrides("", "bench", &overrides)?;
-        let mut spec = cfg.model_spec(30522)?;
+        let mut spec = align::train::start::scratch_spec(&cfg, 30522)?;
         if let ImageSpec::EfficientNet(e) = &mut spec.image {
             e.depthwise = a.depthwise;
         }

@@ -27,6 +27,7 @@ use candle_core::Device;
 pub use summary::{BestMetric, TrainSummary};
 
 use super::collective::{Collective, DistEnv, SingleProcess, ThreadGroup};
+use super::start::Start;
 use crate::config::Config;
 use crate::util::log;
 
@@ -66,7 +67,9 @@ impl TrainOptions {
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
     // A start's preprocessing, text length and loss become this run's defaults.
     let mut cfg = cfg.clone();
-    let adopted = crate::io::adopt::adopt(&mut cfg)?;
+    let resume = setup::resume_checkpoint(opts, &cfg.run_dir())?;
+    let start = Start::resolve(&cfg, resume.as_deref())?;
+    let adopted = start.adopt(&mut cfg)?;
     if !opts.quiet {
         for line in &adopted.taken {
             log::info(format!("adopted {line}"));
@@ -84,26 +87,27 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
         log::info(format!("{threads} compute threads; {} loader workers at nice +{}", cfg.data.workers, cfg.data.worker_nice));
     }
     let env = DistEnv::from_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    let start = &start;
     if env.world_size > 1 {
-        return train_process_rank(cfg, opts, &env);
+        return train_process_rank(cfg, start, opts, &env);
     }
     if opts.nproc <= 1 {
-        return train_rank(cfg, opts, Arc::new(SingleProcess));
+        return train_rank(cfg, start, opts, Arc::new(SingleProcess));
     }
-    train_thread_ranks(cfg, opts)
+    train_thread_ranks(cfg, start, opts)
 }
 
 #[cfg(feature = "nccl")]
-fn train_process_rank(cfg: &Config, opts: &TrainOptions, env: &DistEnv) -> Result<TrainSummary> {
+fn train_process_rank(cfg: &Config, start: &Start, opts: &TrainOptions, env: &DistEnv) -> Result<TrainSummary> {
     use anyhow::Context;
     let timeout = std::time::Duration::from_secs_f64(cfg.train.collective_timeout_s);
     let group = super::nccl::NcclGroup::join(env, timeout).with_context(|| format!("rank {} of {}", env.rank, env.world_size))?;
     let opts = opts.for_rank(env.rank, group.device().clone(), 1);
-    train_rank(cfg, &opts, Arc::new(group))
+    train_rank(cfg, start, &opts, Arc::new(group))
 }
 
 #[cfg(not(feature = "nccl"))]
-fn train_process_rank(_cfg: &Config, _opts: &TrainOptions, env: &DistEnv) -> Result<TrainSummary> {
+fn train_process_rank(_cfg: &Config, _start: &Start, _opts: &TrainOptions, env: &DistEnv) -> Result<TrainSummary> {
     bail!(
         "this process is rank {} of {} (from RANK/WORLD_SIZE or SLURM): multi-process training runs over NCCL, which this build does not include (build with --features nccl)",
         env.rank,
@@ -112,7 +116,7 @@ fn train_process_rank(_cfg: &Config, _opts: &TrainOptions, env: &DistEnv) -> Res
 }
 
 /// `opts.nproc` ranks as threads of this process; a failing rank aborts the others.
-fn train_thread_ranks(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
+fn train_thread_ranks(cfg: &Config, start: &Start, opts: &TrainOptions) -> Result<TrainSummary> {
     let timeout = std::time::Duration::from_secs_f64(cfg.train.collective_timeout_s);
     let groups = ThreadGroup::new(opts.nproc, timeout);
     let results: Vec<Result<TrainSummary>> = std::thread::scope(|scope| {
@@ -122,7 +126,7 @@ fn train_thread_ranks(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary>
                 let opts = opts.for_rank(g.rank(), opts.device.clone(), opts.nproc);
                 scope.spawn(move || {
                     let group: Arc<dyn Collective> = Arc::new(g);
-                    let out = train_rank(cfg, &opts, group.clone());
+                    let out = train_rank(cfg, start, &opts, group.clone());
                     if let Err(e) = &out {
                         group.abort(&format!("{e:#}"));
                     }
@@ -160,11 +164,11 @@ fn rank_zero_or_first_failure(results: Vec<Result<TrainSummary>>) -> Result<Trai
 }
 
 /// One rank's run.
-fn train_rank(cfg: &Config, opts: &TrainOptions, group: Arc<dyn Collective>) -> Result<TrainSummary> {
+fn train_rank(cfg: &Config, start: &Start, opts: &TrainOptions, group: Arc<dyn Collective>) -> Result<TrainSummary> {
     let run_dir = cfg.run_dir();
     let new_dir = group.rank() == 0 && !run_dir.exists();
     let result = (|| {
-        let mut run = setup::prepare(cfg, opts, &*group)?;
+        let mut run = setup::prepare(cfg, start, opts, &*group)?;
         let mut log = logging::RunLog::open(cfg, &run, opts.quiet, group.rank() == 0)?;
         let end = step_loop::run(cfg, opts, &group, &mut run, &mut log)?;
         summary::finish(cfg, &*group, &run, log, end)

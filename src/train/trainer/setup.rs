@@ -15,7 +15,6 @@ use crate::data::distribute::{Placement, ShardPlan};
 use crate::data::loader::{LoaderSettings, TrainLoader};
 use crate::data::spec;
 use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
-use crate::io::init_from;
 use crate::io::run_dir::{self, TrainState, EMA_FILE, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE};
 use crate::io::run_lock::RunLock;
 use crate::io::tensors::{load_strict, read_tensors};
@@ -25,6 +24,7 @@ use crate::model::init::SeededVars;
 use crate::train::collective::Collective;
 use crate::train::ema::{EmaSchedule, WeightEma};
 use crate::train::optim::Optimizer;
+use crate::train::start::Start;
 use crate::util::log;
 
 /// A rank's run as it goes: set up here, advanced by the step loop.
@@ -47,14 +47,15 @@ pub(super) struct Run {
     _lock: Option<RunLock>,
 }
 
-pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective) -> Result<Run> {
+pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, group: &dyn Collective) -> Result<Run> {
     let run_dir = cfg.run_dir();
     // Every rank learns whether rank 0 got the directory before any of them reads from it.
     let lock = if group.rank() == 0 { Some(lock_run_dir(&run_dir)) } else { None };
     group.barrier().map_err(coll)?;
     let lock = lock.transpose()?;
-    let (resumed_from, start) = resume_point(opts, &run_dir, group.world_size())?;
-    if let Some(dir) = &resumed_from {
+    let resumed_from = from.resumed_from().map(Path::to_path_buf);
+    let start = resume_state(resumed_from.as_deref(), group.world_size())?;
+    if let (Some(dir), Some(saved)) = (&resumed_from, from.saved_config()) {
         if start.step > cfg.train.steps {
             bail!(
                 "{} is at step {}, past this run's length of {} steps: there is nothing to train; to go on, raise train.steps (with --allow-change train.steps)",
@@ -63,16 +64,14 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
                 cfg.train.steps
             );
         }
-    }
-    if let Some(dir) = &resumed_from {
-        for change in changes_on_resume(cfg, dir, &opts.allow_change)? {
+        for change in changes_on_resume(cfg, saved, dir, &opts.allow_change)? {
             if !opts.quiet {
                 log::info(format!("resuming with {change} (--allow-change)"));
             }
         }
     }
-    let tokenizer = Arc::new(shared_tokenizer(cfg, opts.quiet, &run_dir, resumed_from.as_deref(), group)?);
-    let spec = init_from::spec(cfg, tokenizer.vocab_size())?;
+    let tokenizer = Arc::new(shared_tokenizer(cfg, from, opts.quiet, &run_dir, group)?);
+    let spec = from.spec(cfg, tokenizer.vocab_size())?;
     let varmap = VarMap::new();
     let device = opts.device.clone();
     if cfg.train.precision == crate::config::Precision::Bf16 && device.is_cpu() && group.rank() == 0 {
@@ -81,8 +80,8 @@ pub(super) fn prepare(cfg: &Config, opts: &TrainOptions, group: &dyn Collective)
         );
     }
     let model = build_model(cfg, &spec, SeededVars::builder(&varmap, cfg.run.seed, &device))?;
-    if resumed_from.is_none() && group.rank() == 0 {
-        for line in init_from::load_weights(cfg, &spec, &varmap, &device)? {
+    if group.rank() == 0 {
+        for line in from.load_weights(cfg, &spec, &varmap, &device)? {
             if !opts.quiet {
                 log::info(format!("initialised {line}"));
             }
@@ -159,8 +158,8 @@ pub(super) fn bf16_view(cfg: &Config, run: &Run) -> Result<DualEncoder> {
     build_model(cfg, &run.spec, SeededVars::builder_dtype(&run.varmap, cfg.run.seed, DType::BF16, &run.device))
 }
 
-/// The checkpoint to resume from (with `--resume`, or `--resume PATH`) and its state.
-fn resume_point(opts: &TrainOptions, run_dir: &Path, world: usize) -> Result<(Option<PathBuf>, TrainState)> {
+/// The checkpoint to resume from (with `--resume`, or `--resume PATH`), if any.
+pub(super) fn resume_checkpoint(opts: &TrainOptions, run_dir: &Path) -> Result<Option<PathBuf>> {
     let resumed_from = match &opts.resume_from {
         Some(path) => Some(chosen_checkpoint(path, run_dir)?),
         None if opts.resume => run_dir::latest(run_dir)?,
@@ -169,14 +168,19 @@ fn resume_point(opts: &TrainOptions, run_dir: &Path, world: usize) -> Result<(Op
     if opts.resume && resumed_from.is_none() && !opts.quiet {
         log::info(format!("no checkpoint in {} yet: starting from scratch", run_dir.display()));
     }
-    let start = match &resumed_from {
-        Some(dir) => run_dir::read_state(dir)?,
-        None => TrainState { step: 0, samples_seen: 0, loaders: Vec::new(), seconds: 0.0, last_loss: None },
+    Ok(resumed_from)
+}
+
+/// The state a run resumes at (zero for a fresh run), written by as many ranks as this run has.
+fn resume_state(resumed_from: Option<&Path>, world: usize) -> Result<TrainState> {
+    let Some(dir) = resumed_from else {
+        return Ok(TrainState { step: 0, samples_seen: 0, loaders: Vec::new(), seconds: 0.0, last_loss: None });
     };
-    if resumed_from.is_some() && start.loaders.len() != world {
+    let start = run_dir::read_state(dir)?;
+    if start.loaders.len() != world {
         bail!("the checkpoint was written by {} ranks but this run has {world}: resume with the same number of ranks", start.loaders.len());
     }
-    Ok((resumed_from, start))
+    Ok(start)
 }
 
 /// `--resume PATH`: a checkpoint (`RUN/step-N`) or a run directory (its latest checkpoint). An
@@ -234,9 +238,8 @@ const RESUME_FIELDS: [&str; 8] =
 
 /// What `cfg` changes of the config the checkpoint at `dir` was trained with: an error naming
 /// every change not allowed, else the allowed ones.
-pub(super) fn changes_on_resume(cfg: &Config, dir: &Path, allowed: &[String]) -> Result<Vec<String>> {
-    let saved = Config::load(&dir.join(run_dir::CONFIG_FILE), &[])?;
-    let (now, before) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&saved)?);
+pub(super) fn changes_on_resume(cfg: &Config, saved: &Config, dir: &Path, allowed: &[String]) -> Result<Vec<String>> {
+    let (now, before) = (toml::Table::try_from(cfg)?, toml::Table::try_from(saved)?);
     let lookup = |t: &toml::Table, field: &str| -> Option<toml::Value> {
         let mut parts = field.split('.');
         let mut v = t.get(parts.next()?)?.clone();
@@ -291,17 +294,12 @@ fn leaf_changes(path: &str, old: Option<&toml::Value>, new: Option<&toml::Value>
 /// The run's vocabulary, the same on every rank: rank 0 settles it (training one if needed,
 /// which is not reproducible run to run) and writes it to the run directory, where the others
 /// read it.
-fn shared_tokenizer(
-    cfg: &Config,
-    quiet: bool,
-    run_dir: &Path,
-    resumed_from: Option<&Path>,
-    group: &dyn Collective,
-) -> Result<TextTokenizer> {
+fn shared_tokenizer(cfg: &Config, from: &Start, quiet: bool, run_dir: &Path, group: &dyn Collective) -> Result<TextTokenizer> {
     let lead = group.rank() == 0;
-    if lead || resumed_from.is_some() || !cfg.text.tokenizer.as_os_str().is_empty() {
-        let t = resolve_tokenizer(cfg, resumed_from, quiet)?;
-        if lead && resumed_from.is_none() {
+    let resumed = from.resumed_from().is_some();
+    if lead || resumed || !cfg.text.tokenizer.as_os_str().is_empty() {
+        let t = resolve_tokenizer(cfg, from, quiet)?;
+        if lead && !resumed {
             t.save(&run_dir.join(TOKENIZER_FILE))?;
         }
         group.barrier().map_err(coll)?;
@@ -311,13 +309,10 @@ fn shared_tokenizer(
     TextTokenizer::from_file(&run_dir.join(TOKENIZER_FILE), cfg.text.max_len)
 }
 
-/// The checkpoint's vocabulary, an init checkpoint's, `text.tokenizer`, or one trained on the
+/// The checkpoint's vocabulary, a pretrained start's, `text.tokenizer`, or one trained on the
 /// training captions.
-fn resolve_tokenizer(cfg: &Config, resumed_from: Option<&Path>, quiet: bool) -> Result<TextTokenizer> {
-    if let Some(dir) = resumed_from {
-        return TextTokenizer::from_file(&dir.join(TOKENIZER_FILE), cfg.text.max_len);
-    }
-    if let Some(t) = init_from::tokenizer(cfg)? {
+fn resolve_tokenizer(cfg: &Config, from: &Start, quiet: bool) -> Result<TextTokenizer> {
+    if let Some(t) = from.tokenizer(cfg)? {
         return Ok(t);
     }
     let path = &cfg.text.tokenizer;

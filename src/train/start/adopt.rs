@@ -9,11 +9,11 @@
 //! checkpoint, a warning names it. The run's `config.toml` then records what was used, towers
 //! included.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 
-use super::format::{loss_of, Usage};
-use crate::config::{Config, LossKind};
+use crate::config::{as_written, Config, LossKind};
 use crate::data::transform::{ImageConfig, ResizeMode, TrainCrop};
+use crate::io::format::{loss_of, Usage};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 
 /// What adopting a start did: settings taken (for the log) and explicit settings kept against the
@@ -24,22 +24,6 @@ pub struct Adopted {
     pub kept: Vec<String>,
     /// Explicit settings of the architecture that the start's own replaces: errors.
     pub conflicts: Vec<String>,
-}
-
-/// Applies `model.init`'s settings to `cfg` as defaults (nothing without `model.init`).
-pub fn adopt(cfg: &mut Config) -> Result<Adopted> {
-    let Some(start) = super::init_from::start(cfg)? else { return Ok(Adopted::default()) };
-    let (dir, format) = (&start.located.dir, start.located.format);
-    let usage = format.usage(dir, &start.spec).with_context(|| format!("model.init {}", cfg.model.init))?;
-    let done = adopt_usage(cfg, &start.spec, &usage, format.name());
-    if !done.conflicts.is_empty() {
-        anyhow::bail!(
-            "model.init {} brings its own architecture, which these settings would change: {}; remove them, or train from scratch without model.init",
-            cfg.model.init,
-            done.conflicts.join("; ")
-        );
-    }
-    Ok(done)
 }
 
 /// The training transform a family trains with, at the evaluation settings `eval`.
@@ -62,34 +46,7 @@ pub fn train_image(eval: &ImageConfig, spec: &ModelSpec) -> ImageConfig {
     image
 }
 
-/// A value as a config file writes it (`"shorter"`, `[0.5, 0.5, 0.5]`), so that a line can be
-/// copied into `--set` as it is.
-pub fn as_written<T: serde::Serialize>(v: &T) -> String {
-    match toml::Value::try_from(v) {
-        Ok(t) => render(&t),
-        // What TOML cannot hold (an unset option) reads as JSON's null.
-        Err(_) => serde_json::to_string(v).unwrap_or_default(),
-    }
-}
-
-/// A TOML value with its floats as short as they round-trip: an f32 field's 0.48 is written
-/// 0.48, not the 0.47999998927116394 its widening to f64 gives.
-fn render(v: &toml::Value) -> String {
-    match v {
-        toml::Value::Float(x) if (*x as f32) as f64 == *x => {
-            let short = format!("{}", *x as f32);
-            if short.contains(['.', 'e', 'n', 'i']) {
-                short
-            } else {
-                format!("{short}.0")
-            }
-        }
-        toml::Value::Array(items) => format!("[{}]", items.iter().map(render).collect::<Vec<_>>().join(", ")),
-        other => other.to_string(),
-    }
-}
-
-fn adopt_usage(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) -> Adopted {
+pub(super) fn from_start(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) -> Adopted {
     let mut done = Adopted::default();
     let from = format!("model.init ({format})");
     let want = train_image(&usage.image, spec);
@@ -198,6 +155,75 @@ fn adopt_usage(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) 
         *line = format!("{line} from {from}");
     }
     done
+}
+
+/// Every field adopting a start may set: what a resumed run takes back from its own
+/// `config.toml` (the start that set them may be gone by then).
+const ADOPTED: [&str; 27] = [
+    "data.image.image_size",
+    "data.image.resize",
+    "data.image.resize_mode",
+    "data.image.crop_offset",
+    "data.image.interpolation",
+    "data.image.mean",
+    "data.image.std",
+    "data.image.train_crop",
+    "data.image.rrc_scale",
+    "data.image.rrc_ratio",
+    "data.image.hflip",
+    "text.max_len",
+    "loss.kind",
+    "loss.label_smoothing",
+    "loss.directions",
+    "optimizer.kind",
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+    "optimizer.grad_clip",
+    "model.image_tower",
+    "model.text_tower",
+    "model.embed_dim",
+    "model.image_projection",
+    "model.text_projection_bias",
+    "model.text_pooling",
+];
+
+/// A resumed run's start settings, from the config its checkpoint was trained with: what the
+/// start gave the first run, taken again where this run does not set it; an explicit setting
+/// wins, with a warning where it differs (`--resume` then judges whether it may change).
+pub(super) fn from_saved(cfg: &mut Config, saved: &Config) -> Result<Adopted> {
+    let mut done = Adopted::default();
+    let (mut now, before) = (toml::Table::try_from(&*cfg)?, toml::Table::try_from(saved)?);
+    for path in ADOPTED {
+        let (keys, leaf) = path.rsplit_once('.').expect("a field of a section");
+        let section = |t: &toml::Table| keys.split('.').try_fold(t.clone(), |t, k| t.get(k)?.as_table().cloned());
+        let old = section(&before).and_then(|t| t.get(leaf).cloned());
+        let Some(mut table) = section(&now) else { continue };
+        let new = table.get(leaf).cloned();
+        if old == new {
+            continue;
+        }
+        let show = |v: &Option<toml::Value>| v.as_ref().map_or("(none)".to_string(), as_written);
+        if cfg.is_explicit(path) {
+            done.kept.push(format!("{path} = {} (the run's checkpoint has {})", show(&new), show(&old)));
+            continue;
+        }
+        done.taken.push(format!("{path} = {} from the run's checkpoint", show(&old)));
+        match old {
+            Some(v) => table.insert(leaf.to_string(), v),
+            None => table.remove(leaf),
+        };
+        let mut cur = &mut now;
+        for k in keys.split('.') {
+            cur = cur.get_mut(k).and_then(toml::Value::as_table_mut).expect("the section read above");
+        }
+        *cur = table;
+    }
+    let explicit = cfg.explicit.clone();
+    *cfg = now.try_into()?;
+    cfg.explicit = explicit;
+    Ok(done)
 }
 
 /// The family a start was trained in, by the format it came in: its objective and optimizer are
@@ -313,7 +339,7 @@ mod tests {
     fn a_start_sets_the_defaults_and_an_explicit_setting_wins_with_a_warning() {
         let (spec, usage) = clip_like();
         let mut cfg = Config::from_str_with_overrides("[data.image]\nmean = [0.5, 0.5, 0.5]\n", "t", &[]).unwrap();
-        let done = adopt_usage(&mut cfg, &spec, &usage, "CLIPModel");
+        let done = from_start(&mut cfg, &spec, &usage, "CLIPModel");
         let im = &cfg.data.image;
         assert_eq!((im.image_size, im.resize, im.resize_mode, im.interpolation), (8, 8, ResizeMode::Shorter, Interpolation::Bicubic));
         assert_eq!((im.train_crop, im.rrc_scale, im.hflip), (TrainCrop::RandomResizedCrop, [0.9, 1.0], false));
@@ -331,7 +357,7 @@ mod tests {
         usage.image.resize = 10;
         let mut cfg =
             Config::from_str_with_overrides("", "t", &["data.image.image_size=16".into(), "loss.kind=\"softmax\"".into()]).unwrap();
-        let done = adopt_usage(&mut cfg, &spec, &usage, "SiglipModel");
+        let done = from_start(&mut cfg, &spec, &usage, "SiglipModel");
         assert_eq!((cfg.data.image.image_size, cfg.data.image.resize), (16, 20));
         assert_eq!(cfg.loss.kind, LossKind::Softmax);
         assert!(done.kept.iter().any(|k| k.contains("logit_bias stays unused")), "{done:?}");
@@ -346,7 +372,7 @@ mod tests {
         let (spec, mut usage) = clip_like();
         usage.loss = LossKind::Softmax;
         let mut cfg = Config::from_str_with_overrides("", "t", &["optimizer.weight_decay=0.05".into()]).unwrap();
-        let done = adopt_usage(&mut cfg, &spec, &usage, "open_clip");
+        let done = from_start(&mut cfg, &spec, &usage, "open_clip");
         let (o, l) = (&cfg.optimizer, &cfg.loss);
         assert_eq!((o.kind, o.beta1, o.beta2, o.eps), (OptimizerKind::Adamw, 0.9, 0.98, 1e-6));
         assert_eq!((l.label_smoothing, l.directions, o.weight_decay), (0.0, Directions::Mean, 0.05));
@@ -354,11 +380,11 @@ mod tests {
         assert!(done.kept.iter().any(|k| k.starts_with("optimizer.weight_decay = 0.05 (the start's recipe has 0.2)")), "{done:?}");
 
         let mut cfg = Config::default();
-        adopt_usage(&mut cfg, &spec, &Usage { loss: LossKind::Sigmoid, ..usage.clone() }, "SiglipModel");
+        from_start(&mut cfg, &spec, &Usage { loss: LossKind::Sigmoid, ..usage.clone() }, "SiglipModel");
         assert_eq!((cfg.optimizer.kind, cfg.optimizer.grad_clip, cfg.optimizer.eps), (OptimizerKind::Adamw, 1.0, 1e-8));
 
         let mut cfg = Config::default();
-        adopt_usage(&mut cfg, &spec, &usage, "AlignModel");
+        from_start(&mut cfg, &spec, &usage, "AlignModel");
         assert_eq!((cfg.optimizer, cfg.loss.label_smoothing, cfg.loss.directions), (Config::default().optimizer, 0.1, Directions::Sum));
     }
 
@@ -372,12 +398,77 @@ mod tests {
             &["model.embed_dim=64".into(), "model.image_tower=\"efficientnet-b0\"".into(), "model.text_tower=\"bert\"".into()],
         )
         .unwrap();
-        let done = adopt_usage(&mut cfg, &spec, &usage, "CLIPModel");
+        let done = from_start(&mut cfg, &spec, &usage, "CLIPModel");
         assert_eq!(done.conflicts.len(), 2, "{done:?}");
         assert!(done.conflicts.iter().any(|c| c == "model.embed_dim = 64 (the start's is 8)"), "{done:?}");
         assert!(done.taken.iter().any(|t| t.starts_with("data.image.mean = [0.48, 0.46, 0.41]")), "{done:?}");
         // The names a run's own config.toml records are the start's: no conflict.
         let mut recorded = Config::from_str_with_overrides(&cfg.to_toml().unwrap(), "t", &[]).unwrap();
-        assert!(adopt_usage(&mut recorded, &spec, &usage, "CLIPModel").conflicts.is_empty());
+        assert!(from_start(&mut recorded, &spec, &usage, "CLIPModel").conflicts.is_empty());
+    }
+
+    /// Every leaf field of a config as a line `path = value`.
+    fn leaves(cfg: &Config) -> std::collections::BTreeMap<String, String> {
+        fn walk(t: &toml::Table, prefix: &str, out: &mut std::collections::BTreeMap<String, String>) {
+            for (k, v) in t {
+                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                match v {
+                    toml::Value::Table(t) => walk(t, &path, out),
+                    v => {
+                        out.insert(path, v.to_string());
+                    }
+                }
+            }
+        }
+        let mut out = Default::default();
+        walk(&toml::Table::try_from(cfg).unwrap(), "", &mut out);
+        out
+    }
+
+    /// What adopting a start changes is what a resume takes back: a field adoption sets but the
+    /// list leaves out would be lost once the start is gone.
+    #[test]
+    fn every_field_a_start_sets_is_one_a_resume_takes_back() {
+        let (clip, usage) = clip_like();
+        let mut effnet = clip.clone();
+        effnet.image = ImageSpec::EfficientNet(crate::model::efficientnet::EfficientNetConfig::preset("efficientnet-b0", 16).unwrap());
+        let mut seen = std::collections::BTreeSet::new();
+        for (spec, format, loss) in [
+            (&clip, "CLIPModel", LossKind::Softmax),
+            (&clip, "SiglipModel", LossKind::Sigmoid),
+            (&effnet, "AlignModel", LossKind::Softmax),
+            (&clip, "open_clip", LossKind::Sigmoid),
+        ] {
+            let mut cfg = Config::default();
+            let before = leaves(&cfg);
+            from_start(&mut cfg, spec, &Usage { loss, ..usage.clone() }, format);
+            let after = leaves(&cfg);
+            for (path, value) in &after {
+                if before.get(path) != Some(value) {
+                    assert!(ADOPTED.contains(&path.as_str()), "{format}: {path} = {value} is adopted but not listed");
+                    seen.insert(path.clone());
+                }
+            }
+        }
+        assert!(seen.len() >= 20, "the starts above change most listed fields: {seen:?}");
+    }
+
+    /// A resume takes the start's settings back from the run's own config, where the run does not
+    /// set them; an explicit setting stays, with a warning.
+    #[test]
+    fn a_resume_takes_the_start_settings_from_the_saved_config() {
+        let (spec, usage) = clip_like();
+        let mut first = Config::from_str_with_overrides("[model]\ninit = \"start\"\n", "t", &[]).unwrap();
+        from_start(&mut first, &spec, &usage, "CLIPModel");
+        let saved = Config::from_str_with_overrides(&first.to_toml().unwrap(), "saved", &[]).unwrap();
+
+        let mut again = Config::from_str_with_overrides("[model]\ninit = \"start\"\n[data.image]\nhflip = true\n", "t", &[]).unwrap();
+        let done = from_saved(&mut again, &saved).unwrap();
+        assert_eq!(again.data.image, ImageConfig { hflip: true, ..first.data.image.clone() });
+        assert_eq!((again.text.max_len, again.loss.kind, &again.optimizer), (first.text.max_len, first.loss.kind, &first.optimizer));
+        assert_eq!((&again.model.image_tower, again.model.embed_dim), (&first.model.image_tower, first.model.embed_dim));
+        assert_eq!(done.kept, ["data.image.hflip = true (the run's checkpoint has false)"]);
+        assert!(done.taken.iter().any(|t| t == "text.max_len = 16 from the run's checkpoint"), "{done:?}");
+        assert!(again.is_explicit("data.image.hflip") && !again.is_explicit("text.max_len"));
     }
 }
