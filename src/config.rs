@@ -415,6 +415,14 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The name results record (`f32`, `bf16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
     pub fn compute_dtype(self) -> candle_core::DType {
         match self {
             Precision::F32 => candle_core::DType::F32,

@@ -7,8 +7,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use align::io::format::{export::export, named};
 use align::io::load::load_model;
+use align::io::registry::{export::export, named};
 use candle_core::Device;
 
 fn fixtures() -> PathBuf {

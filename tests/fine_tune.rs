@@ -61,7 +61,7 @@ fn a_siglip_start_trains_with_the_sigmoid_loss_and_its_bias() {
     let (c, checkpoint) = fine_tune(dir.path(), "towers/siglip-tiny", &[]);
     assert_eq!(c.loss.kind, LossKind::Sigmoid);
     assert_eq!(c.data.image.resize_mode, ResizeMode::Square);
-    let start = align::io::hf::files::read_weights(&fixtures().join("towers/siglip-tiny"), &Device::Cpu).unwrap();
+    let start = align::io::format::hf::files::read_weights(&fixtures().join("towers/siglip-tiny"), &Device::Cpu).unwrap();
     let after = read_tensors(&checkpoint.join("model.safetensors"), &Device::Cpu).unwrap();
     let bias = |w: &std::collections::HashMap<String, candle_core::Tensor>| w["logit_bias"].to_scalar::<f32>().unwrap();
     assert_ne!(bias(&start), bias(&after), "the logit bias must train");

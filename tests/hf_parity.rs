@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use align::io::hf::files::{load_prefixed, read_json, read_weights};
-use align::io::hf::layout::{bert_from_hf, vit_from_hf};
+use align::io::format::hf::files::{load_prefixed, read_json, read_weights};
+use align::io::format::hf::layout::{bert_from_hf, vit_from_hf};
 use align::io::load::load_model;
 use align::io::tensors::read_tensors;
 use align::model::bert::Bert;
@@ -119,8 +119,8 @@ fn an_exported_model_loads_back_with_the_same_embeddings() {
     let m = load_model(&fixture("align-tiny"), &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("export");
-    let format = align::io::format::named("AlignModel").unwrap();
-    align::io::format::export::export(&m.files().unwrap(), format, &out, false).unwrap();
+    let format = align::io::registry::named("AlignModel").unwrap();
+    align::io::registry::export::export(&m.files().unwrap(), format, &out, false).unwrap();
     let back = load_model(&out, &Device::Cpu).unwrap();
     // The processor and tokenizer configs transformers' AutoProcessor needs.
     assert_eq!(back.usage.image, m.usage.image);

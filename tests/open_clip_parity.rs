@@ -13,8 +13,8 @@ mod common;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use align::io::format::{export::export, named};
 use align::io::load::{load_model, LoadedModel};
+use align::io::registry::{export::export, named};
 use align::io::tensors::read_tensors;
 use align::model::Ctx;
 use candle_core::{DType, Device, Tensor};

@@ -166,14 +166,14 @@ fn hub_processor_configs_in_every_form_give_transformers_pixels() {
     ];
     for (form, model) in models {
         let m = load_model(&fixtures().join(model), &Device::Cpu).unwrap();
-        let cfg = align::io::hf::preprocess::read_image_config(&dir.join(form).join("preprocessor_config.json"), None).unwrap();
+        let cfg = align::io::format::hf::preprocess::read_image_config(&dir.join(form).join("preprocessor_config.json"), None).unwrap();
         assert_eq!(cfg.image_size, 32, "{form}");
         for image in &images {
             let (levels, c) = compare(&cfg, form, image, &m);
             assert!(levels <= 1.0 && c >= 0.999, "{form}/{image}: {levels} levels apart on average, cosine {c}");
         }
     }
-    let clip = align::io::hf::preprocess::read_image_config(&dir.join("clip-legacy/preprocessor_config.json"), None).unwrap();
+    let clip = align::io::format::hf::preprocess::read_image_config(&dir.join("clip-legacy/preprocessor_config.json"), None).unwrap();
     assert_eq!(clip.resize_mode, ResizeMode::Shorter);
     let squashed = ImageConfig { resize_mode: ResizeMode::Square, ..clip };
     let m = load_model(&fixtures().join("towers/clip-tiny"), &Device::Cpu).unwrap();

@@ -206,7 +206,7 @@ fn damaged_checkpoint_files_are_errors_that_name_them() {
     // A tokenizer with more ids than the embedding table.
     let d = copy("towers/clip-tiny", "small-table");
     edit_json(&d.join("config.json"), &|v| v["text_config"]["vocab_size"] = 100.into());
-    let w = align::io::hf::files::read_weights(&d, &Device::Cpu).unwrap();
+    let w = align::io::format::hf::files::read_weights(&d, &Device::Cpu).unwrap();
     let mut w: std::collections::HashMap<String, candle_core::Tensor> = w;
     let table = w["text_model.embeddings.token_embedding.weight"].narrow(0, 0, 100).unwrap();
     w.insert("text_model.embeddings.token_embedding.weight".into(), table);

@@ -220,7 +220,7 @@ fn an_exported_clip_model_loads_back_the_same() {
     let m = load_model(&towers().join("clip-tiny"), &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("clip");
-    align::io::format::export::export(&m.files().unwrap(), align::io::format::named("CLIPModel").unwrap(), &out, false).unwrap();
+    align::io::registry::export::export(&m.files().unwrap(), align::io::registry::named("CLIPModel").unwrap(), &out, false).unwrap();
     let back = load_model(&out, &Device::Cpu).unwrap();
     assert_eq!(back.model.spec, m.model.spec);
     assert_eq!(back.usage.image, m.usage.image);
@@ -239,7 +239,7 @@ fn an_exported_siglip_model_loads_back_the_same() {
     let m = load_model(&towers().join("siglip-tiny"), &Device::Cpu).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("siglip");
-    align::io::format::export::export(&m.files().unwrap(), align::io::format::named("SiglipModel").unwrap(), &out, false).unwrap();
+    align::io::registry::export::export(&m.files().unwrap(), align::io::registry::named("SiglipModel").unwrap(), &out, false).unwrap();
     let w = read_tensors(&out.join("model.safetensors"), &Device::Cpu).unwrap();
     assert_eq!((w["logit_scale"].dims(), w["logit_bias"].dims()), (&[1usize][..], &[1usize][..]));
     let tc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap()).unwrap();
@@ -276,8 +276,13 @@ fn vision_text_dual_encoder_matches_transformers_and_exports_back() {
     }
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("vtde");
-    align::io::format::export::export(&m.files().unwrap(), align::io::format::named("VisionTextDualEncoderModel").unwrap(), &out, false)
-        .unwrap();
+    align::io::registry::export::export(
+        &m.files().unwrap(),
+        align::io::registry::named("VisionTextDualEncoderModel").unwrap(),
+        &out,
+        false,
+    )
+    .unwrap();
     let back = load_model(&out, &Device::Cpu).unwrap();
     assert_eq!(back.model.spec, m.model.spec);
     assert_eq!(back.usage.image, m.usage.image);
@@ -286,7 +291,7 @@ fn vision_text_dual_encoder_matches_transformers_and_exports_back() {
     // An ALIGN-style ViT + BERT (raw [CLS] states, a biased text projection) has no such layout.
     let mut spec = m.model.spec.clone();
     spec.text_pooling = align::model::presets::TextPooling::Cls;
-    let e = align::io::hf::vtde::vtde_spec_to_hf(&spec).unwrap_err();
+    let e = align::io::format::hf::vtde::vtde_spec_to_hf(&spec).unwrap_err();
     assert!(e.contains("model.text_pooling = \"pooler\""), "{e}");
 }
 

@@ -321,10 +321,11 @@ pub struct ScoreArgs {
 
 /// `align data score`: each sample's image-text cosine, as Parquet files beside the shards'.
 pub fn score(a: &ScoreArgs) -> Result<()> {
-    a.precision.apply()?;
+    let precision = a.precision.apply()?;
     a.stall.apply()?;
     let device = super::default_device();
-    let m = align::io::load::load_model(&a.checkpoint, &device)?;
+    let mut m = align::io::load::load_model(&a.checkpoint, &device)?;
+    m.precision = precision;
     let shards = align::data::spec::expand(&a.data)?;
     let o = align::eval::score::ScoreOptions {
         out: a.out.clone(),

@@ -21,15 +21,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Args)]
 pub struct EmbedArgs {
     #[command(flatten)]
-    pub precision: super::precision::PrecisionArg,
+    pub model: super::precision::ModelArgs,
     #[command(flatten)]
     pub stall: super::stall::StallArg,
-    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
-    #[arg(long)]
-    pub ema: bool,
     /// Shards to embed: every image, and every caption it carries.
     #[arg(long, conflicts_with = "texts")]
     pub data: Option<String>,
@@ -106,17 +100,16 @@ fn to_tensor(e: &Embeddings) -> Result<Tensor> {
 }
 
 pub fn embed(a: &EmbedArgs) -> Result<()> {
-    a.precision.apply()?;
     a.stall.apply()?;
     let device = super::default_device();
-    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
+    let m = a.model.load(&device)?;
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
     let mut tensors = HashMap::new();
     let mut side = Sidecar {
         checkpoint: Some(canonical(&m.dir)),
-        ema: a.ema,
+        ema: a.model.ema,
         dim: Some(m.spec().embed_dim),
-        precision: Some(align::ops::kernels::bf16_gemm::forward_precision().into()),
+        precision: Some(m.precision.name().into()),
         ..Default::default()
     };
     match (&a.data, &a.texts) {
@@ -330,35 +323,10 @@ pub struct ExportArgs {
     pub force: bool,
 }
 
-/// The Hugging Face format of a model's towers.
-fn hf_format_of(spec: &align::model::dual_encoder::ModelSpec) -> Result<&'static dyn align::io::format::Format> {
-    let names = ["AlignModel", "CLIPModel", "SiglipModel", "VisionTextDualEncoderModel"];
-    let mut why = Vec::new();
-    for name in names {
-        let f = align::io::format::named(name).expect("a registered format");
-        match f.can_write(spec) {
-            Ok(()) => return Ok(f),
-            Err(e) => why.push(format!("{name}: {e}")),
-        }
-    }
-    bail!(
-        "no Hugging Face layout fits a {} image tower with a {} text tower ({})",
-        image_kind(&spec.image),
-        text_kind(&spec.text),
-        why.join("; ")
-    )
-}
-
 pub fn export(a: &ExportArgs) -> Result<()> {
     let m = load_model_with(&a.checkpoint, &Device::Cpu, a.ema)?;
-    let format = match a.format.as_str() {
-        "hf" => hf_format_of(m.spec())?,
-        name => match align::io::format::named(name) {
-            Some(f) if f.name() != "align" => f,
-            _ => bail!("--format {name:?} is not a format align writes (hf, open_clip, AlignModel, CLIPModel, SiglipModel, VisionTextDualEncoderModel)"),
-        },
-    };
-    align::io::format::export::export(&m.files()?, format, &a.out, a.force)?;
+    let format = align::io::registry::writer(&a.format, m.spec())?;
+    align::io::registry::export::export(&m.files()?, format, &a.out, a.force)?;
     let how = if format.name() == "open_clip" {
         format!("open_clip.create_model_and_transforms(\"local-dir:{}\")", a.out.display())
     } else {
@@ -366,23 +334,4 @@ pub fn export(a: &ExportArgs) -> Result<()> {
     };
     println!("wrote {} as {} (load it with {how})", a.out.display(), format.name());
     Ok(())
-}
-
-fn image_kind(i: &align::model::dual_encoder::ImageSpec) -> &'static str {
-    use align::model::dual_encoder::ImageSpec;
-    match i {
-        ImageSpec::Vit(_) => "ViT",
-        ImageSpec::EfficientNet(_) => "EfficientNet",
-        ImageSpec::Clip(_) => "CLIP",
-        ImageSpec::Siglip(_) => "SigLIP",
-    }
-}
-
-fn text_kind(t: &align::model::dual_encoder::TextSpec) -> &'static str {
-    use align::model::dual_encoder::TextSpec;
-    match t {
-        TextSpec::Bert(_) => "BERT",
-        TextSpec::Clip(_) => "CLIP",
-        TextSpec::Siglip(_) => "SigLIP",
-    }
 }

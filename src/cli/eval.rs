@@ -8,7 +8,6 @@ use align::eval::embed::auto_batch;
 use align::eval::metrics::recall_at;
 use align::eval::record::{parse_ks, EvalRecord};
 use align::eval::tasks::{self, labelled_source, retrieval_source, ZeroShotData};
-use align::io::load::load_model_with;
 use anyhow::Result;
 use clap::Args;
 
@@ -17,15 +16,9 @@ use super::table::{add_retrieval, add_zeroshot, pct, Table};
 #[derive(Args)]
 pub struct RetrievalArgs {
     #[command(flatten)]
-    pub precision: super::precision::PrecisionArg,
+    pub model: super::precision::ModelArgs,
     #[command(flatten)]
     pub stall: super::stall::StallArg,
-    /// Checkpoint directory, or a run directory (its latest checkpoint).
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
-    #[arg(long)]
-    pub ema: bool,
     /// Shards with one image and its captions (lines of `txt`, or `captions` in `json`).
     #[arg(long, conflicts_with = "karpathy")]
     pub data: Option<String>,
@@ -56,11 +49,10 @@ pub struct RetrievalArgs {
 }
 
 pub fn retrieval(a: &RetrievalArgs) -> Result<()> {
-    a.precision.apply()?;
     a.stall.apply()?;
     let (source, what) = retrieval_source(&a.data, &a.karpathy, &a.images, &a.split)?;
     let device = super::default_device();
-    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
+    let m = a.model.load(&device)?;
     let ks = parse_ks(&a.recall_k)?;
     let e = tasks::evaluate_retrieval(&m, source, &what, &ks, a.batch.unwrap_or(auto_batch(m.spec())), &device, a.json)?;
     let mut t = Table::new(&format!("Retrieval: {what}"));
@@ -102,15 +94,9 @@ impl Outcome {
 #[derive(Args)]
 pub struct ZeroShotArgs {
     #[command(flatten)]
-    pub precision: super::precision::PrecisionArg,
+    pub model: super::precision::ModelArgs,
     #[command(flatten)]
     pub stall: super::stall::StallArg,
-    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
-    #[arg(long)]
-    pub ema: bool,
     /// Shards with a `cls` label per sample (needs --classes).
     #[arg(long, conflicts_with = "imagenet")]
     pub data: Option<String>,
@@ -145,11 +131,10 @@ pub struct ZeroShotArgs {
 }
 
 pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
-    a.precision.apply()?;
     a.stall.apply()?;
     let task = ZeroShotData::new(&a.data, &a.imagenet, a.variant, &a.classes, &a.wnids, &a.templates)?;
     let device = super::default_device();
-    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
+    let m = a.model.load(&device)?;
     let title = format!("Zero-shot: {}, {} templates", task.what, task.templates.len());
     let e = tasks::evaluate_zeroshot(&m, task, a.batch.unwrap_or(auto_batch(m.spec())), &device, a.json)?;
     let mut t = Table::new(&title);
@@ -162,15 +147,9 @@ pub fn zeroshot(a: &ZeroShotArgs) -> Result<()> {
 #[derive(Args)]
 pub struct KnnArgs {
     #[command(flatten)]
-    pub precision: super::precision::PrecisionArg,
+    pub model: super::precision::ModelArgs,
     #[command(flatten)]
     pub stall: super::stall::StallArg,
-    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
-    #[arg(long)]
-    pub ema: bool,
     /// Labelled shards for the index (`cls` per sample).
     #[arg(long, conflicts_with = "train_imagenet")]
     pub train: Option<String>,
@@ -201,10 +180,9 @@ pub struct KnnArgs {
 }
 
 pub fn knn(a: &KnnArgs) -> Result<()> {
-    a.precision.apply()?;
     a.stall.apply()?;
     let device = super::default_device();
-    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
+    let m = a.model.load(&device)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.val, &a.val_imagenet, "val")?);
     let what = split_names(&a.train, &a.train_imagenet, &a.val, &a.val_imagenet);
     let e = tasks::evaluate_knn(&m, sources, &what, a.k, a.batch.unwrap_or(auto_batch(m.spec())), &device, a.json)?;
@@ -227,15 +205,9 @@ fn split_names(a: &Option<String>, a_dir: &Option<PathBuf>, b: &Option<String>, 
 #[derive(Args)]
 pub struct LinearProbeArgs {
     #[command(flatten)]
-    pub precision: super::precision::PrecisionArg,
+    pub model: super::precision::ModelArgs,
     #[command(flatten)]
     pub stall: super::stall::StallArg,
-    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
-    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
-    #[arg(long)]
-    pub ema: bool,
     /// Labelled shards to train the classifier on (`cls` per sample).
     #[arg(long, conflicts_with = "train_imagenet")]
     pub train: Option<String>,
@@ -275,10 +247,9 @@ pub struct LinearProbeArgs {
 }
 
 pub fn linear_probe(a: &LinearProbeArgs) -> Result<()> {
-    a.precision.apply()?;
     a.stall.apply()?;
     let device = super::default_device();
-    let m = load_model_with(&a.checkpoint, &device, a.ema)?;
+    let m = a.model.load(&device)?;
     let sources = (labelled_source(&a.train, &a.train_imagenet, "train")?, labelled_source(&a.test, &a.test_imagenet, "test")?);
     let what = split_names(&a.train, &a.train_imagenet, &a.test, &a.test_imagenet);
     let pc = align::eval::linear_probe::ProbeConfig {

@@ -50,11 +50,14 @@ fn headline(r: &EvalRecord) -> String {
 }
 
 pub fn suite(a: &SuiteArgs) -> Result<()> {
-    a.precision.apply()?;
+    let precision = a.precision.apply()?;
     a.stall.apply()?;
     let s = Suite::read(&a.config)?;
     let output_dir = a.output_dir.clone().or_else(|| s.output_dir.clone());
-    let records = suite::run(&s, a.strict || s.strict, output_dir.as_deref(), &super::default_device(), a.json)?;
+    let device = super::default_device();
+    let run =
+        suite::SuiteRun { strict: a.strict || s.strict, output_dir: output_dir.as_deref(), precision, device: &device, quiet: a.json };
+    let records = suite::run(&s, &run)?;
     if a.json {
         return super::print_json(&records);
     }

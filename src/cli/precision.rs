@@ -1,7 +1,12 @@
-//! `--precision` of the forward-only commands (embedding, scoring, evaluation).
+//! `--precision` of the forward-only commands (embedding, scoring, evaluation), and the
+//! arguments every command that loads one model for its forward pass shares.
+
+use std::path::PathBuf;
 
 use align::config::Precision;
+use align::io::load::{load_model_with, LoadedModel};
 use anyhow::{bail, Result};
+use candle_core::Device;
 
 #[derive(clap::Args, Clone, Copy, Debug)]
 pub struct PrecisionArg {
@@ -14,9 +19,9 @@ pub struct PrecisionArg {
 
 impl PrecisionArg {
     /// Switches the process's products to the precision asked for, or says why it cannot.
-    pub fn apply(self) -> Result<()> {
+    pub fn apply(self) -> Result<Precision> {
         if self.precision == Precision::F32 {
-            return Ok(());
+            return Ok(Precision::F32);
         }
         if !super::default_device().is_cpu() {
             bail!("--precision bf16 is the CPU's forward path; on a GPU leave it out (the towers run in f32)");
@@ -24,6 +29,30 @@ impl PrecisionArg {
         if !align::ops::kernels::bf16_gemm::set_forward_bf16(true) {
             bail!("--precision bf16 needs a CPU with AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo), which this one lacks");
         }
-        Ok(())
+        Ok(self.precision)
+    }
+}
+
+/// The model a forward-only command runs: the checkpoint, its weights or their moving average,
+/// and the precision of its products.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelArgs {
+    #[command(flatten)]
+    pub precision: PrecisionArg,
+    /// The model: an align run or checkpoint, a Hugging Face or open_clip folder, or hf:ORG/NAME.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Use the weights' moving average the checkpoint holds (`train.ema_decay`).
+    #[arg(long)]
+    pub ema: bool,
+}
+
+impl ModelArgs {
+    /// Sets the process's precision and loads the model on `device`.
+    pub fn load(&self, device: &Device) -> Result<LoadedModel> {
+        let precision = self.precision.apply()?;
+        let mut m = load_model_with(&self.checkpoint, device, self.ema)?;
+        m.precision = precision;
+        Ok(m)
     }
 }

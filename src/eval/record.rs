@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use crate::config::Precision;
 use crate::data::skips::SkipCounts;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -44,7 +45,9 @@ pub struct EvalRecord {
 }
 
 impl EvalRecord {
-    pub fn new(checkpoint: &Path, data: &str, task: &'static str, images: usize, skipped: &SkipCounts) -> EvalRecord {
+    /// The record of `task` on `data` by the checkpoint's model with its products in
+    /// `precision`, over `images` images.
+    pub fn new(checkpoint: &Path, precision: Precision, data: &str, task: &'static str, images: usize, skipped: &SkipCounts) -> EvalRecord {
         let step = crate::io::run_dir::read_state(checkpoint).ok().map(|s| s.step);
         EvalRecord {
             checkpoint: checkpoint.display().to_string(),
@@ -60,7 +63,7 @@ impl EvalRecord {
             skipped_total: skipped.total(),
             complete: skipped.is_empty(),
             unit: "fraction",
-            precision: crate::ops::kernels::bf16_gemm::forward_precision(),
+            precision: precision.name(),
             metrics: Map::new(),
         }
     }

@@ -19,7 +19,6 @@ use crate::data::eval_reader::{EvalSource, Needs};
 use crate::data::skips::SkipCounts;
 use crate::data::spec::ShardSource;
 use crate::io::load::LoadedModel;
-use crate::ops::kernels::bf16_gemm::forward_precision;
 use crate::util::log;
 use crate::util::progress::Progress;
 
@@ -93,13 +92,13 @@ fn claim(out: &Path, scorer: &Scorer) -> Result<std::fs::File> {
 /// Scores every shard of `shards` with `m` into `o.out`.
 pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, device: &Device) -> Result<ScoreReport> {
     std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
-    let scorer = Scorer { model: o.model.clone(), precision: forward_precision().to_string() };
+    let scorer = Scorer { model: o.model.clone(), precision: m.precision.name().to_string() };
     let _lock = claim(&o.out, &scorer)?;
     let started = Instant::now();
     let mut report = ScoreReport {
         checkpoint: o.checkpoint.clone(),
         model: o.model.clone(),
-        precision: forward_precision(),
+        precision: m.precision.name(),
         shards: shards.len(),
         already_scored: 0,
         samples: 0,
@@ -163,7 +162,7 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
             ("shard".into(), name.clone()),
             ("checkpoint".into(), o.checkpoint.clone()),
             ("model".into(), o.model.clone()),
-            ("precision".into(), forward_precision().into()),
+            ("precision".into(), m.precision.name().into()),
             ("embeddings".into(), o.embeddings.to_string()),
             ("samples".into(), s.keys.len().to_string()),
             ("skipped".into(), e.skipped.summary()),

@@ -217,7 +217,19 @@ impl Dataset {
 /// Evaluates every checkpoint on every dataset, each checkpoint loaded once; with `strict`, a
 /// skipped sample is an error; with `output_dir`, each result is written there as CLIP_benchmark
 /// writes its own.
-pub fn run(suite: &Suite, strict: bool, output_dir: Option<&Path>, device: &Device, quiet: bool) -> Result<Vec<EvalRecord>> {
+/// How a suite runs: whether a skipped sample fails it, where CLIP_benchmark's files go, the
+/// precision the products run in (already set for the process), the device, and whether to show
+/// progress.
+pub struct SuiteRun<'a> {
+    pub strict: bool,
+    pub output_dir: Option<&'a Path>,
+    pub precision: crate::config::Precision,
+    pub device: &'a Device,
+    pub quiet: bool,
+}
+
+pub fn run(suite: &Suite, o: &SuiteRun) -> Result<Vec<EvalRecord>> {
+    let SuiteRun { strict, output_dir, precision, device, quiet } = *o;
     if let Some(dir) = output_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -225,7 +237,8 @@ pub fn run(suite: &Suite, strict: bool, output_dir: Option<&Path>, device: &Devi
     let bar = Progress::bar(jobs, "evaluations", quiet);
     let mut records = Vec::new();
     for checkpoint in &suite.checkpoints {
-        let m = load_model(checkpoint, device)?;
+        let mut m = load_model(checkpoint, device)?;
+        m.precision = precision;
         for d in &suite.datasets {
             bar.set_message(format!("{} on {}", d.name, checkpoint.display()));
             let record = d.evaluate(&m, suite, device).with_context(|| format!("dataset {:?}", d.name))?;
@@ -295,7 +308,14 @@ mod tests {
 
     #[test]
     fn result_files_are_named_as_clip_benchmark_names_them() {
-        let mut r = EvalRecord::new(Path::new("runs/demo/checkpoints/step-120"), "x.tar", "zeroshot_retrieval", 3, &Default::default());
+        let mut r = EvalRecord::new(
+            Path::new("runs/demo/checkpoints/step-120"),
+            crate::config::Precision::F32,
+            "x.tar",
+            "zeroshot_retrieval",
+            3,
+            &Default::default(),
+        );
         r.dataset = Some("flickr30k".into());
         r.step = Some(120);
         assert_eq!(result_file_name(&r), "flickr30k_step-120_runs-demo-checkpoints-step-120_en_zeroshot_retrieval.json");

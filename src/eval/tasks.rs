@@ -55,7 +55,7 @@ pub fn evaluate_retrieval(
 ) -> Result<Evaluated<RetrievalRun>> {
     let run = ret::run(&m.model, &m.tokenizer, source, &m.usage.image, batch, device, quiet)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
-    let mut rec = EvalRecord::new(&m.dir, what, "zeroshot_retrieval", run.report.images, &run.skipped);
+    let mut rec = EvalRecord::new(&m.dir, m.precision, what, "zeroshot_retrieval", run.report.images, &run.skipped);
     rec.texts = Some(run.report.texts);
     for &k in ks {
         // CLIP_benchmark's names: "image retrieval" is a caption finding its image.
@@ -117,7 +117,7 @@ impl ZeroShotData {
 pub fn evaluate_zeroshot(m: &LoadedModel, d: ZeroShotData, batch: usize, device: &Device, quiet: bool) -> Result<Evaluated<ZeroShotRun>> {
     let run = zs::run(&m.model, &m.tokenizer, d.source, &d.classes, &d.templates, &m.usage.image, batch, device, quiet)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
-    let mut rec = EvalRecord::new(&m.dir, &d.what, "zeroshot_classification", run.report.images, &run.skipped);
+    let mut rec = EvalRecord::new(&m.dir, m.precision, &d.what, "zeroshot_classification", run.report.images, &run.skipped);
     rec.classes = Some(run.report.classes);
     rec.metric("acc1", run.report.top1);
     // CLIP_benchmark reports no acc5 below five classes (every image would count).
@@ -189,7 +189,7 @@ pub fn evaluate_linear_probe(
 ) -> Result<Evaluated<LabelledRun<ProbeReport>>> {
     let s = embed_labelled(m, sources, pc.batch, device, quiet)?;
     let rep = super::linear_probe::probe(&s.first.embeddings, &s.first_y, &s.second.embeddings, &s.second_y, s.classes, pc);
-    let mut rec = EvalRecord::new(&m.dir, what, "linear_probe", rep.test, &s.skipped);
+    let mut rec = EvalRecord::new(&m.dir, m.precision, what, "linear_probe", rep.test, &s.skipped);
     rec.classes = Some(s.classes);
     rec.metric("lp_acc1", rep.acc1);
     rec.metrics.insert("lp_acc5".into(), rep.acc5.map_or(serde_json::Value::Null, Into::into));
@@ -212,7 +212,7 @@ pub fn evaluate_knn(
 ) -> Result<Evaluated<LabelledRun<KnnReport>>> {
     let s = embed_labelled(m, sources, batch, device, quiet)?;
     let rep = super::knn::knn(&s.first.embeddings, &s.first_y, &s.second.embeddings, &s.second_y, k, 64)?;
-    let mut rec = EvalRecord::new(&m.dir, what, "knn", rep.queries, &s.skipped);
+    let mut rec = EvalRecord::new(&m.dir, m.precision, what, "knn", rep.queries, &s.skipped);
     rec.classes = Some(s.classes);
     rec.metric("knn_acc1", rep.top1);
     for (at, v) in [(1, rep.r1), (5, rep.r5), (10, rep.r10)] {

@@ -1,13 +1,15 @@
 //! Loading a model to use it (evaluate, embed, search, score, export) from any location
-//! [`crate::io::format::locate`] resolves, in any format align reads.
+//! [`crate::io::registry::locate`] resolves, in any format align reads.
 
+use crate::config::Precision;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 
-use super::format::{locate, Format, ModelFiles, Usage};
+use super::format::{Format, ModelFiles, Usage};
+use super::registry::locate;
 use crate::data::tokenizer::TextTokenizer;
 use crate::model::dual_encoder::{DualEncoder, ModelSpec};
 use crate::model::init::FixedVars;
@@ -25,6 +27,9 @@ pub struct LoadedModel {
     pub format: &'static dyn Format,
     /// The training step, for checkpoints that record one.
     pub step: Option<u64>,
+    /// The precision its matrix products run in (`--precision`, which the command that loaded
+    /// it sets), as results record it.
+    pub precision: Precision,
 }
 
 impl LoadedModel {
@@ -79,7 +84,7 @@ pub fn load_model_with(path: &Path, device: &Device, ema: bool) -> Result<Loaded
     let tokenizer = format.tokenizer(&dir, &spec, None)?;
     check_vocabulary(&tokenizer, &spec, &origin)?;
     let usage = format.usage(&dir, &spec)?;
-    Ok(LoadedModel { model, weights, tokenizer, usage, step: format.step(&dir), dir, format })
+    Ok(LoadedModel { model, weights, tokenizer, usage, step: format.step(&dir), dir, format, precision: Precision::F32 })
 }
 
 /// The weights the model uses, with those it has no use for reported once: every planned
@@ -89,7 +94,7 @@ fn used_weights(spec: &ModelSpec, mut weights: HashMap<String, Tensor>, origin: 
     let shapes: HashMap<String, Vec<usize>> = weights.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
     super::limits::check_against_weights(spec, &shapes, origin)?;
     let mut unused: Vec<String> =
-        weights.keys().filter(|k| !planned.contains_key(*k) && !super::hf::layout::is_unused_hf_tensor(k)).cloned().collect();
+        weights.keys().filter(|k| !planned.contains_key(*k) && !super::tensors::is_unused_tensor(k)).cloned().collect();
     if !unused.is_empty() {
         unused.sort();
         crate::util::log::warn(format!("{origin}: {} tensors not used: {unused:?}", unused.len()));

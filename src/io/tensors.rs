@@ -10,6 +10,16 @@ use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 
+/// Tensors a checkpoint may carry that no model of align has a place for: BatchNorm batch
+/// counters, BERT's and ViT's poolers (ALIGN embeds the raw [CLS] state; the pooler gives
+/// unrelated embeddings), and position-id buffers.
+pub fn is_unused_tensor(name: &str) -> bool {
+    name.ends_with("num_batches_tracked")
+        || name.contains("pooler.")
+        || name.ends_with("position_ids")
+        || name.ends_with("embeddings.token_type_ids")
+}
+
 /// Writes `bytes` to `path` and syncs the file.
 pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;

@@ -13,7 +13,6 @@ use super::clip::{ClipText, ClipTextConfig, ClipVision, ClipVisionConfig};
 use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
 use super::layers::{l2_normalize, linear, Linear};
-use super::lock::ImageGraph;
 use super::presets::{BertConfig, TemperatureKind, TextPooling, VitConfig};
 use super::recompute::{Checkpointing, GradSink};
 use super::siglip::{SiglipText, SiglipTextConfig, SiglipVision, SiglipVisionConfig};
@@ -213,6 +212,18 @@ pub fn widen(x: &Tensor) -> Result<Tensor> {
 
 /// CLIP clamps the logit scale at 100 (σ ≥ 0.01).
 pub const CLIP_MAX_LOGIT_SCALE: f64 = 100.0;
+
+/// Where the image side's graph can start: a frozen tower's output needs none, so training keeps
+/// no activations for it and runs no backward pass through it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ImageGraph {
+    #[default]
+    Whole,
+    /// Only the projection trains: the graph starts at the tower's pooled output.
+    FromProjection,
+    /// Nothing trains.
+    None,
+}
 
 pub struct DualEncoder {
     pub image: ImageTower,

@@ -4,7 +4,7 @@
 //! head, and the projection into the shared space. Locking a tower freezes all its groups but the
 //! last `unlocked` ones. Locked variables get no gradient, no optimizer state and no all-reduce.
 
-use super::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
+use super::dual_encoder::{ImageGraph, ImageSpec, ModelSpec, TextSpec};
 use candle_core::Var;
 
 /// `[model]`'s locking fields (documented there).
@@ -134,18 +134,7 @@ pub fn layer_lr_scale(name: &str, spec: &ModelSpec, image_decay: f64, text_decay
     }
 }
 
-/// Where the image side's graph can start: a frozen tower's output needs none, so training keeps
-/// no activations for it and runs no backward pass through it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ImageGraph {
-    #[default]
-    Whole,
-    /// Only the projection trains: the graph starts at the tower's pooled output.
-    FromProjection,
-    /// Nothing trains.
-    None,
-}
-
+/// Where the image side's graph can start under `lock`.
 pub fn image_graph(spec: &ModelSpec, lock: &LockConfig) -> ImageGraph {
     match (lock.lock_image, lock.lock_image_unlocked_groups, spec.image_projection) {
         (false, _, _) => ImageGraph::Whole,

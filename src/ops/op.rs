@@ -120,7 +120,7 @@ fn cuda<K: Kernel<N>, const N: usize>(
 ) -> Result<(candle_core::CudaStorage, Shape)> {
     let (g, shape) = k.geometry(layouts)?;
     let elem = super::gpu::cuda::elem_size(storages[0]);
-    let Some(plan) = k.gpu(&g, elem, &super::gpu::GPU)? else {
+    let Some(plan) = k.gpu(&g, elem, &super::gpu::program::GPU)? else {
         candle_core::bail!("{} has no CUDA kernels; its callers compose candle ops on GPUs", K::NAME)
     };
     let extra: Vec<_> = plan.extra.iter().map(|t| t.storage_and_layout()).collect();

@@ -25,6 +25,17 @@ pub enum CollectiveError {
 
 pub type Result<T> = std::result::Result<T, CollectiveError>;
 
+/// A collective failing inside candle's arithmetic (a loss that passes blocks around the ring,
+/// a step that all-reduces its gradients): candle's own error as it was, any other whole.
+impl From<CollectiveError> for candle_core::Error {
+    fn from(e: CollectiveError) -> Self {
+        match e {
+            CollectiveError::Candle(c) => c,
+            other => candle_core::Error::Msg(other.to_string()),
+        }
+    }
+}
+
 pub trait Collective: Send + Sync {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;

@@ -24,10 +24,6 @@ use super::collective::Collective;
 use super::loss::LossParts;
 pub use crate::config::Exchange;
 
-fn collective(e: super::collective::CollectiveError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
-}
-
 /// z for an `n × m` block: −1 everywhere but +1 at `(i, offset + i)` when `diagonal` is
 /// Some(offset). Built on the block's device (a host matrix would cross the bus every step).
 fn signs(n: usize, m: usize, diagonal: Option<usize>, like: &Tensor) -> Result<Tensor> {
@@ -93,7 +89,7 @@ pub fn sigmoid_loss(
             let mut d_x = x.zeros_like()?;
             for k in 0..world {
                 if k > 0 {
-                    travelling = group.shift(&travelling).map_err(collective)?;
+                    travelling = group.shift(&travelling)?;
                 }
                 let y = travelling.narrow(1, 0, d)?;
                 let g = add(block(&x, &y, t, b, (k == 0).then_some(0), n)?)?;
@@ -104,14 +100,14 @@ pub fn sigmoid_loss(
             // After world − 1 steps rank r holds rank r+1's block: one more step takes each
             // block's gradient home.
             let d_y = travelling.narrow(1, d, d)?;
-            let d_y = if world > 1 { group.shift(&d_y.contiguous()?).map_err(collective)? } else { d_y };
+            let d_y = if world > 1 { group.shift(&d_y.contiguous()?)? } else { d_y };
             (d_x, d_y)
         }
         Exchange::Gather => {
-            let all = group.all_gather(&own).map_err(collective)?;
+            let all = group.all_gather(&own)?;
             let g = add(block(&x, &all, t, b, Some(rank * n), n)?)?;
             // Every rank's gradient for every text, summed, then this rank's rows.
-            let d_all = group.all_reduce_sum(&(g.t()?.matmul(&x)? * t)?).map_err(collective)?;
+            let d_all = group.all_reduce_sum(&(g.t()?.matmul(&x)? * t)?)?;
             ((g.matmul(&all)? * t)?, d_all.narrow(0, rank * n, n)?)
         }
     };

@@ -41,10 +41,6 @@ pub struct StepOutput {
     pub grads: Grads,
 }
 
-fn collective(e: super::collective::CollectiveError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
-}
-
 /// The loss a step differentiates, with its distribution settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StepLoss {
@@ -102,7 +98,7 @@ impl StepLoss {
 fn global_values(parts: &LossParts, group: &Arc<dyn Collective>, loss: StepLoss) -> Result<[f64; 3]> {
     let v =
         Tensor::stack(&[parts.total.to_dtype(DType::F64)?, parts.i2t.to_dtype(DType::F64)?, parts.t2i.to_dtype(DType::F64)?], 0)?.detach();
-    let v = if loss.per_rank_share() { group.all_reduce_mean(&v).map_err(collective)? } else { v };
+    let v = if loss.per_rank_share() { group.all_reduce_mean(&v)? } else { v };
     let v: Vec<f64> = v.to_vec1()?;
     Ok([v[0], v[1], v[2]])
 }
@@ -134,7 +130,7 @@ fn all_reduce(mut grads: Grads, opt: &Optimizer, group: &Arc<dyn Collective>, sc
             None => Tensor::zeros(p.var.elem_count(), DType::F32, p.var.device()),
         })
         .collect::<Result<_>>()?;
-    let summed = group.all_reduce_sum(&Tensor::cat(&flat, 0)?).map_err(collective)?;
+    let summed = group.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
     let summed = (summed * scale)?;
     let mut offset = 0;
     for (g, p) in grads.0.iter_mut().zip(opt.params()) {

@@ -48,7 +48,7 @@ struct EmbedBench {
 }
 
 pub fn embed(a: &EmbedArgs) -> Result<()> {
-    a.precision.apply()?;
+    let precision = a.precision.apply()?;
     let device = crate::cli::default_device();
     let m = load_model(&a.checkpoint, &device)?;
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
@@ -60,7 +60,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let images = e.keys.len();
     let r = EmbedBench {
         checkpoint: a.checkpoint.display().to_string(),
-        precision: align::ops::kernels::bf16_gemm::forward_precision(),
+        precision: precision.name(),
         batch,
         images,
         texts: e.captions.iter().map(Vec::len).sum(),

@@ -1,17 +1,18 @@
-//! The checkpoint formats align reads and writes, behind one trait and one registry.
+//! The checkpoint formats align reads and writes: the [`Format`] trait and the types it speaks
+//! in (a model's [`Usage`], the [`ModelFiles`] a writer takes), and below it one module per
+//! format: align's own run checkpoints (`align_run`), Hugging Face's model folders (`hf/`: one
+//! format for `AlignModel`, `CLIPModel`, `SiglipModel` and `VisionTextDualEncoderModel`, with
+//! their configs, processors and `hf:` hub locations) and open_clip's (`open_clip/`).
 //!
-//! A location (a folder, `hf:ORG/NAME[@REVISION]`, an align run directory) is resolved once, by
-//! [`locate`], into a local directory and the one [`Format`] it holds. Everything that uses a
-//! model goes through that: `--checkpoint` (eval, embed, search, score), `model.init`, `export`
-//! and `inspect`. A format knows how to recognise its files, and how to read the model's sizes,
-//! its weights under align's parameter names, its tokenizer and the preprocessing it was
-//! published with; the formats align can also write know how to write them.
-//!
-//! Adding a format is one file implementing [`Format`] and one line in [`FORMATS`].
+//! A format knows how to recognise its files, and how to read the model's sizes, its weights
+//! under align's parameter names, its tokenizer and the preprocessing it was published with; the
+//! formats align can also write know how to write them. Which formats exist, and which one a
+//! location holds, is the registry's business (`io::registry`), above this module: no format
+//! knows the others.
 
 pub mod align_run;
-pub mod export;
-pub mod resolve;
+pub mod hf;
+pub mod open_clip;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -24,10 +25,6 @@ use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::ImageConfig;
 use crate::model::dual_encoder::ModelSpec;
-
-pub use resolve::{locate, locate_tower, Located};
-
-use crate::io::hf::model_dir::Hf;
 
 /// How a checkpoint's model is meant to be used, as the checkpoint itself says: the image
 /// preprocessing it was published with, the text length its tokenizer pads and cuts to, and the
@@ -112,6 +109,17 @@ pub trait Format: Sync {
         None
     }
 
+    /// Whether align writes this format at all (for some model sizes).
+    fn writes(&self) -> bool {
+        false
+    }
+
+    /// Whether this is one of Hugging Face transformers' model classes (what `export --format hf`
+    /// chooses among).
+    fn hugging_face(&self) -> bool {
+        false
+    }
+
     /// Whether a model of these sizes can be written in this format, and if not, why.
     fn can_write(&self, _spec: &ModelSpec) -> std::result::Result<(), String> {
         Err(format!("align does not write {} checkpoints", self.name()))
@@ -121,27 +129,6 @@ pub trait Format: Sync {
     fn write(&self, _model: &ModelFiles, _out: &Path) -> Result<()> {
         anyhow::bail!("align does not write {} checkpoints", self.name())
     }
-}
-
-/// Every format, in the order [`locate`] tries them: a directory that satisfies several (a hub
-/// repository with both a `CLIPModel` and an open_clip copy) is read as the first.
-pub static FORMATS: [&dyn Format; 6] = [
-    &align_run::AlignRun,
-    &Hf(crate::io::hf::align::HfAlign),
-    &Hf(crate::io::hf::clip::HfClip),
-    &Hf(crate::io::hf::siglip::HfSiglip),
-    &Hf(crate::io::hf::vtde::HfVtde),
-    &crate::io::open_clip::OpenClip,
-];
-
-/// The format called `name` (case-insensitive).
-pub fn named(name: &str) -> Option<&'static dyn Format> {
-    FORMATS.iter().copied().find(|f| f.name().eq_ignore_ascii_case(name))
-}
-
-/// The formats align reads, for error messages.
-pub fn read_list() -> String {
-    FORMATS.iter().map(|f| format!("{} ({})", f.name(), f.describe())).collect::<Vec<_>>().join(", ")
 }
 
 /// The loss family of a model of these sizes: sigmoid where it carries a logit bias (SigLIP),

@@ -12,7 +12,8 @@ use std::sync::Mutex;
 use candle_core::{DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::kernels::matmul::{gemm_serial, gemm_shared, Dims, Mat, SharedDst};
+use crate::ops::kernels::matmul::{gemm_serial, gemm_shared, SharedDst};
+use crate::ops::kernels::operands::{Dims, Mat};
 use crate::ops::kernels::softmax::{scaled_masked_softmax, softmax_grad_row, softmax_row_in_place};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{output_buffer, simd, with_cpu_slice, Float};

@@ -7,7 +7,8 @@ use candle_core::{Layout, Result, Shape, Tensor};
 
 use crate::ops::kernels::bias_act::{bias_act, Activation, BiasAct, GeluGrad};
 use crate::ops::kernels::linear::{fusable, linear_bias, shapes, LinearBias, LinearBiasGrad};
-use crate::ops::kernels::matmul::{gemm_into, Dims, Mat};
+use crate::ops::kernels::matmul::gemm_into;
+use crate::ops::kernels::operands::{Dims, Mat};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{output_buffer, Float};
 

@@ -1,19 +1,8 @@
 //! Launch plans of `kernels/channels.cu`: the convolutional towers' per-channel ops (batch
 //! moments, BatchNorm + SiLU, channel scaling, plane sums, the scaled residual).
 
+use super::program::{grid, ChannelParams, Dst, Launch, Limits, Params, Program, Src, THREADS};
 use super::rows::row_threads;
-use super::{grid, Dst, Launch, Limits, Params, Program, Src, THREADS};
-
-/// `struct ChannelParams` of `kernels/channels.cu`, field for field.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct ChannelParams {
-    n: i32,
-    c: i32,
-    hw: i64,
-    silu: i32,
-    batch_stats: i32,
-}
 
 impl Program {
     /// A per-channel kernel over NCHW `(n, c, hw)` operands: one block per channel (`Channel`),

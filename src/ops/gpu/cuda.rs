@@ -5,7 +5,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaViewMut, DeviceRe
 use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
-use super::{Dst, Params, Program, SideBuf, Src};
+use super::program::{kernel_suffix, Dst, Params, Program, SideBuf, Src};
 
 /// The side buffer on the device.
 enum DeviceSide {
@@ -39,7 +39,7 @@ fn launch_all<T: DeviceRepr + super::super::Float>(
     let null = 0u64;
     for launch in &program.launches {
         let module = launch.params.module();
-        let name = format!("{}_{}", launch.kernel, super::kernel_suffix::<T>());
+        let name = format!("{}_{}", launch.kernel, kernel_suffix::<T>());
         let func = dev.get_or_load_custom_func(&name, &format!("align_{}", module.file()), module.ptx())?;
         // A launch writing a scratch buffer holds it alone; reading it in the same launch would
         // be an error of the program, reported below.

@@ -2,23 +2,7 @@
 //! gradients. One thread per output element for the forward pass and the input gradient, one
 //! block per weight for the kernel gradient.
 
-use super::{Dst, Launch, Params, Program, Src, THREADS};
-
-/// `struct Geometry` of `kernels/depthwise.cu`, field for field.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct DepthwiseParams {
-    pub n: i32,
-    pub c: i32,
-    pub h: i32,
-    pub w: i32,
-    pub k: i32,
-    pub stride: i32,
-    pub top: i32,
-    pub left: i32,
-    pub ho: i32,
-    pub wo: i32,
-}
+use super::program::{DepthwiseParams, Dst, Launch, Params, Program, Src, THREADS};
 
 /// The three passes, each on two operands: `[x, kernel]`, `[dy, kernel]` and `[x, dy]`.
 #[derive(Clone, Copy, Debug)]

@@ -11,7 +11,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use super::super::Float;
-use super::{Module, Params, SideBuf};
+use super::program::{kernel_suffix, Module, Params, SideBuf};
 
 /// The compiled driver, shared by test processes (nextest runs one per test) under a name
 /// derived from its sources and the compiler, so that an edit to a kernel rebuilds it.
@@ -99,7 +99,7 @@ pub fn launch<T: Float + Pod>(
 ) {
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let id = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let name = format!("{name}_{}", super::kernel_suffix::<T>());
+    let name = format!("{name}_{}", kernel_suffix::<T>());
     let mut req = Vec::new();
     req.extend_from_slice(&(name.len() as u32).to_ne_bytes());
     req.extend_from_slice(name.as_bytes());

@@ -2,25 +2,7 @@
 //! moments, LAMB's partial sums and the parameter in place (`train::optim::kernels` holds the
 //! ops that run them).
 
-use super::{Dst, Launch, Params, Program, Src, MAX_GRID, THREADS};
-
-/// `struct OptimParams` of `kernels/optim.cu`, field for field.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct OptimParams {
-    pub n: i64,
-    pub ratio_at: i64,
-    pub lr: f32,
-    pub clip: f32,
-    pub b1: f32,
-    pub b2: f32,
-    pub inv_bc1: f32,
-    pub inv_bc2: f32,
-    pub eps: f32,
-    pub wd: f32,
-    pub lamb: i32,
-    pub unused: i32,
-}
+use super::program::{Dst, Launch, OptimParams, Params, Program, Src, MAX_GRID, THREADS};
 
 /// Blocks summing LAMB's norms: at most this many partial pairs for the ratio's one block.
 const NORM_BLOCKS: usize = 256;

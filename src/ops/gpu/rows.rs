@@ -1,19 +1,7 @@
 //! Launch plans of `kernels/rows.cu`: the transformer towers' row-wise ops (LayerNorm, the
 //! scaled and masked softmax, bias + GELU, column sums).
 
-use super::{grid, Dst, Launch, Limits, Params, Program, Src, THREADS};
-
-/// `struct RowParams` of `kernels/rows.cu`, field for field.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct RowParams {
-    pub(super) rows: i64,
-    pub(super) cols: i32,
-    rows_per_bias: i32,
-    chunk: i32,
-    act: i32,
-    value: f64,
-}
+use super::program::{grid, Dst, Launch, Limits, Params, Program, RowParams, Src, THREADS};
 
 /// Partial sums over rows: at most this many chunks, so the second pass is short.
 const MAX_CHUNKS: usize = 512;
@@ -33,7 +21,7 @@ fn layer_norm_grad_shared(cols: usize, elem: usize) -> usize {
 /// Whether the LayerNorm backward kernels take rows of `cols` values of `elem` bytes; wider ones
 /// (above about 6000 in f32) compose candle ops on the GPU.
 pub(crate) fn layer_norm_fits(cols: usize, elem: usize) -> bool {
-    layer_norm_grad_shared(cols, elem) <= super::GPU.max_shared
+    layer_norm_grad_shared(cols, elem) <= super::program::GPU.max_shared
 }
 
 fn params(rows: usize, cols: usize) -> RowParams {

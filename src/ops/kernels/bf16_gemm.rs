@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::matmul::{Dims, Mat};
+use super::operands::{Dims, Mat};
 
 /// Rows of a tile: 24 accumulators, two right-hand loads and a broadcast fit the 32 registers.
 pub(crate) const MR: usize = 12;
@@ -50,15 +50,6 @@ pub fn set_forward_bf16(on: bool) -> bool {
     let on = on && available();
     FORWARD_BF16.store(on, Ordering::Relaxed);
     on
-}
-
-/// The precision forward products run in, as results record it: `f32` or `bf16`.
-pub fn forward_precision() -> &'static str {
-    if FORWARD_BF16.load(Ordering::Relaxed) {
-        "bf16"
-    } else {
-        "f32"
-    }
 }
 
 /// The smallest product that goes through bf16: [`MIN_MACS`], or `ALIGN_BF16_MIN_MACS` (for

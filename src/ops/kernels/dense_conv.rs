@@ -11,7 +11,8 @@ use candle_core::{Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::linear::sum_over_image_runs;
-use super::matmul::{gemm_serial, Dims as Product, Mat};
+use super::matmul::gemm_serial;
+use super::operands::{Dims as Product, Mat};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{output_buffer, Float};
 

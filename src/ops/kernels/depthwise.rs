@@ -13,7 +13,8 @@
 use candle_core::{DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::ops::gpu::depthwise::{DepthwiseParams, Pass};
+use crate::ops::gpu::depthwise::Pass;
+use crate::ops::gpu::program::DepthwiseParams;
 use crate::ops::gpu::{Limits, Program};
 use crate::ops::op::{GpuPlan, Kernel, Op};
 use crate::ops::{lane_sum, output_buffer, simd, Float};

@@ -10,7 +10,8 @@ use rayon::prelude::*;
 
 use super::bias_act::{bias_act, Activation};
 use super::column_sums::column_sums;
-use super::matmul::{gemm_into, gemm_serial, Dims, Mat};
+use super::matmul::{gemm_into, gemm_serial};
+use super::operands::{Dims, Mat};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{output_buffer, simd, Float};
 

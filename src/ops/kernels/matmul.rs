@@ -2,32 +2,8 @@
 //! operands transposed or as column slices in place, accumulate into an existing buffer, or run
 //! many small products as parallel tasks.
 
+use super::operands::{Dims, Mat};
 use crate::ops::Float;
-
-/// A matrix operand inside a slice: element (i, j) at `offset + i·row_stride + j·col_stride`.
-#[derive(Clone, Copy)]
-pub(crate) struct Mat<'a, T> {
-    pub data: &'a [T],
-    pub offset: usize,
-    pub row_stride: usize,
-    pub col_stride: usize,
-}
-
-impl<'a, T> Mat<'a, T> {
-    /// A row-major matrix starting at `offset`, rows `row_stride` apart.
-    pub fn rows(data: &'a [T], offset: usize, row_stride: usize) -> Self {
-        Mat { data, offset, row_stride, col_stride: 1 }
-    }
-
-    /// The transpose of [`Mat::rows`]`(data, offset, row_stride)`, read in place.
-    pub fn transposed(data: &'a [T], offset: usize, row_stride: usize) -> Self {
-        Mat { data, offset, row_stride: 1, col_stride: row_stride }
-    }
-
-    fn fits(&self, rows: usize, cols: usize) -> bool {
-        rows == 0 || cols == 0 || self.offset + (rows - 1) * self.row_stride + (cols - 1) * self.col_stride < self.data.len()
-    }
-}
 
 /// A destination for products that several tasks write at once, each into its own rows or
 /// columns (attention heads write their column slices of one `[batch, len, width]` buffer).
@@ -44,14 +20,6 @@ impl<T> SharedDst<T> {
     pub fn new(buf: &mut [T]) -> Self {
         SharedDst { ptr: buf.as_mut_ptr(), len: buf.len() }
     }
-}
-
-/// Product shape: `m×k` times `k×n`.
-#[derive(Clone, Copy)]
-pub(crate) struct Dims {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
 }
 
 /// `dst[offset + i·dst_rs + j] = (lhs·rhs)[i, j]`, or `+=` with `accumulate`, on `threads`.

@@ -12,6 +12,7 @@ pub mod linear;
 pub(crate) mod matmul;
 pub mod moments;
 pub(crate) mod nchw;
+pub(crate) mod operands;
 pub mod pointwise;
 pub mod softmax;
 pub mod spatial_mean;

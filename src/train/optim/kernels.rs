@@ -13,7 +13,8 @@ use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result};
 
 use super::Coefficients;
 pub(super) use crate::ops::gpu::optim::partials_len;
-use crate::ops::gpu::optim::{check_lengths, norm_blocks, OptimParams, Step};
+use crate::ops::gpu::optim::{check_lengths, norm_blocks, Step};
+use crate::ops::gpu::program::OptimParams;
 #[cfg(any(test, feature = "cuda"))]
 use crate::ops::gpu::Program;
 

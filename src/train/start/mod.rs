@@ -1,6 +1,6 @@
 //! What a run starts from, resolved once per run into a [`Start`]: random weights of the
 //! config's towers, a whole pretrained dual encoder (`model.init`: anything
-//! [`crate::io::format::locate`] resolves, in any format align reads), single pretrained towers
+//! [`crate::io::registry::locate`] resolves, in any format align reads), single pretrained towers
 //! (`model.init_text`: a `BertModel` such as `hf:bert-base-uncased`; `model.init_image`: a
 //! `ViTModel` such as `hf:google/vit-base-patch16-224-in21k`) with new projections, or, on
 //! resume, the run's own checkpoint.
@@ -27,9 +27,10 @@ pub use adopt::{tower_names, train_image, Adopted};
 use crate::config::{Config, LossKind};
 use crate::data::tokenizer::TextTokenizer;
 use crate::io::format::align_run::AlignRun;
-use crate::io::format::{locate, locate_tower, Format, Located, Usage};
-use crate::io::hf::files::{load_prefixed, read_json, read_tokenizer, read_weights};
-use crate::io::hf::layout::{bert_from_hf, vit_from_hf};
+use crate::io::format::hf::files::{load_prefixed, read_json, read_tokenizer, read_weights};
+use crate::io::format::hf::layout::{bert_from_hf, vit_from_hf};
+use crate::io::format::{Format, Usage};
+use crate::io::registry::{locate, locate_tower, Located};
 use crate::io::run_dir::{CONFIG_FILE, TOKENIZER_FILE};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 

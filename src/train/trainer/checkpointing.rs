@@ -6,7 +6,6 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 
-use super::coll;
 use super::setup::Run;
 use crate::config::Config;
 use crate::io::run_dir::{self, CheckpointContents, TrainState};
@@ -25,7 +24,7 @@ pub(super) struct Position {
 
 pub(super) fn save(cfg: &Config, group: &dyn Collective, run: &Run, at: &Position) -> Result<PathBuf> {
     let mine = serde_json::to_vec(run.loader.position())?;
-    let all = group.all_gather_bytes(&mine).map_err(coll)?;
+    let all = group.all_gather_bytes(&mine)?;
     if group.rank() != 0 {
         return Ok(run.run_dir.join(format!("step-{}", at.step)));
     }

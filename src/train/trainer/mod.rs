@@ -180,7 +180,3 @@ fn train_rank(cfg: &Config, start: &Start, opts: &TrainOptions, group: Arc<dyn C
     }
     result
 }
-
-fn coll(e: super::collective::CollectiveError) -> anyhow::Error {
-    anyhow::Error::new(e)
-}

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
-use super::{coll, TrainOptions};
+use super::TrainOptions;
 use crate::config::Config;
 use crate::data::distribute::{Placement, ShardPlan};
 use crate::data::loader::{LoaderSettings, TrainLoader};
@@ -51,7 +51,7 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, group: &d
     let run_dir = cfg.run_dir();
     // Every rank learns whether rank 0 got the directory before any of them reads from it.
     let lock = if group.rank() == 0 { Some(lock_run_dir(&run_dir)) } else { None };
-    group.barrier().map_err(coll)?;
+    group.barrier()?;
     let lock = lock.transpose()?;
     let resumed_from = from.resumed_from().map(Path::to_path_buf);
     let start = resume_state(resumed_from.as_deref(), group.world_size())?;
@@ -302,10 +302,10 @@ fn shared_tokenizer(cfg: &Config, from: &Start, quiet: bool, run_dir: &Path, gro
         if lead && !resumed {
             t.save(&run_dir.join(TOKENIZER_FILE))?;
         }
-        group.barrier().map_err(coll)?;
+        group.barrier()?;
         return Ok(t);
     }
-    group.barrier().map_err(coll)?;
+    group.barrier()?;
     TextTokenizer::from_file(&run_dir.join(TOKENIZER_FILE), cfg.text.max_len)
 }
 
@@ -388,7 +388,7 @@ fn broadcast_weights(varmap: &VarMap, group: &dyn Collective) -> Result<()> {
     names.sort();
     for name in names {
         let var = &data[name];
-        var.set(&group.broadcast(var.as_tensor(), 0).map_err(coll)?)?;
+        var.set(&group.broadcast(var.as_tensor(), 0)?)?;
     }
     Ok(())
 }

@@ -12,7 +12,7 @@ use candle_core::Tensor;
 use super::checkpointing::{self, Position};
 use super::logging::{RunLog, StepFigures};
 use super::setup::{self, Run};
-use super::{coll, evaluation, TrainOptions};
+use super::{evaluation, TrainOptions};
 use crate::config::{Config, Precision};
 use crate::data::loader::Batch;
 use crate::eval::periodic::EvalResults;
@@ -184,6 +184,6 @@ fn stop_signal(group: &dyn Collective) -> Result<Option<i32>> {
     if group.world_size() == 1 {
         return Ok(mine);
     }
-    let all = group.all_gather_bytes(&[mine.unwrap_or(0) as u8]).map_err(coll)?;
+    let all = group.all_gather_bytes(&[mine.unwrap_or(0) as u8])?;
     Ok(all.iter().filter_map(|b| b.first().copied()).filter(|&s| s != 0).max().map(i32::from))
 }

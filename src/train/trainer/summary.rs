@@ -8,7 +8,6 @@ use anyhow::Result;
 use serde::Serialize;
 
 use super::checkpointing;
-use super::coll;
 use super::logging::RunLog;
 use super::setup::Run;
 use super::step_loop::LoopEnd;
@@ -89,7 +88,7 @@ pub(super) fn finish(cfg: &Config, group: &dyn Collective, run: &Run, log: RunLo
 
 /// Every rank's samples by source, summed, with a line for the log when the run mixes sources.
 fn per_source(cfg: &Config, group: &dyn Collective, run: &Run) -> Result<Vec<u64>> {
-    let all = group.all_gather_bytes(&serde_json::to_vec(&run.loader.position().source_samples())?).map_err(coll)?;
+    let all = group.all_gather_bytes(&serde_json::to_vec(&run.loader.position().source_samples())?)?;
     let mut total: Vec<u64> = Vec::new();
     for b in all {
         let counts: Vec<u64> = serde_json::from_slice(&b)?;
@@ -121,7 +120,7 @@ fn best_metrics(run: &Run) -> Result<Vec<BestMetric>> {
 
 /// The loader's skipped samples, summed over ranks.
 fn skips_of_every_rank(group: &dyn Collective, run: &Run) -> Result<SkipCounts> {
-    let all = group.all_gather_bytes(&serde_json::to_vec(&run.loader.skips())?).map_err(coll)?;
+    let all = group.all_gather_bytes(&serde_json::to_vec(&run.loader.skips())?)?;
     let mut total = SkipCounts::default();
     for b in all {
         total.merge(&serde_json::from_slice(&b)?);

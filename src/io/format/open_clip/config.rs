@@ -6,7 +6,7 @@
 use serde_json::{json, Value};
 
 use crate::data::transform::{CropOffset, ImageConfig, Interpolation, ResizeMode};
-use crate::io::hf::towers::{f64_or, usize_or};
+use crate::io::format::hf::towers::{f64_or, usize_or};
 use crate::model::clip::{ClipTextConfig, ClipVisionConfig};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::prenorm::{Act, EncoderConfig};

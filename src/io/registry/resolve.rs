@@ -4,8 +4,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Result};
 
-use super::{Format, FORMATS};
-use crate::io::hf::hub::{parse_hub_id, HubRepo};
+use super::formats::{read_list, FORMATS};
+use crate::io::format::align_run::AlignRun;
+use crate::io::format::hf::hub::{parse_hub_id, HubRepo};
+use crate::io::format::Format;
 
 /// A checkpoint found: where its files are, and how to read them.
 pub struct Located {
@@ -42,10 +44,10 @@ pub fn locate(loc: &str) -> Result<Located> {
         }
         bail!(
             "{loc} is a file; a checkpoint is a directory (formats read: {}), or open_clip's training checkpoint (epoch_N.pt) beside the model's open_clip_config.json",
-            super::read_list()
+            read_list()
         );
     }
-    let dir = if path.join(crate::io::run_dir::LATEST).is_file() && !super::align_run::AlignRun.detect(path) {
+    let dir = if path.join(crate::io::run_dir::LATEST).is_file() && !AlignRun.detect(path) {
         crate::io::run_dir::resolve(path)?
     } else {
         path.to_path_buf()
@@ -64,7 +66,7 @@ pub fn locate_tower(loc: &str) -> Result<PathBuf> {
         if repo.fetch("config.json")?.is_none() {
             return Err(repo.not_found(&["config.json"]));
         }
-        crate::io::hf::files::fetch_hf_model(&mut |file: &str| repo.fetch(file))?;
+        crate::io::format::hf::files::fetch_hf_model(&mut |file: &str| repo.fetch(file))?;
         return Ok(repo.snapshot().expect("a fetched file has a snapshot"));
     }
     let path = PathBuf::from(loc);
@@ -98,10 +100,10 @@ fn locate_on_hub(loc: &str, id: &str, revision: Option<&str>) -> Result<Located>
 
 /// What is wrong with a directory no format recognises, as precisely as its files allow.
 fn unrecognised(loc: &str, dir: &Path) -> anyhow::Error {
-    let formats = super::read_list();
+    let formats = read_list();
     let config = dir.join("config.json");
     if config.is_file() {
-        match crate::io::hf::files::read_json(&config) {
+        match crate::io::format::hf::files::read_json(&config) {
             Err(e) => return anyhow::anyhow!("{loc}: {e:#}"),
             Ok(c) => {
                 if let Some(t) = c.get("model_type").and_then(serde_json::Value::as_str) {

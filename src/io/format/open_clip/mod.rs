@@ -26,8 +26,8 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
 use self::config::{model_from, model_to, preprocess_from, preprocess_to, OpenClipModel};
-use super::format::{loss_of, Format, HubFetch, ModelFiles, Usage};
 use super::hf::files::read_json;
+use super::{loss_of, Format, HubFetch, ModelFiles, Usage};
 use crate::data::clip_bpe::{self, Clean};
 use crate::data::tokenizer::TextTokenizer;
 use crate::model::dual_encoder::ModelSpec;
@@ -205,7 +205,7 @@ impl Format for OpenClip {
         let file = if file.is_file() {
             file
         } else {
-            let mut repo = crate::io::hf::hub::HubRepo::new(name, None);
+            let mut repo = crate::io::format::hf::hub::HubRepo::new(name, None);
             repo.fetch("tokenizer_config.json")?;
             repo.fetch("tokenizer.json")?.with_context(|| {
                 format!("{}: text_cfg.hf_tokenizer_name {name:?} has no tokenizer.json, in the folder or on the hub", path.display())
@@ -230,6 +230,10 @@ impl Format for OpenClip {
         let image = preprocess_from(c.get("preprocess_cfg"), spec.image.image_size())
             .map_err(|e| anyhow!("{}: {e}", folder(dir).join(CONFIG).display()))?;
         Ok(Usage { image, text_len: spec.text.max_position(), loss: loss_of(spec) })
+    }
+
+    fn writes(&self) -> bool {
+        true
     }
 
     fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {

@@ -83,6 +83,14 @@ impl<L: HfLayout> Format for Hf<L> {
         self.0.usage(dir, spec)
     }
 
+    fn writes(&self) -> bool {
+        true
+    }
+
+    fn hugging_face(&self) -> bool {
+        true
+    }
+
     fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
         self.0.config_of(spec).map(|_| ())
     }

@@ -1,24 +1,13 @@
 //! Hugging Face configurations and parameter names for the architectures align shares with
 //! `transformers`: `AlignModel` (EfficientNet + BERT + text projection + temperature),
 //! `BertModel` and `ViTModel`. Only JSON values and names here; reading files is the caller's.
-//!
-//! Parameter names are identical by construction (our towers use HF's names), so the mapping is
-//! a prefix plus the list of HF tensors align has no use for.
+//! Parameter names are identical by construction (align's towers use Hugging Face's names).
 
 use serde_json::{json, Value};
 
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::efficientnet::{EfficientNetConfig, Stages};
 use crate::model::presets::{BertConfig, ImagePooling, TemperatureKind, TextPooling, VitConfig};
-
-/// HF tensors that align does not use: BatchNorm batch counters, BERT's pooler (ALIGN embeds the
-/// raw [CLS] state; the pooler gives unrelated embeddings), ViT's pooler, and position-id buffers.
-pub fn is_unused_hf_tensor(name: &str) -> bool {
-    name.ends_with("num_batches_tracked")
-        || name.contains("pooler.")
-        || name.ends_with("position_ids")
-        || name.ends_with("embeddings.token_type_ids")
-}
 
 pub(super) fn get<'a>(v: &'a Value, key: &str, ctx: &str) -> Result<&'a Value, String> {
     v.get(key).ok_or_else(|| format!("{ctx} has no {key:?}"))
@@ -256,8 +245,27 @@ mod tests {
 
     #[test]
     fn unused_hf_tensors_are_recognised() {
-        assert!(is_unused_hf_tensor("vision_model.encoder.blocks.0.projection.project_bn.num_batches_tracked"));
-        assert!(is_unused_hf_tensor("text_model.pooler.dense.weight"));
-        assert!(!is_unused_hf_tensor("text_model.encoder.layer.0.output.dense.weight"));
+        use crate::io::tensors::is_unused_tensor;
+        assert!(is_unused_tensor("vision_model.encoder.blocks.0.projection.project_bn.num_batches_tracked"));
+        assert!(is_unused_tensor("text_model.pooler.dense.weight"));
+        assert!(!is_unused_tensor("text_model.encoder.layer.0.output.dense.weight"));
+    }
+
+    /// An AlignModel config whose coefficients derive absurd sizes is refused by name before a
+    /// single parameter is planned (a depth coefficient of 1e4 planned ~2 GB of names before).
+    #[test]
+    fn efficientnet_sizes_derived_from_coefficients_are_bounded() {
+        let l2 = crate::model::efficientnet::EfficientNetConfig::preset("efficientnet-l2", 289).unwrap();
+        let mut hf = efficientnet_to_hf(&l2);
+        efficientnet_from_hf(&hf).unwrap();
+        for (value, want) in [(1e4, "blocks"), (1e5, "blocks"), (-1.0, "positive"), (0.0, "positive")] {
+            hf["depth_coefficient"] = value.into();
+            let e = efficientnet_from_hf(&hf).unwrap_err();
+            assert!(e.contains("depth_coefficient") && e.contains(want), "{value}: {e}");
+        }
+        hf["depth_coefficient"] = 5.3.into();
+        hf["width_coefficient"] = 1e4.into();
+        let e = efficientnet_from_hf(&hf).unwrap_err();
+        assert!(e.contains("width_coefficient") && e.contains("channels"), "{e}");
     }
 }

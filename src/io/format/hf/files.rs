@@ -10,10 +10,9 @@ use candle_nn::VarMap;
 use serde_json::Value;
 
 use super::hub::{shard_files, WEIGHTS, WEIGHTS_INDEX};
-use super::layout::is_unused_hf_tensor;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::ImageConfig;
-use crate::io::tensors::read_tensors;
+use crate::io::tensors::{is_unused_tensor, read_tensors};
 use crate::util::log;
 
 /// Every tensor of a directory's `model.safetensors`, or of the shards its index lists, with
@@ -164,7 +163,7 @@ pub fn load_prefixed(vm: &VarMap, checkpoint: &HashMap<String, Tensor>, from: &s
     }
     let mut unused: Vec<&String> = checkpoint
         .keys()
-        .filter(|k| k.starts_with(from) && !is_unused_hf_tensor(k) && !data.contains_key(&format!("{into}{}", &k[from.len()..])))
+        .filter(|k| k.starts_with(from) && !is_unused_tensor(k) && !data.contains_key(&format!("{into}{}", &k[from.len()..])))
         .collect();
     unused.sort();
     if !missing.is_empty() || !wrong.is_empty() {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 
-use super::{Format, ModelFiles};
+use crate::io::format::{Format, ModelFiles};
 use crate::io::run_dir::{LATEST, SPEC_FILE, STATE_FILE};
 use crate::io::run_lock::LOCK_FILE;
 use crate::io::tensors::sync_dir;
