@@ -11,6 +11,7 @@
 //! knows the others.
 
 pub mod align_run;
+pub mod config_error;
 pub mod hf;
 pub mod open_clip;
 

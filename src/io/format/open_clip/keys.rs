@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use anyhow::{anyhow, bail, Result};
 use candle_core::Tensor;
 
-use super::config::TextKind;
+use super::convert::TextKind;
 
 /// One residual block's names, open_clip's against align's.
 const BLOCK: [(&str, &str); 10] = [

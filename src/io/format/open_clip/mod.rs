@@ -16,6 +16,7 @@
 //! `ALIGN_OPEN_CLIP_QUICK_GELU=1` forces it (as `create_model(..., force_quick_gelu=True)`).
 
 pub mod config;
+pub mod convert;
 pub mod keys;
 
 use std::collections::HashMap;
@@ -25,7 +26,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
-use self::config::{model_from, model_to, preprocess_from, preprocess_to, OpenClipModel};
+use self::convert::{model_from, model_to, preprocess_from, preprocess_to, OpenClipModel};
 use super::hf::files::read_json;
 use super::{loss_of, Format, HubFetch, ModelFiles, Usage};
 use crate::data::clip_bpe::{self, Clean};
@@ -237,7 +238,7 @@ impl Format for OpenClip {
     }
 
     fn can_write(&self, spec: &ModelSpec) -> std::result::Result<(), String> {
-        model_to(spec).map(|_| ())
+        model_to(spec).map(|_| ()).map_err(|e| e.to_string())
     }
 
     fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {
