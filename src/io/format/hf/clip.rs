@@ -9,11 +9,12 @@ use serde_json::Value;
 use super::files::{model_max_length, HfDir};
 use super::model_dir::HfLayout;
 use super::preprocess::read_dir_image_config;
-use super::towers::{encoder, f64_or, sub, tokenizer, tower_to_hf, usize_or, EncoderDefaults};
+use super::tower_config::{read, JointFields, TowerConfigs};
+use super::towers::{tokenizer, tower_to_hf};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
+use crate::io::format::config_error::ConfigError;
 use crate::io::format::{ModelFiles, Usage};
-use crate::model::clip::{ClipTextConfig, ClipVisionConfig};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::presets::{TemperatureKind, TextPooling};
 
@@ -26,7 +27,7 @@ impl HfLayout for HfClip {
     const MODEL_TYPE: &'static str = "clip";
 
     fn spec_from(&self, config: &Value) -> std::result::Result<ModelSpec, String> {
-        clip_spec_from_hf(config)
+        clip_spec_from_hf(config).map_err(|e| e.to_string())
     }
 
     fn config_of(&self, spec: &ModelSpec) -> std::result::Result<Value, String> {
@@ -64,39 +65,18 @@ pub(crate) fn tower_processor(dir: &Path, spec: &ModelSpec, model_type: &str) ->
 }
 
 /// A `CLIPConfig` JSON as align's model sizes.
-pub fn clip_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
-    let (t, v) = (sub(c, "text_config")?, sub(c, "vision_config")?);
-    let text = ClipTextConfig {
-        vocab_size: usize_or(t, "vocab_size", 49408, "text_config")?,
-        max_position: usize_or(t, "max_position_embeddings", 77, "text_config")?,
-        encoder: encoder(
-            t,
-            EncoderDefaults { width: 512, layers: 12, heads: 8, mlp_dim: 2048, eps: 1e-5, act: "quick_gelu" },
-            "text_config",
-        )?,
-        eos_token_id: usize_or(t, "eos_token_id", 49407, "text_config")? as u32,
-    };
-    let vision = ClipVisionConfig {
-        image_size: usize_or(v, "image_size", 224, "vision_config")?,
-        patch_size: usize_or(v, "patch_size", 32, "vision_config")?,
-        encoder: encoder(
-            v,
-            EncoderDefaults { width: 768, layers: 12, heads: 12, mlp_dim: 3072, eps: 1e-5, act: "quick_gelu" },
-            "vision_config",
-        )?,
-    };
-    if vision.patch_size == 0 || !vision.image_size.is_multiple_of(vision.patch_size) {
-        return Err(format!("vision_config: image_size {} is not a multiple of patch_size {}", vision.image_size, vision.patch_size));
-    }
+pub fn clip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
+    let (text, vision) = read::<TowerConfigs>(c, "config")?.clip()?;
+    let (embed_dim, temperature_init) = read::<JointFields>(c, "config")?.sizes()?;
     Ok(ModelSpec {
         image: ImageSpec::Clip(vision),
         text: TextSpec::Clip(text),
-        embed_dim: usize_or(c, "projection_dim", 512, "config")?,
+        embed_dim,
         image_projection: true,
         text_projection_bias: false,
         text_pooling: TextPooling::Cls,
         temperature: TemperatureKind::Clip,
-        temperature_init: 1.0 / f64_or(c, "logit_scale_init_value", 2.6592, "config")?.exp(),
+        temperature_init,
         logit_bias: None,
     })
 }
@@ -166,7 +146,8 @@ mod tests {
         assert_eq!((t.vocab_size, t.max_position, t.encoder.width, t.eos_token_id), (49408, 77, 512, 49407));
         assert_eq!(spec.embed_dim, 512);
         assert!((spec.temperature_init - 0.07).abs() < 1e-4, "{}", spec.temperature_init);
-        let e = clip_spec_from_hf(&serde_json::json!({"text_config": {"hidden_act": "relu"}, "vision_config": {}})).unwrap_err();
+        let e =
+            clip_spec_from_hf(&serde_json::json!({"text_config": {"hidden_act": "relu"}, "vision_config": {}})).unwrap_err().to_string();
         assert!(e.contains("text_config") && e.contains("relu"), "{e}");
     }
 
@@ -187,7 +168,7 @@ mod tests {
             (serde_json::json!({"text_config": {"num_attention_heads": 0}, "vision_config": {}}), "num_attention_heads is 0"),
         ];
         for (c, want) in cases {
-            let e = clip_spec_from_hf(&c).unwrap_err();
+            let e = clip_spec_from_hf(&c).unwrap_err().to_string();
             assert!(e.contains(want), "{c}: {e}");
         }
     }

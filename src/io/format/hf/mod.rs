@@ -12,5 +12,6 @@ pub mod layout;
 pub mod model_dir;
 pub mod preprocess;
 pub mod siglip;
+pub mod tower_config;
 pub mod towers;
 pub mod vtde;

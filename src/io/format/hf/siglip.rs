@@ -10,13 +10,14 @@ use serde_json::Value;
 use super::clip::tower_processor;
 use super::files::{model_max_length, HfDir};
 use super::model_dir::HfLayout;
-use super::towers::{encoder, sub, tokenizer, tower_to_hf, usize_or, EncoderDefaults};
+use super::tower_config::{read, TowerConfigs};
+use super::towers::{tokenizer, tower_to_hf};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
+use crate::io::format::config_error::ConfigError;
 use crate::io::format::{ModelFiles, Usage};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::presets::{TemperatureKind, TextPooling};
-use crate::model::siglip::{SiglipTextConfig, SiglipVisionConfig};
 
 /// The Hugging Face `SiglipModel` format.
 pub struct HfSiglip;
@@ -27,7 +28,7 @@ impl HfLayout for HfSiglip {
     const MODEL_TYPE: &'static str = "siglip";
 
     fn spec_from(&self, config: &Value) -> std::result::Result<ModelSpec, String> {
-        siglip_spec_from_hf(config)
+        siglip_spec_from_hf(config).map_err(|e| e.to_string())
     }
 
     fn config_of(&self, spec: &ModelSpec) -> std::result::Result<Value, String> {
@@ -52,39 +53,13 @@ impl HfLayout for HfSiglip {
 }
 
 /// A `SiglipConfig` JSON as align's model sizes.
-pub fn siglip_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
-    let (t, v) = (sub(c, "text_config")?, sub(c, "vision_config")?);
-    let text_encoder = encoder(
-        t,
-        EncoderDefaults { width: 768, layers: 12, heads: 12, mlp_dim: 3072, eps: 1e-6, act: "gelu_pytorch_tanh" },
-        "text_config",
-    )?;
-    let text = SiglipTextConfig {
-        vocab_size: usize_or(t, "vocab_size", 32000, "text_config")?,
-        max_position: usize_or(t, "max_position_embeddings", 64, "text_config")?,
-        projection: usize_or(t, "projection_size", text_encoder.width, "text_config")?,
-        encoder: text_encoder,
-    };
-    if v.get("vision_use_head").and_then(Value::as_bool) == Some(false) {
-        return Err("vision_config.vision_use_head is false: SigLIP's image embedding is its pooling head's output".into());
-    }
-    let vision = SiglipVisionConfig {
-        image_size: usize_or(v, "image_size", 224, "vision_config")?,
-        patch_size: usize_or(v, "patch_size", 16, "vision_config")?,
-        encoder: encoder(
-            v,
-            EncoderDefaults { width: 768, layers: 12, heads: 12, mlp_dim: 3072, eps: 1e-6, act: "gelu_pytorch_tanh" },
-            "vision_config",
-        )?,
-    };
-    if vision.patch_size == 0 || !vision.image_size.is_multiple_of(vision.patch_size) {
-        return Err(format!("vision_config: image_size {} is not a multiple of patch_size {}", vision.image_size, vision.patch_size));
-    }
+pub fn siglip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
+    let (text, vision) = read::<TowerConfigs>(c, "config")?.siglip()?;
     if vision.encoder.width != text.projection {
-        return Err(format!(
+        return Err(ConfigError::Invalid(format!(
             "the image embedding is {} wide and the text embedding {}: they must match",
             vision.encoder.width, text.projection
-        ));
+        )));
     }
     Ok(ModelSpec {
         embed_dim: text.projection,
@@ -162,7 +137,7 @@ mod tests {
     fn missing_keys_take_transformers_defaults() {
         let s = siglip_spec_from_hf(&serde_json::json!({"text_config": {}, "vision_config": {}})).unwrap();
         assert_eq!((s.embed_dim, s.image.image_size(), s.logit_bias), (768, 224, Some(-10.0)));
-        let e = siglip_spec_from_hf(&serde_json::json!({"vision_config": {}})).unwrap_err();
+        let e = siglip_spec_from_hf(&serde_json::json!({"vision_config": {}})).unwrap_err().to_string();
         assert!(e.contains("text_config"), "{e}");
     }
 }

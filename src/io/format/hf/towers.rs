@@ -1,9 +1,5 @@
-//! What CLIP's and SigLIP's Hugging Face directories share: the encoder fields of their tower
-//! configs (with transformers' class defaults for missing keys, and bounds on every size), and
-//! their tokenizers.
-//!
-//! transformers writes only the values that differ from a config class's defaults into older
-//! `config.json` files, so every key missing here takes the default of transformers' class.
+//! What CLIP's and SigLIP's Hugging Face directories share besides their configs (in
+//! `tower_config`): a tower's sub-config as written, and their tokenizers.
 
 use std::path::Path;
 
@@ -12,70 +8,8 @@ use serde_json::Value;
 
 use super::files::read_json;
 use crate::data::tokenizer::TextTokenizer;
-use crate::io::limits::{check_size, kind_of_key};
 use crate::model::dual_encoder::TextSpec;
-use crate::model::prenorm::{Act, EncoderConfig};
-
-/// A size field: the class default when absent, an error when it is not a whole number or out of
-/// bounds.
-pub(crate) fn usize_or(c: &Value, key: &str, default: usize, ctx: &str) -> Result<usize, String> {
-    let v = match c.get(key) {
-        None | Some(Value::Null) => default,
-        Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| format!("{ctx}.{key} is {v}, not a whole number"))?,
-    };
-    check_size(v, kind_of_key(key), &format!("{ctx}.{key}"))
-}
-
-pub(crate) fn f64_or(c: &Value, key: &str, default: f64, ctx: &str) -> Result<f64, String> {
-    match c.get(key) {
-        None | Some(Value::Null) => Ok(default),
-        Some(v) => v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| format!("{ctx}.{key} is {v}, not a number")),
-    }
-}
-
-/// A transformers class's encoder defaults.
-pub(crate) struct EncoderDefaults {
-    pub width: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub mlp_dim: usize,
-    pub eps: f64,
-    pub act: &'static str,
-}
-
-pub(crate) fn encoder(c: &Value, d: EncoderDefaults, ctx: &str) -> Result<EncoderConfig, String> {
-    if !c.is_object() {
-        return Err(format!("{ctx} is missing (or not an object)"));
-    }
-    if c.get("num_channels").is_some_and(|n| n.as_u64() != Some(3)) {
-        return Err(format!("{ctx}.num_channels must be 3"));
-    }
-    let act = match c.get("hidden_act") {
-        None | Some(Value::Null) => d.act,
-        Some(v) => v.as_str().ok_or_else(|| format!("{ctx}.hidden_act is {v}, not a name"))?,
-    };
-    let e = EncoderConfig {
-        width: usize_or(c, "hidden_size", d.width, ctx)?,
-        layers: usize_or(c, "num_hidden_layers", d.layers, ctx)?,
-        heads: usize_or(c, "num_attention_heads", d.heads, ctx)?,
-        mlp_dim: usize_or(c, "intermediate_size", d.mlp_dim, ctx)?,
-        layer_norm_eps: f64_or(c, "layer_norm_eps", d.eps, ctx)?,
-        act: Act::from_hf(act).map_err(|e| format!("{ctx}: {e}"))?,
-    };
-    if !e.width.is_multiple_of(e.heads) {
-        return Err(format!("{ctx}: hidden_size {} is not divisible by num_attention_heads {}", e.width, e.heads));
-    }
-    if !(e.layer_norm_eps > 0.0 && e.layer_norm_eps < 1.0) {
-        return Err(format!("{ctx}.layer_norm_eps is {}; it must be a small positive number", e.layer_norm_eps));
-    }
-    Ok(e)
-}
-
-/// A tower's sub-config, which must be there: transformers would silently build its default
-/// tower, whose weights then do not fit.
-pub(crate) fn sub<'a>(c: &'a Value, key: &str) -> Result<&'a Value, String> {
-    c.get(key).filter(|v| v.is_object()).ok_or_else(|| format!("config.json has no {key} (the tower's sizes)"))
-}
+use crate::model::prenorm::EncoderConfig;
 
 /// A tower's sub-config: the encoder's sizes and activation, with the tower's own `fields`.
 pub(crate) fn tower_to_hf(e: &EncoderConfig, fields: Value) -> Value {

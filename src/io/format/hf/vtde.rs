@@ -13,7 +13,7 @@ use super::files::{model_max_length, read_tokenizer, HfDir, BERT_SPECIALS};
 use super::layout::{bert_from_hf, bert_to_hf, vit_from_hf};
 use super::model_dir::HfLayout;
 use super::preprocess::read_dir_image_config;
-use super::towers::{f64_or, usize_or};
+use super::tower_config::{read, JointFields};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
 use crate::io::format::{ModelFiles, Usage};
@@ -72,7 +72,8 @@ impl HfLayout for HfVtde {
 
 /// A `VisionTextDualEncoderConfig` JSON with ViT and BERT towers as align's model sizes.
 pub fn vtde_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
-    let (v, t) = (super::towers::sub(c, "vision_config")?, super::towers::sub(c, "text_config")?);
+    let sub = |key: &str| super::tower_config::sub(c, key).map_err(|e| e.to_string());
+    let (v, t) = (sub("vision_config")?, sub("text_config")?);
     let kind = |x: &Value| x.get("model_type").and_then(Value::as_str).unwrap_or("").to_string();
     if kind(v) != "vit" || kind(t) != "bert" {
         return Err(format!(
@@ -86,16 +87,16 @@ pub fn vtde_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
     }
     let mut vision = vit_from_hf(v)?;
     vision.pool = ImagePooling::Pooler;
-    let scale = f64_or(c, "logit_scale_init_value", 2.6592, "config")?;
+    let (embed_dim, temperature_init) = read::<JointFields>(c, "config").and_then(|j| j.sizes()).map_err(|e| e.to_string())?;
     Ok(ModelSpec {
         image: ImageSpec::Vit(vision),
         text: TextSpec::Bert(bert_from_hf(t)?),
-        embed_dim: usize_or(c, "projection_dim", 512, "config")?,
+        embed_dim,
         image_projection: true,
         text_projection_bias: false,
         text_pooling: TextPooling::Pooler,
         temperature: TemperatureKind::Clip,
-        temperature_init: (-scale).exp(),
+        temperature_init,
         logit_bias: None,
     })
 }
