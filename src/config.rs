@@ -605,13 +605,20 @@ impl Config {
         Ok(cfg)
     }
 
+    /// The config file at `path` (with the file it extends, if any) and then `overrides`.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
-        Self::from_str_with_overrides(&text, &path.display().to_string(), overrides)
+        Self::from_table_with_overrides(read_file(path)?, &path.display().to_string(), overrides)
     }
 
     pub fn from_str_with_overrides(text: &str, origin: &str, overrides: &[String]) -> Result<Self> {
-        let mut table: toml::Table = toml::from_str(text).with_context(|| format!("config {origin}"))?;
+        let table: toml::Table = toml::from_str(text).with_context(|| format!("config {origin}"))?;
+        if table.contains_key(EXTENDS) {
+            bail!("config {origin}: `{EXTENDS}` names a file relative to the config's own, so the config must be read from a file");
+        }
+        Self::from_table_with_overrides(table, origin, overrides)
+    }
+
+    fn from_table_with_overrides(mut table: toml::Table, origin: &str, overrides: &[String]) -> Result<Self> {
         replace_length(&mut table, origin, overrides);
         for o in overrides {
             apply_override(&mut table, o)?;
@@ -790,6 +797,43 @@ impl Config {
 
     pub fn to_toml(&self) -> Result<String> {
         Ok(toml::to_string_pretty(self)?)
+    }
+}
+
+/// The key a config file names its base with: `extends = "demo.toml"` (relative to the file)
+/// takes every value of the base, and the file's own values replace the base's one by one.
+pub const EXTENDS: &str = "extends";
+
+/// The table of the config file at `path`, over the file it extends (and that file's base, ...).
+pub fn read_file(path: &Path) -> Result<toml::Table> {
+    read_extending(path, &mut Vec::new())
+}
+
+fn read_extending(path: &Path, chain: &mut Vec<PathBuf>) -> Result<toml::Table> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+    let mut table: toml::Table = toml::from_str(&text).with_context(|| format!("config {}", path.display()))?;
+    let Some(base) = table.remove(EXTENDS) else { return Ok(table) };
+    let base = base.as_str().with_context(|| format!("config {}: {EXTENDS} must be a file name, not {base}", path.display()))?;
+    let base = path.parent().unwrap_or(Path::new("")).join(base);
+    let canonical = base.canonicalize().with_context(|| format!("config {}: {EXTENDS} {}", path.display(), base.display()))?;
+    if chain.contains(&canonical) {
+        bail!("config {}: {EXTENDS} {} leads back to a file it came from", path.display(), base.display());
+    }
+    chain.push(canonical);
+    let mut merged = read_extending(&base, chain)?;
+    overlay(&mut merged, table);
+    Ok(merged)
+}
+
+/// `over`'s values in place of `base`'s, section by section.
+fn overlay(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => overlay(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
     }
 }
 
@@ -993,5 +1037,59 @@ mod tests {
         assert_eq!(c.train.samples, 100);
         let e = Config::from_str_with_overrides("[train]\nsteps = 5\nepochs = 2.0\n", "f.toml", &[]).unwrap_err();
         assert!(format!("{e:#}").contains("set one of"), "{e:#}");
+    }
+
+    /// A file that extends another takes its values, replaces them section by section, counts
+    /// the base's values as set in a file, and refuses a cycle by name.
+    #[test]
+    fn a_config_extends_its_base_value_by_value() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, text: &str| std::fs::write(dir.path().join(name), text).unwrap();
+        write("base.toml", "[train]\nsteps = 50\nlr = 0.5\n[model.vit]\nwidth = 64\ndepth = 2\n");
+        write("mid.toml", "extends = \"base.toml\"\n[train]\nlr = 0.25\n");
+        write("top.toml", "extends = \"mid.toml\"\n[model.vit]\ndepth = 3\n");
+        let c = Config::load(&dir.path().join("top.toml"), &["train.steps=60".into()]).unwrap();
+        assert_eq!((c.train.steps, c.train.lr, c.model.vit.width, c.model.vit.depth), (60, 0.25, Some(64), Some(3)));
+        assert!(c.is_explicit("model.vit.width") && !c.is_explicit("train.batch_size"));
+        write("loop.toml", "extends = \"top2.toml\"\n");
+        write("top2.toml", "extends = \"loop.toml\"\n");
+        let e = format!("{:#}", Config::load(&dir.path().join("loop.toml"), &[]).unwrap_err());
+        assert!(e.contains("leads back"), "{e}");
+        let e = format!("{:#}", Config::from_str_with_overrides("extends = \"base.toml\"\n", "inline", &[]).unwrap_err());
+        assert!(e.contains("read from a file"), "{e}");
+    }
+
+    /// The demo's variants are the demo with their own few lines.
+    #[test]
+    fn the_demo_variants_are_the_demo_and_their_changes() {
+        let paths = [
+            "data.train=\"runs/demo/data/train-{00000..00007}.tar\"".to_string(),
+            "text.tokenizer=\"runs/demo/data/tokenizer.json\"".into(),
+            "eval.zeroshot=\"runs/demo/data/test-00000.tar\"".into(),
+            "eval.retrieval=\"runs/demo/data/test-00000.tar\"".into(),
+            "eval.classes=\"runs/demo/data/classes.txt\"".into(),
+            "eval.templates=\"runs/demo/data/templates.txt\"".into(),
+        ];
+        let with = |more: &[&str]| paths.iter().cloned().chain(more.iter().map(|s| s.to_string())).collect::<Vec<_>>();
+        let cases: [(&str, Vec<String>); 3] = [
+            (
+                "demo-ema.toml",
+                with(&["run.name=\"demo-ema\"", "train.ema_decay=0.995", "train.ema_warmup_power=0.75", "train.ema_eval=true"]),
+            ),
+            ("demo-flip.toml", with(&["run.name=\"demo-flip\"", "model.vit.patch_dropout=0.5", "train.unmasked_tuning_steps=50"])),
+            (
+                "demo-sigmoid.toml",
+                with(&[
+                    "run.name=\"demo-sigmoid\"",
+                    "model.temperature=\"align\"",
+                    "model.temperature_init=1.0",
+                    "loss.kind=\"sigmoid\"",
+                    "loss.dist_impl=\"shift\"",
+                ]),
+            ),
+        ];
+        for (variant, overrides) in cases {
+            assert_eq!(shipped(variant, &[]), shipped("demo.toml", &overrides), "{variant}");
+        }
     }
 }

@@ -40,7 +40,7 @@ pub fn run(a: ConfigArgs) -> Result<()> {
     };
     let (sections, mut fields) = reference(cfg.as_ref());
     if let Some(path) = &a.config {
-        let file: toml::Table = toml::from_str(&std::fs::read_to_string(path)?)?;
+        let file = align::config::read_file(path)?;
         for f in fields.iter_mut() {
             f.source = Some(source(&f.path, &file, &a.overrides, &adopted).to_string());
         }
