@@ -1,7 +1,10 @@
 //! align: contrastive image-text dual encoders (ALIGN, CLIP) trained on candle.
 //!
-//! The modules follow a sample's journey: `data` (shards to batches), `model` (towers and the dual
-//! encoder), `train` (loss, optimisers, the loop, checkpoints) and `eval` (retrieval, zero-shot).
+//! The modules follow a sample's journey: `data` (shards to batches), `ops` (the kernels the towers
+//! compute with), `model` (towers and the dual encoder), `config` (the experiment), `io`
+//! (checkpoints and their formats, a run's files), `train` (the start, loss, optimisers, the
+//! loop) and `eval` (retrieval, zero-shot, probes, scoring); `plot` draws a run's curves and
+//! `util` serves them all. ARCHITECTURE.md says what may use what.
 
 pub mod config;
 pub mod config_reference;

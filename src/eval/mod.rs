@@ -1,4 +1,6 @@
-//! Evaluation: retrieval, zero-shot classification, and the metrics behind them.
+//! Evaluation: the forward-only embedding path, retrieval, zero-shot classification, KNN and
+//! linear probes, the metrics behind them, the records results are written as, suites, the
+//! evaluations training runs, and CLIP scores for curation (`score`).
 
 pub mod embed;
 pub mod knn;

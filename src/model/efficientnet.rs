@@ -3,7 +3,7 @@
 //! image feature (no head, no top convolution). Parameter names are Hugging Face
 //! `AlignVisionModel`'s, so `kakaobrain/align-base`'s vision tower (B7) maps one to one.
 //!
-//! Layout facts that matter for a faithful port (see also `shared/HF-ALIGN-NOTES.md`):
+//! Layout facts that matter for a faithful port:
 //! - the stem pads only right and bottom by one, then runs a "valid" 3×3 stride-2 convolution;
 //! - stride-2 depthwise convolutions pad `(k/2 − 1, k/2)` on (top/left, bottom/right) unless the
 //!   block is listed in `depthwise_padding` (then `k/2` on every side); stride 1 pads `k/2`;

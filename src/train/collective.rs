@@ -2,7 +2,7 @@
 //!
 //! Three implementations share one trait: [`SingleProcess`] (identity), [`ThreadGroup`] (ranks as
 //! threads of one process: the tests and `align train --nproc N` on the CPU), and NCCL for GPUs
-//! (behind `--features nccl`; see the CUDA issue). Tensors cross as host vectors in the thread
+//! (behind `--features nccl`). Tensors cross as host vectors in the thread
 //! group; every call blocks until all ranks have made the same call, or fails after the timeout,
 //! or as soon as any rank aborts (a failing rank takes the others down with its error).
 

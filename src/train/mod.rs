@@ -1,4 +1,5 @@
-//! Training: the loss, optimisers and schedules, checkpoints, and the loop.
+//! Training: what a run starts from (`start`), the losses, the exchange between ranks, optimisers
+//! and schedules, the moving average, and the run itself (`trainer`).
 
 pub mod collective;
 pub mod ema;

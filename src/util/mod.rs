@@ -1,3 +1,6 @@
+//! What every folder uses and that uses none of them: seeded random numbers, logging, progress
+//! bars, the profiler, threads, devices, files and locks, interruption, clocks.
+
 pub mod clock;
 pub mod device;
 pub mod errors;

@@ -2,7 +2,7 @@
 //! own backward.
 //!
 //! Composed, `broadcast_add(bias)` sends the bias gradient through candle's strided reduce, which
-//! runs on one thread (14% of a ViT-Ti + BERT-mini step in the profile of issue 10), and
+//! runs on one thread (14% of a ViT-Ti + BERT-mini step, profiled), and
 //! `gelu_erf`'s backward builds about ten full-size temporaries. Here the forward is one pass, the
 //! backward one pass for the input gradient plus a blocked, multithreaded column sum.
 

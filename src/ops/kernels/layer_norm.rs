@@ -1,6 +1,6 @@
 //! LayerNorm over the last dimension as one op with its own backward.
 //!
-//! candle's fused `layer_norm` has no backward at all (CANDLE-NOTES), and the composition from
+//! candle's fused `layer_norm` has no backward at all (candle 0.11), and the composition from
 //! mean / subtract / square / divide / scale / shift takes eight full-size temporaries forward and
 //! more backward, with the weight and bias gradients reduced through candle's one-threaded
 //! strided sum. Here the forward is one pass per row; the backward one pass per row for the input

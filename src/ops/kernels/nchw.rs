@@ -3,7 +3,7 @@
 //!
 //! Composed from candle primitives these ops take several full-size temporaries each, and their
 //! backward passes reduce broadcast gradients through candle's strided slow path; on
-//! EfficientNet-B0 that made the backward pass 14× the forward (profile in issue 5's note). Each
+//! EfficientNet-B0 that made the backward pass 14× the forward (`align bench model --profile`). Each
 //! op is one pass over the data, with its composition beside it as the fallback (bf16 on a GPU,
 //! devices without kernels) and the tests' reference.
 

@@ -1,7 +1,7 @@
 //! Softmax over the last dimension as one op with its own backward, for attention. candle's
 //! composed softmax (max, subtract, exp, sum, divide, each a full-size temporary, and as many
 //! backward nodes) is the largest part of the ViT's attention; its fused `softmax_last_dim` has no
-//! backward at all (see CANDLE-NOTES). Forward: one pass per row; backward: one pass per row,
+//! backward at all (candle 0.11). Forward: one pass per row; backward: one pass per row,
 //! `dx = y·(dy − Σ y·dy)`.
 
 use candle_core::{DType, Layout, Result, Shape, Tensor, D};
