@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use align::data::eval_reader::{EvalSource, FileSample, Needs};
 use align::data::transform::{ImageConfig, Interpolation, ResizeMode};
-use align::eval::embed::embed_source;
+use align::eval::embed::Embedder;
 use align::io::load::{load_model, LoadedModel};
 use align::io::tensors::read_tensors;
 use candle_core::Device;
@@ -47,7 +47,8 @@ fn cosines(m: &LoadedModel, cfg: &ImageConfig) -> Vec<(String, f64)> {
     let files: Vec<FileSample> =
         names.iter().map(|n| FileSample { path: fixtures().join("preprocess").join(n), label: None, captions: vec![] }).collect();
     let needs = Needs { image: true, captions: false, label: false };
-    let got = embed_source(&m.model, EvalSource::Files(files), cfg, needs, 4, &Device::Cpu, true).unwrap();
+    let embedder = Embedder { image: cfg, ..Embedder::of(m, 4, &Device::Cpu, true) };
+    let got = embedder.images(EvalSource::Files(files), needs).unwrap();
     assert!(got.skipped.is_empty(), "{}", got.skipped.summary());
     let expected = read_tensors(&fixtures().join("preprocess/expected.safetensors"), &Device::Cpu).unwrap();
     let reference = expected["image_embeds"].to_vec2::<f32>().unwrap();

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use align::data::eval_reader::{EvalSource, Needs};
 use align::data::spec;
 use align::data::transform::{decode, eval_transform};
-use align::eval::embed::{embed_images, embed_pairs, embed_texts};
+use align::eval::embed::{embed_images, embed_texts, Embedder};
 use align::eval::knn::top_k;
 use align::eval::metrics::Embeddings;
 use align::eval::zeroshot::read_lines;
@@ -114,17 +114,9 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     };
     match (&a.data, &a.texts) {
         (Some(d), _) => {
-            let mut images = embed_pairs(
-                &m.model,
-                &m.tokenizer,
-                EvalSource::Shards(spec::expand(d)?),
-                &m.usage.image,
-                Needs { image: true, captions: false, label: false },
-                batch,
-                &device,
-                false,
-            )
-            .with_context(|| format!("embedding with {}", m.dir.display()))?;
+            let mut images = Embedder::of(&m, batch, &device, false)
+                .pairs(EvalSource::Shards(spec::expand(d)?), Needs { image: true, captions: false, label: false })
+                .with_context(|| format!("embedding with {}", m.dir.display()))?;
             for (i, caps) in images.captions.iter().enumerate() {
                 for c in caps {
                     side.texts.push(c.clone());

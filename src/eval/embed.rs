@@ -12,6 +12,7 @@ use crate::data::eval_reader::{EvalReader, EvalSource, Needs};
 use crate::data::skips::SkipCounts;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::ImageConfig;
+use crate::io::load::LoadedModel;
 use crate::model::dual_encoder::DualEncoder;
 use crate::util::progress::Progress;
 
@@ -106,20 +107,84 @@ pub struct EmbeddedImages {
     pub labels: Vec<Option<i64>>,
     pub skipped: SkipCounts,
     /// The captions' embeddings, every caption of every image in order, when asked for
-    /// ([`embed_pairs`]).
+    /// ([`Embedder::pairs`]).
     pub caption_embeddings: Option<Embeddings>,
 }
 
-pub fn embed_source(
-    model: &DualEncoder,
-    source: EvalSource,
-    image_cfg: &ImageConfig,
-    needs: Needs,
-    batch: usize,
-    device: &Device,
-    quiet: bool,
-) -> Result<EmbeddedImages> {
-    with_images(embed_data(model, None, source, image_cfg, needs, batch, device, quiet)?)
+/// How a model embeds a data source: its towers and tokenizer, the image preprocessing, the
+/// batch, the device, and whether progress is shown.
+#[derive(Clone, Copy)]
+pub struct Embedder<'a> {
+    pub model: &'a DualEncoder,
+    pub tokenizer: &'a TextTokenizer,
+    pub image: &'a ImageConfig,
+    pub batch: usize,
+    pub device: &'a Device,
+    pub quiet: bool,
+}
+
+impl<'a> Embedder<'a> {
+    /// A loaded checkpoint's model, tokenizer and preprocessing.
+    pub fn of(m: &'a LoadedModel, batch: usize, device: &'a Device, quiet: bool) -> Embedder<'a> {
+        Embedder { model: &m.model, tokenizer: &m.tokenizer, image: &m.usage.image, batch, device, quiet }
+    }
+
+    /// The source's images embedded; an evaluation set must hold a usable one.
+    pub fn images(&self, source: EvalSource, needs: Needs) -> Result<EmbeddedImages> {
+        with_images(self.embed(source, needs, false)?)
+    }
+
+    /// [`Embedder::images`] with each batch's captions embedded right after its images, while the
+    /// reader prepares the next batch: images and texts go through the towers interleaved, and
+    /// neither waits for all of the other.
+    pub fn pairs(&self, source: EvalSource, needs: Needs) -> Result<EmbeddedImages> {
+        with_images(self.embed(source, needs, true)?)
+    }
+
+    /// [`Embedder::pairs`] without the error for data that holds no usable image (a shard of a
+    /// corpus may have none; the corpus's report counts why).
+    pub fn pairs_of_part(&self, source: EvalSource, needs: Needs) -> Result<EmbeddedImages> {
+        self.embed(source, needs, true)
+    }
+
+    fn embed(&self, source: EvalSource, needs: Needs, with_texts: bool) -> Result<EmbeddedImages> {
+        let (model, batch, device) = (self.model, self.batch, self.device);
+        let total = match &source {
+            EvalSource::Files(f) => Some(f.len() as u64),
+            EvalSource::Shards(_) => None,
+        };
+        let mut reader = EvalReader::from_source(source, self.image.clone(), Needs { image: true, ..needs }, batch);
+        let bar = match total {
+            Some(n) => Progress::bar(n, "embedding images", self.quiet),
+            None => Progress::spinner("embedding images", self.quiet),
+        };
+        let dim = model.spec.embed_dim;
+        let mut out = EmbeddedImages {
+            embeddings: Embeddings { data: Vec::new(), dim },
+            keys: Vec::new(),
+            captions: Vec::new(),
+            labels: Vec::new(),
+            skipped: SkipCounts::default(),
+            caption_embeddings: with_texts.then(|| Embeddings { data: Vec::new(), dim }),
+        };
+        for b in reader.by_ref() {
+            let names: Vec<&str> = b.items.iter().map(|it| it.key.as_str()).collect();
+            out.embeddings.data.extend(embed_pixels(model, b.pixels, self.image.image_size, device, &names)?);
+            if let Some(texts) = out.caption_embeddings.as_mut() {
+                let captions: Vec<String> = b.items.iter().flat_map(|it| it.captions.iter().cloned()).collect();
+                texts.data.extend(embed_texts(model, self.tokenizer, &captions, batch, device, |_| {})?.data);
+            }
+            for it in b.items {
+                out.keys.push(it.key);
+                out.captions.push(it.captions);
+                out.labels.push(it.label);
+            }
+            bar.set_position(out.keys.len() as u64);
+        }
+        bar.finish();
+        out.skipped = reader.skips().clone();
+        Ok(out)
+    }
 }
 
 /// An evaluation set must hold a usable image.
@@ -127,85 +192,5 @@ fn with_images(out: EmbeddedImages) -> Result<EmbeddedImages> {
     if out.keys.is_empty() {
         bail!("no usable image (skipped: {})", out.skipped.summary());
     }
-    Ok(out)
-}
-
-/// [`embed_source`] with each batch's captions embedded right after its images, while the reader
-/// prepares the next batch: images and texts go through the towers interleaved, and neither
-/// waits for all of the other.
-#[allow(clippy::too_many_arguments)]
-pub fn embed_pairs(
-    model: &DualEncoder,
-    tokenizer: &TextTokenizer,
-    source: EvalSource,
-    image_cfg: &ImageConfig,
-    needs: Needs,
-    batch: usize,
-    device: &Device,
-    quiet: bool,
-) -> Result<EmbeddedImages> {
-    with_images(embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, quiet)?)
-}
-
-/// [`embed_pairs`] without the error for data that holds no usable image (a shard of a corpus
-/// may have none; the corpus's report counts why).
-#[allow(clippy::too_many_arguments)]
-pub fn embed_pairs_of_part(
-    model: &DualEncoder,
-    tokenizer: &TextTokenizer,
-    source: EvalSource,
-    image_cfg: &ImageConfig,
-    needs: Needs,
-    batch: usize,
-    device: &Device,
-) -> Result<EmbeddedImages> {
-    embed_data(model, Some(tokenizer), source, image_cfg, needs, batch, device, true)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn embed_data(
-    model: &DualEncoder,
-    tokenizer: Option<&TextTokenizer>,
-    source: EvalSource,
-    image_cfg: &ImageConfig,
-    needs: Needs,
-    batch: usize,
-    device: &Device,
-    quiet: bool,
-) -> Result<EmbeddedImages> {
-    let total = match &source {
-        EvalSource::Files(f) => Some(f.len() as u64),
-        EvalSource::Shards(_) => None,
-    };
-    let mut reader = EvalReader::from_source(source, image_cfg.clone(), Needs { image: true, ..needs }, batch);
-    let bar = match total {
-        Some(n) => Progress::bar(n, "embedding images", quiet),
-        None => Progress::spinner("embedding images", quiet),
-    };
-    let dim = model.spec.embed_dim;
-    let mut out = EmbeddedImages {
-        embeddings: Embeddings { data: Vec::new(), dim },
-        keys: Vec::new(),
-        captions: Vec::new(),
-        labels: Vec::new(),
-        skipped: SkipCounts::default(),
-        caption_embeddings: tokenizer.map(|_| Embeddings { data: Vec::new(), dim }),
-    };
-    for b in reader.by_ref() {
-        let names: Vec<&str> = b.items.iter().map(|it| it.key.as_str()).collect();
-        out.embeddings.data.extend(embed_pixels(model, b.pixels, image_cfg.image_size, device, &names)?);
-        if let (Some(tokenizer), Some(texts)) = (tokenizer, out.caption_embeddings.as_mut()) {
-            let captions: Vec<String> = b.items.iter().flat_map(|it| it.captions.iter().cloned()).collect();
-            texts.data.extend(embed_texts(model, tokenizer, &captions, batch, device, |_| {})?.data);
-        }
-        for it in b.items {
-            out.keys.push(it.key);
-            out.captions.push(it.captions);
-            out.labels.push(it.label);
-        }
-        bar.set_position(out.keys.len() as u64);
-    }
-    bar.finish();
-    out.skipped = reader.skips().clone();
     Ok(out)
 }

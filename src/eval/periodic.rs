@@ -1,6 +1,7 @@
 //! The evaluations a config asks for (`[eval]`), run on an in-memory model: used during training
 //! and by `align eval` / `align demo`.
 
+use super::embed::Embedder;
 use anyhow::Result;
 use candle_core::Device;
 use serde::Serialize;
@@ -69,16 +70,16 @@ pub fn configured(cfg: &Config) -> bool {
 pub fn run(model: &DualEncoder, tokenizer: &TextTokenizer, cfg: &Config, device: &Device, quiet: bool) -> Result<EvalResults> {
     let mut out = EvalResults::default();
     let e = &cfg.eval;
+    let embedder = Embedder { model, tokenizer, image: &cfg.data.image, batch: e.batch_size, device, quiet };
     if !e.zeroshot.is_empty() {
         let classes = zeroshot::read_lines(&e.classes)?;
         let templates = zeroshot::read_lines(&e.templates)?;
         let source = EvalSource::Shards(spec::expand(&e.zeroshot)?);
-        out.zeroshot =
-            Some(zeroshot::run(model, tokenizer, source, &classes, &templates, &cfg.data.image, e.batch_size, device, quiet)?.report);
+        out.zeroshot = Some(zeroshot::run(&embedder, source, &classes, &templates)?.report);
     }
     if !e.retrieval.is_empty() {
         let source = EvalSource::Shards(spec::expand(&e.retrieval)?);
-        out.retrieval = Some(retrieval::run(model, tokenizer, source, &cfg.data.image, e.batch_size, device, quiet)?.report);
+        out.retrieval = Some(retrieval::run(&embedder, source)?.report);
     }
     Ok(out)
 }

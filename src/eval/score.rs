@@ -123,17 +123,10 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
             continue;
         }
         let needs = Needs { image: true, captions: true, label: false };
-        let e = crate::eval::embed::embed_pairs_of_part(
-            &m.model,
-            &m.tokenizer,
-            EvalSource::Shards(vec![shard.clone()]),
-            &m.usage.image,
-            needs,
-            o.batch,
-            device,
-        )
-        .with_context(|| format!("scoring {name}"))?;
-        let texts = e.caption_embeddings.as_ref().expect("embed_pairs embeds the captions");
+        let e = crate::eval::embed::Embedder::of(m, o.batch, device, true)
+            .pairs_of_part(EvalSource::Shards(vec![shard.clone()]), needs)
+            .with_context(|| format!("scoring {name}"))?;
+        let texts = e.caption_embeddings.as_ref().expect("pairs embeds the captions");
         // Each image's first caption is the one scored (web pairs have one).
         let mut s = ShardScores { dim, ..Default::default() };
         let mut at = 0;

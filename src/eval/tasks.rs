@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 
-use super::embed::{embed_source, EmbeddedImages};
+use super::embed::{EmbeddedImages, Embedder};
 use super::knn::KnnReport;
 use super::linear_probe::{ProbeConfig, ProbeReport};
 use super::metrics::recall_at;
@@ -53,8 +53,7 @@ pub fn evaluate_retrieval(
     device: &Device,
     quiet: bool,
 ) -> Result<Evaluated<RetrievalRun>> {
-    let run = ret::run(&m.model, &m.tokenizer, source, &m.usage.image, batch, device, quiet)
-        .with_context(|| format!("evaluating {}", m.dir.display()))?;
+    let run = ret::run(&Embedder::of(m, batch, device, quiet), source).with_context(|| format!("evaluating {}", m.dir.display()))?;
     let mut rec = EvalRecord::new(&m.dir, m.precision, what, "zeroshot_retrieval", run.report.images, &run.skipped);
     rec.texts = Some(run.report.texts);
     for &k in ks {
@@ -115,7 +114,7 @@ impl ZeroShotData {
 
 /// Zero-shot classification of `m` with a prompt ensemble: acc@1, acc@5, mean per-class recall.
 pub fn evaluate_zeroshot(m: &LoadedModel, d: ZeroShotData, batch: usize, device: &Device, quiet: bool) -> Result<Evaluated<ZeroShotRun>> {
-    let run = zs::run(&m.model, &m.tokenizer, d.source, &d.classes, &d.templates, &m.usage.image, batch, device, quiet)
+    let run = zs::run(&Embedder::of(m, batch, device, quiet), d.source, &d.classes, &d.templates)
         .with_context(|| format!("evaluating {}", m.dir.display()))?;
     let mut rec = EvalRecord::new(&m.dir, m.precision, &d.what, "zeroshot_classification", run.report.images, &run.skipped);
     rec.classes = Some(run.report.classes);
@@ -159,10 +158,10 @@ fn embed_labelled(
     quiet: bool,
 ) -> Result<LabelledSplits> {
     let needs = Needs { image: true, captions: false, label: true };
-    let cfg = &m.usage.image;
+    let embedder = Embedder::of(m, batch, device, quiet);
     let evaluating = || format!("evaluating {}", m.dir.display());
-    let first = embed_source(&m.model, first, cfg, needs, batch, device, quiet).with_context(evaluating)?;
-    let second = embed_source(&m.model, second, cfg, needs, batch, device, quiet).with_context(evaluating)?;
+    let first = embedder.images(first, needs).with_context(evaluating)?;
+    let second = embedder.images(second, needs).with_context(evaluating)?;
     let classes = first.labels.iter().chain(&second.labels).flatten().max().map_or(0, |m| *m as usize + 1);
     let first_y = zs::checked_labels(&first.keys, &first.labels, classes)?;
     let second_y = zs::checked_labels(&second.keys, &second.labels, classes)?;

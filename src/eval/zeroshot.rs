@@ -6,12 +6,11 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 
-use super::embed::{embed_source, embed_texts};
+use super::embed::{embed_texts, Embedder};
 use super::metrics::{classify, ensemble, ClassificationReport, Embeddings};
 use crate::data::eval_reader::{EvalSource, Needs};
 use crate::data::skips::SkipCounts;
 use crate::data::tokenizer::TextTokenizer;
-use crate::data::transform::ImageConfig;
 use crate::model::dual_encoder::DualEncoder;
 use crate::util::progress::Progress;
 
@@ -70,20 +69,9 @@ pub fn checked_labels(keys: &[String], labels: &[Option<i64>], classes: usize) -
         .collect()
 }
 
-#[allow(clippy::too_many_arguments)]
-pub fn run(
-    model: &DualEncoder,
-    tokenizer: &TextTokenizer,
-    source: EvalSource,
-    classes: &[String],
-    templates: &[String],
-    image_cfg: &ImageConfig,
-    batch: usize,
-    device: &Device,
-    quiet: bool,
-) -> Result<ZeroShotRun> {
-    let class_emb = class_embeddings(model, tokenizer, classes, templates, batch, device, quiet)?;
-    let images = embed_source(model, source, image_cfg, Needs { image: true, captions: false, label: true }, batch, device, quiet)?;
+pub fn run(e: &Embedder, source: EvalSource, classes: &[String], templates: &[String]) -> Result<ZeroShotRun> {
+    let class_emb = class_embeddings(e.model, e.tokenizer, classes, templates, e.batch, e.device, e.quiet)?;
+    let images = e.images(source, Needs { image: true, captions: false, label: true })?;
     let labels = checked_labels(&images.keys, &images.labels, classes.len())?;
     let report = classify(&images.embeddings, &labels, &class_emb, 1024)?;
     Ok(ZeroShotRun { report, skipped: images.skipped })

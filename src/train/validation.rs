@@ -18,7 +18,7 @@ use crate::config::{Config, Exchange, LossKind};
 use crate::data::eval_reader::{EvalSource, Needs};
 use crate::data::spec;
 use crate::data::tokenizer::TextTokenizer;
-use crate::eval::embed::embed_pairs;
+use crate::eval::embed::Embedder;
 use crate::eval::periodic::ValidationLoss;
 use crate::model::dual_encoder::DualEncoder;
 
@@ -35,8 +35,9 @@ pub fn run(model: &DualEncoder, tokenizer: &TextTokenizer, cfg: &Config, device:
     }
     let source = EvalSource::Shards(shards);
     let needs = Needs { image: true, captions: true, label: false };
-    let e = embed_pairs(model, tokenizer, source, &cfg.data.image, needs, cfg.eval.batch_size, device, true)?;
-    let texts = e.caption_embeddings.as_ref().expect("embed_pairs embeds the captions");
+    let embedder = Embedder { model, tokenizer, image: &cfg.data.image, batch: cfg.eval.batch_size, device, quiet: true };
+    let e = embedder.pairs(source, needs)?;
+    let texts = e.caption_embeddings.as_ref().expect("pairs embeds the captions");
     let dim = e.embeddings.dim;
     let mut first = Vec::with_capacity(e.captions.len() * dim);
     let mut at = 0;

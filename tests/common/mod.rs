@@ -92,9 +92,7 @@ pub fn file_cosines(m: &align::io::load::LoadedModel, files: &[PathBuf], referen
     use align::data::eval_reader::{EvalSource, FileSample, Needs};
     let samples = files.iter().map(|p| FileSample { path: p.clone(), label: None, captions: vec![] }).collect();
     let needs = Needs { image: true, captions: false, label: false };
-    let got =
-        align::eval::embed::embed_source(&m.model, EvalSource::Files(samples), &m.usage.image, needs, 4, &candle_core::Device::Cpu, true)
-            .unwrap();
+    let got = align::eval::embed::Embedder::of(m, 4, &candle_core::Device::Cpu, true).images(EvalSource::Files(samples), needs).unwrap();
     let dim = got.embeddings.dim;
     reference.iter().enumerate().map(|(i, r)| cosine(&got.embeddings.data[i * dim..(i + 1) * dim], r)).collect()
 }
@@ -105,7 +103,7 @@ pub fn first_caption_pairs(m: &align::io::load::LoadedModel, test: &str, n: usiz
     let cpu = candle_core::Device::Cpu;
     let needs = align::data::eval_reader::Needs { image: true, captions: true, label: false };
     let source = align::data::eval_reader::EvalSource::Shards(align::data::spec::expand(test).unwrap());
-    let e = align::eval::embed::embed_pairs(&m.model, &m.tokenizer, source, &m.usage.image, needs, 8, &cpu, true).unwrap();
+    let e = align::eval::embed::Embedder::of(m, 8, &cpu, true).pairs(source, needs).unwrap();
     let d = e.embeddings.dim;
     let texts = e.caption_embeddings.as_ref().unwrap();
     let img = (0..n).map(|i| e.embeddings.data[i * d..(i + 1) * d].iter().map(|&x| x as f64).collect()).collect();

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use align::data::eval_reader::{EvalSource, Needs};
-use align::eval::embed::embed_pairs;
+use align::eval::embed::Embedder;
 use align::io::load::load_model;
 use anyhow::Result;
 use clap::Args;
@@ -55,7 +55,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let start = Instant::now();
     let needs = Needs { image: true, captions: true, label: false };
     let source = EvalSource::Shards(align::data::spec::expand(&a.data)?);
-    let e = embed_pairs(&m.model, &m.tokenizer, source, &m.usage.image, needs, batch, &device, a.json)?;
+    let e = Embedder::of(&m, batch, &device, a.json).pairs(source, needs)?;
     let seconds = start.elapsed().as_secs_f64();
     let images = e.keys.len();
     let r = EmbedBench {
