@@ -5,71 +5,50 @@
 
 use serde_json::{json, Value};
 
+use super::tower_config::{read, sub, AlignJointFields, AlignVisionFields, BertFields, VitFields};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::efficientnet::{EfficientNetConfig, Stages};
 use crate::model::presets::{BertConfig, ImagePooling, TemperatureKind, TextPooling, VitConfig};
 
-pub(super) fn get<'a>(v: &'a Value, key: &str, ctx: &str) -> Result<&'a Value, String> {
-    v.get(key).ok_or_else(|| format!("{ctx} has no {key:?}"))
-}
-
-pub(super) fn usize_of(v: &Value, key: &str, ctx: &str) -> Result<usize, String> {
-    let x = get(v, key, ctx)?;
-    let n = x.as_u64().map(|x| x as usize).ok_or_else(|| format!("{ctx}.{key} is {x}, not a whole number"))?;
+fn size(n: usize, ctx: &str, key: &str) -> Result<usize, String> {
     crate::io::limits::check_size(n, crate::io::limits::kind_of_key(key), &format!("{ctx}.{key}"))
 }
 
-pub(super) fn f64_of(v: &Value, key: &str, ctx: &str) -> Result<f64, String> {
-    get(v, key, ctx)?.as_f64().ok_or_else(|| format!("{ctx}.{key} is not a number"))
-}
-
-/// `layer_norm_eps`: `default` when absent, else a small positive number.
-fn eps_or(c: &Value, default: f64, ctx: &str) -> Result<f64, String> {
-    let eps = match c.get("layer_norm_eps") {
-        None | Some(Value::Null) => default,
-        Some(_) => f64_of(c, "layer_norm_eps", ctx)?,
-    };
+fn small_positive(eps: f64, ctx: &str, key: &str) -> Result<f64, String> {
     if !(eps > 0.0 && eps < 1.0) {
-        return Err(format!("{ctx}.layer_norm_eps is {eps}; it must be a small positive number"));
+        return Err(format!("{ctx}.{key} is {eps}; it must be a small positive number"));
     }
     Ok(eps)
 }
 
-fn list_of(v: &Value, key: &str, ctx: &str) -> Result<Vec<usize>, String> {
-    get(v, key, ctx)?
-        .as_array()
-        .ok_or_else(|| format!("{ctx}.{key} is not a list"))?
-        .iter()
-        .map(|x| x.as_u64().map(|x| x as usize).ok_or_else(|| format!("{ctx}.{key} holds a non-integer")))
-        .collect()
+fn check_act(act: &str, want: &[&str], ctx: &str) -> Result<(), String> {
+    if !want.contains(&act) {
+        return Err(format!("{ctx}.hidden_act is {act:?}; align implements {want:?}"));
+    }
+    Ok(())
 }
 
-fn check_act(v: &Value, key: &str, want: &[&str], ctx: &str) -> Result<(), String> {
-    match v.get(key).and_then(Value::as_str) {
-        None => Ok(()),
-        Some(a) if want.contains(&a) => Ok(()),
-        Some(a) => Err(format!("{ctx}.{key} is {a:?}; align implements {want:?}")),
-    }
+fn typed<T: serde::Serialize + serde::de::DeserializeOwned + Default>(c: &Value, ctx: &str) -> Result<T, String> {
+    read(c, ctx).map_err(|e| e.to_string())
 }
 
 /// `BertConfig` (or `AlignTextConfig`) JSON.
 pub fn bert_from_hf(c: &Value) -> Result<BertConfig, String> {
     let ctx = "text config";
-    check_act(c, "hidden_act", &["gelu"], ctx)?;
-    if let Some(t) = c.get("position_embedding_type").and_then(Value::as_str) {
-        if t != "absolute" {
-            return Err(format!("{ctx}.position_embedding_type {t:?} is not supported (absolute only)"));
-        }
+    let b: BertFields = typed(c, ctx)?;
+    check_act(&b.hidden_act, &["gelu"], ctx)?;
+    if b.position_embedding_type != "absolute" {
+        return Err(format!("{ctx}.position_embedding_type {:?} is not supported (absolute only)", b.position_embedding_type));
     }
     Ok(BertConfig {
-        vocab_size: usize_of(c, "vocab_size", ctx)?,
-        hidden: usize_of(c, "hidden_size", ctx)?,
-        layers: usize_of(c, "num_hidden_layers", ctx)?,
-        heads: usize_of(c, "num_attention_heads", ctx)?,
-        intermediate: usize_of(c, "intermediate_size", ctx)?,
-        max_position: usize_of(c, "max_position_embeddings", ctx)?,
-        type_vocab: usize_of(c, "type_vocab_size", ctx)?,
-        layer_norm_eps: eps_or(c, 1e-12, ctx)?,
+        vocab_size: size(b.vocab_size, ctx, "vocab_size")?,
+        hidden: size(b.hidden_size, ctx, "hidden_size")?,
+        layers: size(b.num_hidden_layers, ctx, "num_hidden_layers")?,
+        heads: size(b.num_attention_heads, ctx, "num_attention_heads")?,
+        intermediate: size(b.intermediate_size, ctx, "intermediate_size")?,
+        max_position: size(b.max_position_embeddings, ctx, "max_position_embeddings")?,
+        type_vocab: size(b.type_vocab_size, ctx, "type_vocab_size")?,
+        layer_norm_eps: small_positive(b.layer_norm_eps, ctx, "layer_norm_eps")?,
     })
 }
 
@@ -86,19 +65,20 @@ pub fn bert_to_hf(b: &BertConfig) -> Value {
 /// `ViTConfig` JSON (class-token pooling, as `ViTModel` has it).
 pub fn vit_from_hf(c: &Value) -> Result<VitConfig, String> {
     let ctx = "ViT config";
-    check_act(c, "hidden_act", &["gelu"], ctx)?;
-    if c.get("num_channels").and_then(Value::as_u64).is_some_and(|n| n != 3) {
+    let v: VitFields = typed(c, ctx)?;
+    check_act(&v.hidden_act, &["gelu"], ctx)?;
+    if v.num_channels != 3 {
         return Err(format!("{ctx}.num_channels must be 3"));
     }
     Ok(VitConfig {
-        image_size: usize_of(c, "image_size", ctx)?,
-        patch_size: usize_of(c, "patch_size", ctx)?,
-        width: usize_of(c, "hidden_size", ctx)?,
-        depth: usize_of(c, "num_hidden_layers", ctx)?,
-        heads: usize_of(c, "num_attention_heads", ctx)?,
-        mlp_dim: usize_of(c, "intermediate_size", ctx)?,
+        image_size: size(v.image_size, ctx, "image_size")?,
+        patch_size: size(v.patch_size, ctx, "patch_size")?,
+        width: size(v.hidden_size, ctx, "hidden_size")?,
+        depth: size(v.num_hidden_layers, ctx, "num_hidden_layers")?,
+        heads: size(v.num_attention_heads, ctx, "num_attention_heads")?,
+        mlp_dim: size(v.intermediate_size, ctx, "intermediate_size")?,
         pool: ImagePooling::Cls,
-        layer_norm_eps: eps_or(c, 1e-12, ctx)?,
+        layer_norm_eps: small_positive(v.layer_norm_eps, ctx, "layer_norm_eps")?,
         patch_dropout: 0.0,
     })
 }
@@ -107,32 +87,31 @@ pub fn vit_from_hf(c: &Value) -> Result<VitConfig, String> {
 /// momentum; align uses PyTorch's convention, so a value above 0.5 is read as a decay.
 pub fn efficientnet_from_hf(c: &Value) -> Result<EfficientNetConfig, String> {
     let ctx = "vision config";
-    check_act(c, "hidden_act", &["swish", "silu"], ctx)?;
-    if let Some(p) = c.get("pooling_type").and_then(Value::as_str) {
-        if p != "mean" {
-            return Err(format!("{ctx}.pooling_type {p:?} is not supported (mean only)"));
-        }
+    let v: AlignVisionFields = typed(c, ctx)?;
+    check_act(&v.hidden_act, &["swish", "silu"], ctx)?;
+    if v.pooling_type != "mean" {
+        return Err(format!("{ctx}.pooling_type {:?} is not supported (mean only)", v.pooling_type));
     }
-    let momentum = f64_of(c, "batch_norm_momentum", ctx).unwrap_or(0.99);
+    let momentum = v.batch_norm_momentum;
     let config = EfficientNetConfig {
-        image_size: usize_of(c, "image_size", ctx)?,
-        width_coefficient: f64_of(c, "width_coefficient", ctx)?,
-        depth_coefficient: f64_of(c, "depth_coefficient", ctx)?,
-        depth_divisor: usize_of(c, "depth_divisor", ctx)?,
-        se_ratio: f64_of(c, "squeeze_expansion_ratio", ctx).unwrap_or(0.25),
-        bn_eps: f64_of(c, "batch_norm_eps", ctx).unwrap_or(1e-3),
+        image_size: size(v.image_size, ctx, "image_size")?,
+        width_coefficient: v.width_coefficient,
+        depth_coefficient: v.depth_coefficient,
+        depth_divisor: size(v.depth_divisor, ctx, "depth_divisor")?,
+        se_ratio: v.squeeze_expansion_ratio,
+        bn_eps: v.batch_norm_eps,
         bn_momentum: if momentum > 0.5 { 1.0 - momentum } else { momentum },
         bn_frozen: false,
-        drop_path: f64_of(c, "drop_connect_rate", ctx).unwrap_or(0.2),
-        depthwise_padding: list_of(c, "depthwise_padding", ctx).unwrap_or_default(),
+        drop_path: v.drop_connect_rate,
+        depthwise_padding: v.depthwise_padding,
         depthwise: Default::default(),
         stages: Stages {
-            kernel_sizes: list_of(c, "kernel_sizes", ctx)?,
-            strides: list_of(c, "strides", ctx)?,
-            repeats: list_of(c, "num_block_repeats", ctx)?,
-            expand_ratios: list_of(c, "expand_ratios", ctx)?,
-            in_channels: list_of(c, "in_channels", ctx)?,
-            out_channels: list_of(c, "out_channels", ctx)?,
+            kernel_sizes: v.kernel_sizes,
+            strides: v.strides,
+            repeats: v.num_block_repeats,
+            expand_ratios: v.expand_ratios,
+            in_channels: v.in_channels,
+            out_channels: v.out_channels,
         },
     };
     // The blocks and widths the coefficients derive, bounded before anything is planned.
@@ -160,9 +139,14 @@ pub fn align_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
             return Err(format!("config.json describes a {t:?} model, not \"align\""));
         }
     }
-    let vision = efficientnet_from_hf(get(c, "vision_config", "config")?)?;
-    let text = bert_from_hf(get(c, "text_config", "config")?)?;
-    let embed_dim = usize_of(c, "projection_dim", "config")?;
+    let sub = |key: &str| sub(c, key).map_err(|e| e.to_string());
+    let vision = efficientnet_from_hf(sub("vision_config")?)?;
+    let text = bert_from_hf(sub("text_config")?)?;
+    let joint: AlignJointFields = typed(c, "config")?;
+    let embed_dim = size(joint.projection_dim, "config", "projection_dim")?;
+    if !(joint.temperature_init_value > 0.0 && joint.temperature_init_value.is_finite()) {
+        return Err(format!("config.temperature_init_value is {}; it must be positive", joint.temperature_init_value));
+    }
     if vision.width() != embed_dim {
         return Err(format!(
             "projection_dim {embed_dim} differs from the vision tower's width {} (AlignModel has no image projection)",
@@ -177,7 +161,7 @@ pub fn align_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
         image_projection: false,
         text_pooling: TextPooling::Cls,
         temperature: TemperatureKind::Align,
-        temperature_init: f64_of(c, "temperature_init_value", "config").unwrap_or(1.0),
+        temperature_init: joint.temperature_init_value,
         logit_bias: None,
     })
 }
@@ -240,7 +224,13 @@ mod tests {
         assert!(bert_from_hf(&j).unwrap_err().contains("hidden_act"));
         j["hidden_act"] = json!("gelu");
         assert!(bert_from_hf(&j).is_ok());
-        assert!(bert_from_hf(&json!({})).unwrap_err().contains("vocab_size"));
+        // An absent key is transformers' class default (BERT-base), as transformers reads it.
+        let base = bert_from_hf(&json!({})).unwrap();
+        assert_eq!((base.vocab_size, base.hidden, base.layers, base.max_position, base.layer_norm_eps), (30522, 768, 12, 512, 1e-12));
+        let e = bert_from_hf(&json!({"vocab_size": "30k"})).unwrap_err();
+        assert!(e.starts_with("text config.vocab_size: invalid type"), "{e}");
+        let v = efficientnet_from_hf(&json!({"image_size": 289})).unwrap();
+        assert_eq!((v.width_coefficient, v.depth_coefficient, v.stages.repeats.len()), (2.0, 3.1, 7), "AlignVisionConfig's B7");
     }
 
     #[test]

@@ -1,7 +1,7 @@
-//! The `config.json` of transformers' `CLIPModel` and `SiglipModel` as types: `CLIPConfig` with
-//! its `CLIPTextConfig` and `CLIPVisionConfig`, `SiglipConfig` with its `SiglipTextConfig` and
-//! `SiglipVisionConfig` (transformers' `configuration_clip.py` and `configuration_siglip.py`),
-//! each with the class's defaults. transformers writes only the values that differ from those
+//! The `config.json` of the transformers classes align reads, as types: `CLIPConfig` with its
+//! `CLIPTextConfig` and `CLIPVisionConfig`, `SiglipConfig` with its `SiglipTextConfig` and
+//! `SiglipVisionConfig`, `BertConfig`, `ViTConfig`, and `AlignConfig` with its `AlignVisionConfig`
+//! (transformers' `configuration_*.py`), each with the class's defaults. transformers writes only the values that differ from those
 //! into older files, so an absent key (or a `null`) takes the class default; keys align has no
 //! use for are ignored. Each converts to align's sizes by checking every size against its bounds.
 
@@ -160,6 +160,130 @@ pub struct SiglipVisionFields {
 impl Default for SiglipVisionFields {
     fn default() -> Self {
         SiglipVisionFields { image_size: 224, patch_size: 16, num_channels: 3, vision_use_head: true }
+    }
+}
+
+/// `BertConfig` (and `AlignTextConfig`, whose defaults are the same).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BertFields {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    pub hidden_act: String,
+    pub max_position_embeddings: usize,
+    pub type_vocab_size: usize,
+    pub layer_norm_eps: f64,
+    pub position_embedding_type: String,
+}
+
+impl Default for BertFields {
+    fn default() -> Self {
+        BertFields {
+            vocab_size: 30522,
+            hidden_size: 768,
+            num_hidden_layers: 12,
+            num_attention_heads: 12,
+            intermediate_size: 3072,
+            hidden_act: "gelu".into(),
+            max_position_embeddings: 512,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+            position_embedding_type: "absolute".into(),
+        }
+    }
+}
+
+/// `ViTConfig`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VitFields {
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    pub hidden_act: String,
+    pub layer_norm_eps: f64,
+    pub image_size: usize,
+    pub patch_size: usize,
+    pub num_channels: usize,
+}
+
+impl Default for VitFields {
+    fn default() -> Self {
+        VitFields {
+            hidden_size: 768,
+            num_hidden_layers: 12,
+            num_attention_heads: 12,
+            intermediate_size: 3072,
+            hidden_act: "gelu".into(),
+            layer_norm_eps: 1e-12,
+            image_size: 224,
+            patch_size: 16,
+            num_channels: 3,
+        }
+    }
+}
+
+/// `AlignVisionConfig` (EfficientNet-B7 at 600 px by default, as transformers has it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AlignVisionFields {
+    pub num_channels: usize,
+    pub image_size: usize,
+    pub width_coefficient: f64,
+    pub depth_coefficient: f64,
+    pub depth_divisor: usize,
+    pub kernel_sizes: Vec<usize>,
+    pub in_channels: Vec<usize>,
+    pub out_channels: Vec<usize>,
+    pub depthwise_padding: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub num_block_repeats: Vec<usize>,
+    pub expand_ratios: Vec<usize>,
+    pub squeeze_expansion_ratio: f64,
+    pub hidden_act: String,
+    pub pooling_type: String,
+    pub batch_norm_eps: f64,
+    /// TensorFlow's decay (0.99), which transformers passes to PyTorch as the momentum.
+    pub batch_norm_momentum: f64,
+    pub drop_connect_rate: f64,
+}
+
+impl Default for AlignVisionFields {
+    fn default() -> Self {
+        AlignVisionFields {
+            num_channels: 3,
+            image_size: 600,
+            width_coefficient: 2.0,
+            depth_coefficient: 3.1,
+            depth_divisor: 8,
+            kernel_sizes: vec![3, 3, 5, 3, 5, 5, 3],
+            in_channels: vec![32, 16, 24, 40, 80, 112, 192],
+            out_channels: vec![16, 24, 40, 80, 112, 192, 320],
+            depthwise_padding: Vec::new(),
+            strides: vec![1, 2, 2, 2, 1, 2, 1],
+            num_block_repeats: vec![1, 2, 2, 3, 3, 4, 1],
+            expand_ratios: vec![1, 6, 6, 6, 6, 6, 6],
+            squeeze_expansion_ratio: 0.25,
+            hidden_act: "swish".into(),
+            pooling_type: "mean".into(),
+            batch_norm_eps: 1e-3,
+            batch_norm_momentum: 0.99,
+            drop_connect_rate: 0.2,
+        }
+    }
+}
+
+/// What `AlignConfig` adds to its towers: the embedding's width and the initial temperature.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AlignJointFields {
+    pub projection_dim: usize,
+    pub temperature_init_value: f64,
+}
+
+impl Default for AlignJointFields {
+    fn default() -> Self {
+        AlignJointFields { projection_dim: 640, temperature_init_value: 1.0 }
     }
 }
 
