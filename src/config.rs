@@ -644,6 +644,13 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<()> {
+        self.check_length_and_batches()?;
+        self.check_data_and_objective()?;
+        self.check_average_and_locks()
+    }
+
+    /// The batch, the run's length and rate, and the validation batch.
+    fn check_length_and_batches(&self) -> Result<()> {
         let t = &self.train;
         if t.batch_size == 0 || t.accum_steps == 0 {
             bail!("train.batch_size and train.accum_steps must be positive");
@@ -672,6 +679,12 @@ impl Config {
                 self.eval.validation_batch
             );
         }
+        Ok(())
+    }
+
+    /// The data's sources and loaders, the objective and the embedding, the text length and the
+    /// evaluation batch.
+    fn check_data_and_objective(&self) -> Result<()> {
         let factors = &self.data.upsampling_factors;
         if !factors.is_empty() {
             if !self.data.resampled {
@@ -721,6 +734,13 @@ impl Config {
         if self.eval.batch_size == 0 {
             bail!("eval.batch_size must be positive");
         }
+        Ok(())
+    }
+
+    /// The weights' moving average, LiT's locking, FLIP's unmasked tuning, and the image and
+    /// optimizer sections' own checks.
+    fn check_average_and_locks(&self) -> Result<()> {
+        let t = &self.train;
         if !(0.0..1.0).contains(&t.ema_decay) {
             bail!("train.ema_decay must be in [0, 1) (0 = no average), got {}", t.ema_decay);
         }

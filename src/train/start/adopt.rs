@@ -48,9 +48,20 @@ pub fn train_image(eval: &ImageConfig, spec: &ModelSpec) -> ImageConfig {
 
 pub(super) fn from_start(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) -> Adopted {
     let mut done = Adopted::default();
-    let from = format!("model.init ({format})");
+    adopt_image(cfg, spec, usage, &mut done);
+    adopt_text_and_loss(cfg, spec, usage, &mut done);
+    family_recipe(cfg, format, &mut done);
+    adopt_architecture(cfg, spec, &mut done);
+    for line in done.taken.iter_mut() {
+        *line = format!("{line} from model.init ({format})");
+    }
+    done
+}
+
+/// Every image field, in the order a person reads them: the start's training transform at its
+/// size, a chosen size scaling the resize with it.
+fn adopt_image(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, done: &mut Adopted) {
     let want = train_image(&usage.image, spec);
-    // Every image field, in the order a person reads them.
     let mut image = cfg.data.image.clone();
     macro_rules! field {
         ($name:ident) => {{
@@ -90,7 +101,10 @@ pub(super) fn from_start(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, form
     field!(rrc_ratio);
     field!(hflip);
     cfg.data.image = image;
+}
 
+/// The start's text length and loss family.
+fn adopt_text_and_loss(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, done: &mut Adopted) {
     if cfg.is_explicit("text.max_len") {
         if cfg.text.max_len != usage.text_len {
             done.kept.push(format!("text.max_len = {} (the checkpoint's is {})", cfg.text.max_len, usage.text_len));
@@ -118,11 +132,11 @@ pub(super) fn from_start(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, form
         done.taken.push(format!("loss.kind = {}", as_written(&loss)));
         cfg.loss.kind = loss;
     }
+}
 
-    family_recipe(cfg, format, &mut done);
-
-    // For the record: the run's config names the towers it trains. A size the user set that the
-    // start's differs from cannot be honoured: say so rather than train something else.
+/// For the record: the run's config names the towers it trains. A size the user set that the
+/// start's differs from cannot be honoured: it is a conflict, rather than training something else.
+fn adopt_architecture(cfg: &mut Config, spec: &ModelSpec, done: &mut Adopted) {
     let (image_tower, text_tower) = tower_names(spec);
     macro_rules! architecture {
         ($path:literal, $field:ident, $value:expr) => {{
@@ -151,10 +165,6 @@ pub(super) fn from_start(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, form
     architecture!("model.image_projection", image_projection, spec.image_projection);
     architecture!("model.text_projection_bias", text_projection_bias, spec.text_projection_bias);
     architecture!("model.text_pooling", text_pooling, spec.text_pooling);
-    for line in done.taken.iter_mut() {
-        *line = format!("{line} from {from}");
-    }
-    done
 }
 
 /// Every field adopting a start may set: what a resumed run takes back from its own
