@@ -820,6 +820,21 @@ impl Config {
     }
 }
 
+/// The value at the dotted `path` (`data.image.mean`) of a config's table, if it is there.
+pub fn value_at<'a>(table: &'a toml::Table, path: &str) -> Option<&'a toml::Value> {
+    let mut parts = path.split('.');
+    let first = table.get(parts.next()?)?;
+    parts.try_fold(first, |v, k| v.get(k))
+}
+
+/// The section of a config's table that holds the field at the dotted `path`, and the field's
+/// own key (`data.image.mean` → the `[data.image]` table and `mean`).
+pub fn section_of<'a, 'p>(table: &'a mut toml::Table, path: &'p str) -> Option<(&'a mut toml::Table, &'p str)> {
+    let (keys, leaf) = path.rsplit_once('.')?;
+    let section = keys.split('.').try_fold(table, |t, k| t.get_mut(k)?.as_table_mut())?;
+    Some((section, leaf))
+}
+
 /// The key a config file names its base with: `extends = "demo.toml"` (relative to the file)
 /// takes every value of the base, and the file's own values replace the base's one by one.
 pub const EXTENDS: &str = "extends";

@@ -102,15 +102,8 @@ fn source(path: &str, file: &toml::Table, overrides: &[String], adopted: &[Strin
     if adopted.iter().any(|line| line.starts_with(&format!("{path} = "))) {
         return "start";
     }
-    let mut at: Option<&toml::Value> = None;
-    for (i, part) in path.split('.').enumerate() {
-        at = if i == 0 { file.get(part) } else { at.and_then(|v| v.get(part)) };
-        // A table given whole in the file (`vit = {patch_size = 8}`) sets the fields it names.
-        if at.is_none() {
-            break;
-        }
-    }
-    if at.is_some() {
+    // A table given whole in the file (`vit = {patch_size = 8}`) sets the fields it names.
+    if align::config::value_at(file, path).is_some() {
         "file"
     } else {
         "default"

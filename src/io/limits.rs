@@ -71,6 +71,20 @@ pub fn check_size(value: usize, kind: SizeKind, field: &str) -> Result<usize, St
     Ok(value)
 }
 
+/// The size field `key` of the section `ctx` (`text_config`, `vision_cfg`) within the bounds of
+/// the kind of size its name says.
+pub fn check_key(value: usize, ctx: &str, key: &str) -> Result<usize, String> {
+    check_size(value, kind_of_key(key), &format!("{ctx}.{key}"))
+}
+
+/// A normalisation's ε (the field `field`): a small positive number.
+pub fn check_eps(eps: f64, field: &str) -> Result<f64, String> {
+    if !(eps > 0.0 && eps < 1.0) {
+        return Err(format!("{field} is {eps}; it must be a small positive number"));
+    }
+    Ok(eps)
+}
+
 /// Every size of a model spec within bounds (for specs align wrote itself, read back).
 pub fn check_spec(spec: &ModelSpec) -> Result<()> {
     let json = serde_json::to_value(spec)?;

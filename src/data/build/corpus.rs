@@ -6,9 +6,11 @@ use std::collections::{HashMap, HashSet};
 
 use xxhash_rust::xxh3::xxh3_128;
 
+use super::curation::ScoreFit;
 use super::filters::{self, Filters};
 use super::input::{Input, Item};
 use crate::data::curate::metaclip::Matcher;
+use crate::data::curate::scores::ScoreTable;
 use crate::util::progress::Progress;
 use crate::util::rng::{hash_str, mix64};
 
@@ -29,8 +31,16 @@ pub(super) fn caption_key(caption: &str) -> u64 {
     hash_str(&caption.split_whitespace().collect::<Vec<_>>().join(" ").to_lowercase())
 }
 
-pub(super) fn count_corpus(input: &Input, f: &Filters, matcher: Option<&Matcher>, quiet: bool) -> (Counts, u64) {
+/// The counts, the items read, and (with `scores`) how the samples meet the score files.
+pub(super) fn count_corpus(
+    input: &Input,
+    f: &Filters,
+    matcher: Option<&Matcher>,
+    scores: Option<&ScoreTable>,
+    quiet: bool,
+) -> (Counts, u64, ScoreFit) {
     let mut c = Counts::default();
+    let mut fit = ScoreFit::default();
     if let Some(m) = matcher {
         c.metaclip = vec![0; m.entries.len()];
     }
@@ -44,6 +54,9 @@ pub(super) fn count_corpus(input: &Input, f: &Filters, matcher: Option<&Matcher>
         items += 1;
         bar.inc(1);
         let Item::Sample(s) = item else { continue };
+        if let Some(t) = scores {
+            fit.add(&t.lookup(&s.key, &s.caption), &s.key, &s.origin);
+        }
         let caption = filters::trim_boilerplate(&s.caption, &f.text.trim_boilerplate);
         if let Some(m) = matcher {
             let matched = m.matches(&caption);
@@ -79,5 +92,6 @@ pub(super) fn count_corpus(input: &Input, f: &Filters, matcher: Option<&Matcher>
         ranked.truncate(rare.top_ngrams as usize);
         c.top_ngrams = Some(ranked.into_iter().map(|(g, _)| g).collect());
     }
-    (c, items)
+    fit.samples = items;
+    (c, items, fit)
 }

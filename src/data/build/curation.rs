@@ -1,14 +1,12 @@
 //! The model-based filters' preparation before the pass: the score table and its threshold, the
-//! image-based filter's selection, semantic deduplication, MetaCLIP's matcher; and the check that
-//! the score files fit the input (every sample scored, with its own caption), made before
-//! anything is written.
+//! image-based filter's selection, semantic deduplication, MetaCLIP's matcher; and whether the
+//! score files fit the input (every sample scored, with its own caption).
 
 use std::collections::HashSet;
 
 use anyhow::Result;
 
 use super::filters::Filters;
-use super::input::{Input, Item};
 use super::report::ImageBasedReport;
 use crate::data::curate::metaclip::Matcher;
 use crate::data::curate::scores::{Lookup, ScoreTable};
@@ -155,22 +153,6 @@ impl ScoreFit {
         }
         Ok(())
     }
-}
-
-/// Matches every input sample to the score table by key and caption, without decoding, and
-/// refuses a table that does not fit, before the pass writes anything.
-pub(super) fn check_scores(input: &Input, table: &ScoreTable, f: &Filters, quiet: bool) -> Result<()> {
-    let bar = Progress::spinner("matching scores", quiet);
-    let mut fit = ScoreFit::default();
-    for item in input.stream() {
-        bar.inc(1);
-        fit.samples += 1;
-        if let Item::Sample(s) = item {
-            fit.add(&table.lookup(&s.key, &s.caption), &s.key, &s.origin);
-        }
-    }
-    bar.finish();
-    fit.check(f)
 }
 
 #[cfg(test)]

@@ -1,15 +1,16 @@
 //! `align data build`: raw image / alt-text pairs in, clean training shards out, with a report of
 //! what each filter removed.
 //!
-//! Filters that need corpus statistics (rare tokens, caption and image frequencies) get a first,
+//! Filters that need corpus statistics (rare tokens, caption and image frequencies), and score
+//! files (matched to every sample by key and caption before anything is written), get a first,
 //! decode-free pass that only counts; the second pass decodes in parallel and applies every
 //! filter in a fixed order, so each removed sample is charged to the first filter it fails.
 //! Output shards are written under temporary names and renamed when complete; the same input and
 //! filter file always give the same shards, so an interrupted build is simply run again.
 //!
 //! The stages, each in its own module: `near_eval` (the evaluation sets' hashes), `curation` (the
-//! model-based filters' preparation, and the score files checked against the input before
-//! anything is written), `corpus` (the counting pass), `rules` (each sample's verdict, in
+//! model-based filters' preparation, and how the score files fit the input), `corpus` (the
+//! counting pass), `rules` (each sample's verdict, in
 //! parallel), `tally` (the filters that need the build's state, in input order), `output` (the
 //! shards) and `report`; `filter` names the filters in the order they apply.
 
@@ -34,7 +35,7 @@ use rayon::prelude::*;
 pub use self::report::{BuildReport, DedupReport, Distributions, ImageBasedReport, MetaClipReport, Removed, ScoreFilterReport};
 
 use self::corpus::{count_corpus, Counts};
-use self::curation::{check_scores, Curation};
+use self::curation::Curation;
 use self::filters::Filters;
 use self::input::{Input, Item};
 use self::near_eval::index_eval_sets;
@@ -75,11 +76,13 @@ pub fn build(o: &BuildOptions) -> Result<BuildReport> {
     std::fs::create_dir_all(&o.out).with_context(|| format!("creating {}", o.out.display()))?;
     let near = index_eval_sets(&o.exclude_near, f.image.max_pixels, o.quiet)?;
     let curation = Curation::prepare(f, o.quiet)?;
-    if let Some(table) = &curation.table {
-        check_scores(&input, table, f, o.quiet)?;
-    }
-    let (counts, total) = if f.needs_counts() {
-        let (c, n) = count_corpus(&input, f, curation.matcher.as_ref(), o.quiet);
+    // The counting pass also matches every sample to the score files, so that files that do not
+    // fit the input are refused before anything is written.
+    let (counts, total) = if f.needs_counts() || curation.table.is_some() {
+        let (c, n, fit) = count_corpus(&input, f, curation.matcher.as_ref(), curation.table.as_ref(), o.quiet);
+        if curation.table.is_some() {
+            fit.check(f)?;
+        }
         (c, Some(n))
     } else {
         (Counts::default(), None)

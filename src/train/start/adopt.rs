@@ -11,7 +11,7 @@
 
 use anyhow::Result;
 
-use crate::config::{as_written, Config, LossKind};
+use crate::config::{as_written, section_of, value_at, Config, LossKind};
 use crate::data::transform::{ImageConfig, ResizeMode, TrainCrop};
 use crate::io::format::{loss_of, Usage};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
@@ -206,11 +206,7 @@ pub(super) fn from_saved(cfg: &mut Config, saved: &Config) -> Result<Adopted> {
     let mut done = Adopted::default();
     let (mut now, before) = (toml::Table::try_from(&*cfg)?, toml::Table::try_from(saved)?);
     for path in ADOPTED {
-        let (keys, leaf) = path.rsplit_once('.').expect("a field of a section");
-        let section = |t: &toml::Table| keys.split('.').try_fold(t.clone(), |t, k| t.get(k)?.as_table().cloned());
-        let old = section(&before).and_then(|t| t.get(leaf).cloned());
-        let Some(mut table) = section(&now) else { continue };
-        let new = table.get(leaf).cloned();
+        let (old, new) = (value_at(&before, path).cloned(), value_at(&now, path).cloned());
         if old == new {
             continue;
         }
@@ -220,15 +216,11 @@ pub(super) fn from_saved(cfg: &mut Config, saved: &Config) -> Result<Adopted> {
             continue;
         }
         done.taken.push(format!("{path} = {} from the run's checkpoint", show(&old)));
+        let (section, leaf) = section_of(&mut now, path).expect("every adopted field is in a section of the config");
         match old {
-            Some(v) => table.insert(leaf.to_string(), v),
-            None => table.remove(leaf),
+            Some(v) => section.insert(leaf.to_string(), v),
+            None => section.remove(leaf),
         };
-        let mut cur = &mut now;
-        for k in keys.split('.') {
-            cur = cur.get_mut(k).and_then(toml::Value::as_table_mut).expect("the section read above");
-        }
-        *cur = table;
     }
     let explicit = cfg.explicit.clone();
     *cfg = now.try_into()?;

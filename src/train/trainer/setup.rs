@@ -10,7 +10,7 @@ use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
 use super::TrainOptions;
-use crate::config::Config;
+use crate::config::{value_at, Config};
 use crate::data::distribute::{Placement, ShardPlan};
 use crate::data::loader::{LoaderSettings, TrainLoader};
 use crate::data::spec;
@@ -240,23 +240,15 @@ const RESUME_FIELDS: [&str; 8] =
 /// every change not allowed, else the allowed ones.
 pub(super) fn changes_on_resume(cfg: &Config, saved: &Config, dir: &Path, allowed: &[String]) -> Result<Vec<String>> {
     let (now, before) = (toml::Table::try_from(cfg)?, toml::Table::try_from(saved)?);
-    let lookup = |t: &toml::Table, field: &str| -> Option<toml::Value> {
-        let mut parts = field.split('.');
-        let mut v = t.get(parts.next()?)?.clone();
-        for p in parts {
-            v = v.get(p)?.clone();
-        }
-        Some(v)
-    };
     let mut changed = Vec::new();
     let mut refused = Vec::new();
     for field in RESUME_FIELDS {
-        let (old, new) = (lookup(&before, field), lookup(&now, field));
+        let (old, new) = (value_at(&before, field), value_at(&now, field));
         if old != new {
             // A section (`[model]`) is compared field by field, so that a change reads as the
             // one field that changed, not as two whole tables.
             let mut leaves = Vec::new();
-            leaf_changes(field, old.as_ref(), new.as_ref(), &mut leaves);
+            leaf_changes(field, old, new, &mut leaves);
             if allowed.iter().any(|a| a == field) {
                 changed.extend(leaves);
             } else {

@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::files::{model_max_length, HfDir};
 use super::model_dir::HfLayout;
 use super::preprocess::read_dir_image_config;
-use super::tower_config::{read, JointFields, TowerConfigs};
+use super::tower_config::{clip_towers, read, JointFields};
 use super::towers::{tokenizer, tower_to_hf};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
@@ -66,7 +66,7 @@ pub(crate) fn tower_processor(dir: &Path, spec: &ModelSpec, model_type: &str) ->
 
 /// A `CLIPConfig` JSON as align's model sizes.
 pub fn clip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
-    let (text, vision) = read::<TowerConfigs>(c, "config")?.clip()?;
+    let (text, vision) = clip_towers(c)?;
     let (embed_dim, temperature_init) = read::<JointFields>(c, "config")?.sizes()?;
     Ok(ModelSpec {
         image: ImageSpec::Clip(vision),

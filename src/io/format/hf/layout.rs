@@ -6,20 +6,10 @@
 use serde_json::{json, Value};
 
 use super::tower_config::{read, sub, AlignJointFields, AlignVisionFields, BertFields, VitFields};
+use crate::io::limits::{check_eps, check_key};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::efficientnet::{EfficientNetConfig, Stages};
 use crate::model::presets::{BertConfig, ImagePooling, TemperatureKind, TextPooling, VitConfig};
-
-fn size(n: usize, ctx: &str, key: &str) -> Result<usize, String> {
-    crate::io::limits::check_size(n, crate::io::limits::kind_of_key(key), &format!("{ctx}.{key}"))
-}
-
-fn small_positive(eps: f64, ctx: &str, key: &str) -> Result<f64, String> {
-    if !(eps > 0.0 && eps < 1.0) {
-        return Err(format!("{ctx}.{key} is {eps}; it must be a small positive number"));
-    }
-    Ok(eps)
-}
 
 fn check_act(act: &str, want: &[&str], ctx: &str) -> Result<(), String> {
     if !want.contains(&act) {
@@ -41,14 +31,14 @@ pub fn bert_from_hf(c: &Value) -> Result<BertConfig, String> {
         return Err(format!("{ctx}.position_embedding_type {:?} is not supported (absolute only)", b.position_embedding_type));
     }
     Ok(BertConfig {
-        vocab_size: size(b.vocab_size, ctx, "vocab_size")?,
-        hidden: size(b.hidden_size, ctx, "hidden_size")?,
-        layers: size(b.num_hidden_layers, ctx, "num_hidden_layers")?,
-        heads: size(b.num_attention_heads, ctx, "num_attention_heads")?,
-        intermediate: size(b.intermediate_size, ctx, "intermediate_size")?,
-        max_position: size(b.max_position_embeddings, ctx, "max_position_embeddings")?,
-        type_vocab: size(b.type_vocab_size, ctx, "type_vocab_size")?,
-        layer_norm_eps: small_positive(b.layer_norm_eps, ctx, "layer_norm_eps")?,
+        vocab_size: check_key(b.vocab_size, ctx, "vocab_size")?,
+        hidden: check_key(b.hidden_size, ctx, "hidden_size")?,
+        layers: check_key(b.num_hidden_layers, ctx, "num_hidden_layers")?,
+        heads: check_key(b.num_attention_heads, ctx, "num_attention_heads")?,
+        intermediate: check_key(b.intermediate_size, ctx, "intermediate_size")?,
+        max_position: check_key(b.max_position_embeddings, ctx, "max_position_embeddings")?,
+        type_vocab: check_key(b.type_vocab_size, ctx, "type_vocab_size")?,
+        layer_norm_eps: check_eps(b.layer_norm_eps, &format!("{ctx}.layer_norm_eps"))?,
     })
 }
 
@@ -71,14 +61,14 @@ pub fn vit_from_hf(c: &Value) -> Result<VitConfig, String> {
         return Err(format!("{ctx}.num_channels must be 3"));
     }
     Ok(VitConfig {
-        image_size: size(v.image_size, ctx, "image_size")?,
-        patch_size: size(v.patch_size, ctx, "patch_size")?,
-        width: size(v.hidden_size, ctx, "hidden_size")?,
-        depth: size(v.num_hidden_layers, ctx, "num_hidden_layers")?,
-        heads: size(v.num_attention_heads, ctx, "num_attention_heads")?,
-        mlp_dim: size(v.intermediate_size, ctx, "intermediate_size")?,
+        image_size: check_key(v.image_size, ctx, "image_size")?,
+        patch_size: check_key(v.patch_size, ctx, "patch_size")?,
+        width: check_key(v.hidden_size, ctx, "hidden_size")?,
+        depth: check_key(v.num_hidden_layers, ctx, "num_hidden_layers")?,
+        heads: check_key(v.num_attention_heads, ctx, "num_attention_heads")?,
+        mlp_dim: check_key(v.intermediate_size, ctx, "intermediate_size")?,
         pool: ImagePooling::Cls,
-        layer_norm_eps: small_positive(v.layer_norm_eps, ctx, "layer_norm_eps")?,
+        layer_norm_eps: check_eps(v.layer_norm_eps, &format!("{ctx}.layer_norm_eps"))?,
         patch_dropout: 0.0,
     })
 }
@@ -94,10 +84,10 @@ pub fn efficientnet_from_hf(c: &Value) -> Result<EfficientNetConfig, String> {
     }
     let momentum = v.batch_norm_momentum;
     let config = EfficientNetConfig {
-        image_size: size(v.image_size, ctx, "image_size")?,
+        image_size: check_key(v.image_size, ctx, "image_size")?,
         width_coefficient: v.width_coefficient,
         depth_coefficient: v.depth_coefficient,
-        depth_divisor: size(v.depth_divisor, ctx, "depth_divisor")?,
+        depth_divisor: check_key(v.depth_divisor, ctx, "depth_divisor")?,
         se_ratio: v.squeeze_expansion_ratio,
         bn_eps: v.batch_norm_eps,
         bn_momentum: if momentum > 0.5 { 1.0 - momentum } else { momentum },
@@ -143,7 +133,7 @@ pub fn align_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
     let vision = efficientnet_from_hf(sub("vision_config")?)?;
     let text = bert_from_hf(sub("text_config")?)?;
     let joint: AlignJointFields = typed(c, "config")?;
-    let embed_dim = size(joint.projection_dim, "config", "projection_dim")?;
+    let embed_dim = check_key(joint.projection_dim, "config", "projection_dim")?;
     if !(joint.temperature_init_value > 0.0 && joint.temperature_init_value.is_finite()) {
         return Err(format!("config.temperature_init_value is {}; it must be positive", joint.temperature_init_value));
     }

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::clip::tower_processor;
 use super::files::{model_max_length, HfDir};
 use super::model_dir::HfLayout;
-use super::tower_config::{read, TowerConfigs};
+use super::tower_config::siglip_towers;
 use super::towers::{tokenizer, tower_to_hf};
 use crate::config::LossKind;
 use crate::data::tokenizer::TextTokenizer;
@@ -54,7 +54,7 @@ impl HfLayout for HfSiglip {
 
 /// A `SiglipConfig` JSON as align's model sizes.
 pub fn siglip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
-    let (text, vision) = read::<TowerConfigs>(c, "config")?.siglip()?;
+    let (text, vision) = siglip_towers(c)?;
     if vision.encoder.width != text.projection {
         return Err(ConfigError::Invalid(format!(
             "the image embedding is {} wide and the text embedding {}: they must match",

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::io::format::config_error::ConfigError;
-use crate::io::limits::{check_size, kind_of_key};
+use crate::io::limits::{check_eps, check_key};
 use crate::model::clip::{ClipTextConfig, ClipVisionConfig};
 use crate::model::prenorm::{Act, EncoderConfig};
 use crate::model::siglip::{SiglipTextConfig, SiglipVisionConfig};
@@ -62,15 +62,13 @@ impl EncoderFields {
                 e.width, e.heads
             )));
         }
-        if !(e.layer_norm_eps > 0.0 && e.layer_norm_eps < 1.0) {
-            return Err(ConfigError::Invalid(format!("{ctx}.layer_norm_eps is {}; it must be a small positive number", e.layer_norm_eps)));
-        }
+        check_eps(e.layer_norm_eps, &format!("{ctx}.layer_norm_eps"))?;
         Ok(e)
     }
 }
 
 fn size(n: usize, ctx: &str, key: &str) -> Result<usize, ConfigError> {
-    Ok(check_size(n, kind_of_key(key), &format!("{ctx}.{key}"))?)
+    Ok(check_key(n, ctx, key)?)
 }
 
 /// What joins the towers in `CLIPConfig` and `VisionTextDualEncoderConfig`: the embedding's
@@ -95,13 +93,6 @@ impl JointFields {
         }
         Ok((size(self.projection_dim, "config", "projection_dim")?, (-self.logit_scale_init_value).exp()))
     }
-}
-
-/// The two towers' sub-configs of `CLIPConfig` and `SiglipConfig`, read each by its class.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct TowerConfigs {
-    pub text_config: Option<Value>,
-    pub vision_config: Option<Value>,
 }
 
 /// `CLIPTextConfig` besides its encoder's fields.
@@ -314,13 +305,11 @@ pub fn sub<'a>(c: &'a Value, key: &str) -> Result<&'a Value, ConfigError> {
 /// A tower's sub-config read by its class: the class's own fields, and its encoder's over the
 /// class's `encoder` defaults.
 fn tower<T: Serialize + DeserializeOwned + Default>(
-    c: &Option<Value>,
+    c: &Value,
     key: &str,
     encoder: EncoderFields,
 ) -> Result<(T, EncoderConfig), ConfigError> {
-    let Some(v @ Value::Object(_)) = c else {
-        return Err(ConfigError::Invalid(format!("config.json has no {key} (the tower's sizes)")));
-    };
+    let v = sub(c, key)?;
     Ok((read(v, key)?, read_over(v, key, encoder)?.encoder(key)?))
 }
 
@@ -338,54 +327,50 @@ fn patches(image_size: usize, patch_size: usize) -> Result<(), ConfigError> {
     Ok(())
 }
 
-impl TowerConfigs {
-    /// CLIP's towers (`CLIPTextConfig`, `CLIPVisionConfig`).
-    pub fn clip(&self) -> Result<(ClipTextConfig, ClipVisionConfig), ConfigError> {
-        let (t, encoder) =
-            tower::<ClipTextFields>(&self.text_config, "text_config", EncoderFields::class(512, 2048, 12, 8, 1e-5, "quick_gelu"))?;
-        let text = ClipTextConfig {
-            vocab_size: size(t.vocab_size, "text_config", "vocab_size")?,
-            max_position: size(t.max_position_embeddings, "text_config", "max_position_embeddings")?,
-            encoder,
-            eos_token_id: size(t.eos_token_id, "text_config", "eos_token_id")? as u32,
-        };
-        let (v, encoder) =
-            tower::<ClipVisionFields>(&self.vision_config, "vision_config", EncoderFields::class(768, 3072, 12, 12, 1e-5, "quick_gelu"))?;
-        three_channels(v.num_channels, "vision_config")?;
-        let vision = ClipVisionConfig {
-            image_size: size(v.image_size, "vision_config", "image_size")?,
-            patch_size: size(v.patch_size, "vision_config", "patch_size")?,
-            encoder,
-        };
-        patches(vision.image_size, vision.patch_size)?;
-        Ok((text, vision))
-    }
+/// CLIP's towers (`CLIPTextConfig`, `CLIPVisionConfig`) of a `CLIPConfig`.
+pub fn clip_towers(c: &Value) -> Result<(ClipTextConfig, ClipVisionConfig), ConfigError> {
+    let (t, encoder) = tower::<ClipTextFields>(c, "text_config", EncoderFields::class(512, 2048, 12, 8, 1e-5, "quick_gelu"))?;
+    let text = ClipTextConfig {
+        vocab_size: size(t.vocab_size, "text_config", "vocab_size")?,
+        max_position: size(t.max_position_embeddings, "text_config", "max_position_embeddings")?,
+        encoder,
+        eos_token_id: size(t.eos_token_id, "text_config", "eos_token_id")? as u32,
+    };
+    let (v, encoder) = tower::<ClipVisionFields>(c, "vision_config", EncoderFields::class(768, 3072, 12, 12, 1e-5, "quick_gelu"))?;
+    three_channels(v.num_channels, "vision_config")?;
+    let vision = ClipVisionConfig {
+        image_size: size(v.image_size, "vision_config", "image_size")?,
+        patch_size: size(v.patch_size, "vision_config", "patch_size")?,
+        encoder,
+    };
+    patches(vision.image_size, vision.patch_size)?;
+    Ok((text, vision))
+}
 
-    /// SigLIP's towers (`SiglipTextConfig`, `SiglipVisionConfig`).
-    pub fn siglip(&self) -> Result<(SiglipTextConfig, SiglipVisionConfig), ConfigError> {
-        let siglip_encoder = || EncoderFields::class(768, 3072, 12, 12, 1e-6, "gelu_pytorch_tanh");
-        let (t, encoder) = tower::<SiglipTextFields>(&self.text_config, "text_config", siglip_encoder())?;
-        let text = SiglipTextConfig {
-            vocab_size: size(t.vocab_size, "text_config", "vocab_size")?,
-            max_position: size(t.max_position_embeddings, "text_config", "max_position_embeddings")?,
-            projection: size(t.projection_size.unwrap_or(encoder.width), "text_config", "projection_size")?,
-            encoder,
-        };
-        let (v, encoder) = tower::<SiglipVisionFields>(&self.vision_config, "vision_config", siglip_encoder())?;
-        if !v.vision_use_head {
-            return Err(ConfigError::Invalid(
-                "vision_config.vision_use_head is false: SigLIP's image embedding is its pooling head's output".into(),
-            ));
-        }
-        three_channels(v.num_channels, "vision_config")?;
-        let vision = SiglipVisionConfig {
-            image_size: size(v.image_size, "vision_config", "image_size")?,
-            patch_size: size(v.patch_size, "vision_config", "patch_size")?,
-            encoder,
-        };
-        patches(vision.image_size, vision.patch_size)?;
-        Ok((text, vision))
+/// SigLIP's towers (`SiglipTextConfig`, `SiglipVisionConfig`) of a `SiglipConfig`.
+pub fn siglip_towers(c: &Value) -> Result<(SiglipTextConfig, SiglipVisionConfig), ConfigError> {
+    let siglip_encoder = || EncoderFields::class(768, 3072, 12, 12, 1e-6, "gelu_pytorch_tanh");
+    let (t, encoder) = tower::<SiglipTextFields>(c, "text_config", siglip_encoder())?;
+    let text = SiglipTextConfig {
+        vocab_size: size(t.vocab_size, "text_config", "vocab_size")?,
+        max_position: size(t.max_position_embeddings, "text_config", "max_position_embeddings")?,
+        projection: size(t.projection_size.unwrap_or(encoder.width), "text_config", "projection_size")?,
+        encoder,
+    };
+    let (v, encoder) = tower::<SiglipVisionFields>(c, "vision_config", siglip_encoder())?;
+    if !v.vision_use_head {
+        return Err(ConfigError::Invalid(
+            "vision_config.vision_use_head is false: SigLIP's image embedding is its pooling head's output".into(),
+        ));
     }
+    three_channels(v.num_channels, "vision_config")?;
+    let vision = SiglipVisionConfig {
+        image_size: size(v.image_size, "vision_config", "image_size")?,
+        patch_size: size(v.patch_size, "vision_config", "patch_size")?,
+        encoder,
+    };
+    patches(vision.image_size, vision.patch_size)?;
+    Ok((text, vision))
 }
 
 #[cfg(test)]
@@ -398,13 +383,12 @@ mod tests {
     fn absent_keys_and_nulls_take_the_class_defaults() {
         let c = json!({"text_config": {"hidden_size": 64, "num_attention_heads": 4, "eos_token_id": null},
             "vision_config": {}, "projection_dim": null});
-        let (t, v) = read::<TowerConfigs>(&c, "config").unwrap().clip().unwrap();
+        let (t, v) = clip_towers(&c).unwrap();
         assert_eq!((t.encoder.width, t.encoder.heads, t.encoder.mlp_dim, t.eos_token_id, t.max_position), (64, 4, 2048, 49407, 77));
         assert_eq!((v.image_size, v.patch_size, v.encoder.width, v.encoder.act), (224, 32, 768, Act::QuickGelu));
         let j: JointFields = read(&c, "config").unwrap();
         assert_eq!((j.projection_dim, j.logit_scale_init_value), (512, 2.6592));
-        let s: TowerConfigs = read(&json!({"text_config": {}, "vision_config": {"image_size": 32, "patch_size": 8}}), "config").unwrap();
-        let (t, v) = s.siglip().unwrap();
+        let (t, v) = siglip_towers(&json!({"text_config": {}, "vision_config": {"image_size": 32, "patch_size": 8}})).unwrap();
         assert_eq!((t.vocab_size, t.max_position, t.projection, t.encoder.layer_norm_eps), (32000, 64, 768, 1e-6));
         assert_eq!((v.image_size, v.encoder.act), (32, Act::GeluTanh));
     }
@@ -413,17 +397,16 @@ mod tests {
     /// refused by name.
     #[test]
     fn bad_values_name_their_key() {
-        let towers = |c: Value| read::<TowerConfigs>(&c, "config").unwrap();
-        let e = towers(json!({"text_config": {"vocab_size": "big"}, "vision_config": {}})).clip().unwrap_err();
+        let e = clip_towers(&json!({"text_config": {"vocab_size": "big"}, "vision_config": {}})).unwrap_err();
         assert_eq!(e.to_string(), "text_config.vocab_size: invalid type: string \"big\", expected usize");
-        let e = towers(json!({"text_config": {}, "vision_config": {"hidden_size": 1.5}})).siglip().unwrap_err().to_string();
+        let e = siglip_towers(&json!({"text_config": {}, "vision_config": {"hidden_size": 1.5}})).unwrap_err().to_string();
         assert!(e.starts_with("vision_config.hidden_size:"), "{e}");
         let e = read::<JointFields>(&json!({"projection_dim": -1}), "config").unwrap_err().to_string();
         assert!(e.starts_with("config.projection_dim:"), "{e}");
-        let e = towers(json!({"text_config": {"vocab_size": 1u64 << 30}, "vision_config": {}})).siglip().unwrap_err().to_string();
+        let e = siglip_towers(&json!({"text_config": {"vocab_size": 1u64 << 30}, "vision_config": {}})).unwrap_err().to_string();
         assert!(e.contains("text_config.vocab_size is 1073741824"), "{e}");
-        assert!(towers(json!({"text_config": {}})).siglip().unwrap_err().to_string().contains("no vision_config"));
-        let e = towers(json!({"text_config": {}, "vision_config": {"num_channels": 1}})).clip().unwrap_err().to_string();
+        assert!(siglip_towers(&json!({"text_config": {}})).unwrap_err().to_string().contains("no vision_config"));
+        let e = clip_towers(&json!({"text_config": {}, "vision_config": {"num_channels": 1}})).unwrap_err().to_string();
         assert!(e.contains("vision_config.num_channels must be 3"), "{e}");
     }
 }

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use super::config::{read, ActKwargs, Layers, ModelCfg, PerChannel, PreprocessCfg, Side, TextCfg, VisionCfg};
 use crate::data::transform::{CropOffset, ImageConfig, Interpolation, ResizeMode};
 use crate::io::format::config_error::ConfigError;
-use crate::io::limits::{check_size, kind_of_key};
+use crate::io::limits::{check_eps, check_key};
 use crate::model::clip::{ClipTextConfig, ClipVisionConfig};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::prenorm::{Act, EncoderConfig};
@@ -42,7 +42,7 @@ pub fn model_from(cfg: &Value) -> Result<OpenClipModel, ConfigError> {
 
 /// A size within align's bounds for its kind.
 fn size(n: usize, ctx: &str, key: &str) -> Result<usize, ConfigError> {
-    Ok(check_size(n, kind_of_key(key), &format!("{ctx}.{key}"))?)
+    Ok(check_key(n, ctx, key)?)
 }
 
 fn unsupported(set: bool, key: &str, what: &str) -> Result<(), ConfigError> {
@@ -74,10 +74,7 @@ fn layer_scale(v: Option<f64>) -> bool {
 }
 
 fn eps(e: f64, ctx: &str) -> Result<f64, ConfigError> {
-    if !(e > 0.0 && e < 1.0) {
-        return Err(ConfigError::Invalid(format!("{ctx}.norm_kwargs.eps is {e}; it must be a small positive number")));
-    }
-    Ok(e)
+    Ok(check_eps(e, &format!("{ctx}.norm_kwargs.eps"))?)
 }
 
 fn act(kwargs: &ActKwargs, quick_gelu: bool, ctx: &str) -> Result<Act, ConfigError> {
