@@ -25,7 +25,11 @@ fn fixtures() -> PathBuf {
 }
 
 fn expected() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("open_clip/expected.json")).unwrap()).unwrap()
+    json_fixture("open_clip/expected.json")
+}
+
+fn json_fixture(name: &str) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixtures().join(name)).unwrap()).unwrap()
 }
 
 fn io(name: &str) -> HashMap<String, Tensor> {
@@ -43,6 +47,10 @@ fn text_of(m: &LoadedModel, ids: &Tensor) -> Tensor {
 }
 
 fn check(name: &str) {
+    check_against(name, &expected());
+}
+
+fn check_against(name: &str, expected: &serde_json::Value) {
     let m = load_model(&fixtures().join("open_clip").join(name), &Device::Cpu).unwrap();
     assert_eq!(m.format.name(), "open_clip");
     let io = io(name);
@@ -56,7 +64,7 @@ fn check(name: &str) {
     let want = io["logit_scale"].flatten_all().unwrap().to_vec1::<f32>().unwrap()[0].exp();
     assert!((scale - want).abs() < 1e-4 * want, "{name}: logit scale {scale} vs {want}");
 
-    let e = &expected()["models"][name];
+    let e = &expected["models"][name];
     let captions: Vec<String> = e["captions"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
     let batch = m.tokenizer.encode_batch(&captions).unwrap();
     let want_ids = io["input_ids"].to_dtype(DType::U32).unwrap().to_vec2::<u32>().unwrap();
@@ -66,7 +74,7 @@ fn check(name: &str) {
         assert_eq!(&batch.ids[i * width..(i + 1) * width], &want_ids[i][..], "{name}: ids of {c:?}");
     }
 
-    let images: Vec<String> = expected()["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
+    let images: Vec<String> = expected["images"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_string()).collect();
     let files: Vec<PathBuf> = images.iter().map(|n| fixtures().join(n)).collect();
     let cosines = common::file_cosines(&m, &files, &io["jpeg_image_features"].to_vec2::<f32>().unwrap());
     for (n, c) in images.iter().zip(cosines) {
@@ -94,6 +102,57 @@ fn a_custom_text_clip_with_a_logit_bias_matches_open_clip() {
     assert_eq!(m.usage.loss, align::config::LossKind::Sigmoid);
 }
 
+/// transformers' CLIP has a LayerNorm before its encoder and pools the class token: a CLIPA
+/// tower is refused, naming what differs, rather than exported to behave differently.
+#[test]
+fn a_clipa_tower_is_not_exported_as_a_clip_model() {
+    let m = load_model(&fixtures().join("open_clip/clipa"), &Device::Cpu).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let e = export(&m.files().unwrap(), named("CLIPModel").unwrap(), &dir.path().join("out"), false).unwrap_err();
+    assert!(format!("{e:#}").contains("no_ln_pre or average pooling"), "{e:#}");
+}
+
+/// A CLIPA-style tower (scripts/make_zoo_fixtures.py): no `ln_pre`, the patch tokens averaged
+/// and then normalised (`final_ln_after_pool`), a bidirectional text tower pooled at its last
+/// position, which attends to its padding, and BERT ids whose `[SEP]` open_clip turns into 0.
+#[test]
+fn a_clipa_tower_matches_open_clip() {
+    check_against("clipa", &json_fixture("open_clip/zoo-expected.json"));
+    let m = load_model(&fixtures().join("open_clip/clipa"), &Device::Cpu).unwrap();
+    assert!(!m.model.spec.text.masks_padding(), "a bidirectional tower pooled at its last position sees its padding");
+}
+
+/// Awkward captions (ligatures, full-width and half-width forms, HTML entities, curly quotes,
+/// emoji, non-Latin scripts, control characters) tokenised as open_clip 3.3's SimpleTokenizer
+/// does in each of its cleaning modes, and embedded as open_clip embeds them.
+#[test]
+fn awkward_captions_are_cleaned_and_embedded_as_open_clip_does() {
+    use align::data::clip_bpe::{open_clip_simple, Clean};
+    use align::data::tokenizer::TextTokenizer;
+    let c = json_fixture("open_clip/captions.json");
+    let captions: Vec<String> = c["captions"].as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect();
+    let len = c["context_length"].as_u64().unwrap() as usize;
+    for clean in Clean::ALL {
+        let inner = open_clip_simple(clean).unwrap();
+        let pad = inner.id_to_token(0).unwrap();
+        let t = TextTokenizer::with_pad_token(inner, len, &pad).unwrap();
+        assert_eq!(t.clean(), Some(clean));
+        let want = c["ids"][clean.name()].as_array().unwrap();
+        for (caption, want) in captions.iter().zip(want) {
+            let want: Vec<u32> = want.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+            assert_eq!(t.encode_batch(&[caption]).unwrap().ids, want, "{clean:?}: {caption:?}");
+        }
+    }
+
+    let m = load_model(&fixtures().join("open_clip/clip-native"), &Device::Cpu).unwrap();
+    let io = read_tensors(&fixtures().join("open_clip/captions-io.safetensors"), &Device::Cpu).unwrap();
+    let want_ids = io["input_ids"].to_dtype(DType::U32).unwrap();
+    let batch = m.tokenizer.encode_batch(&captions).unwrap();
+    assert_eq!(batch.ids, want_ids.flatten_all().unwrap().to_vec1::<u32>().unwrap());
+    let d = max_diff(&text_of(&m, &want_ids), &normalised(&io["text_features"]));
+    assert!(d <= 1e-5, "text embeddings differ by {d}");
+}
+
 /// Embeddings of the same pixels and ids by two loaded models.
 fn same_embeddings(a: &LoadedModel, b: &LoadedModel, pixels: &Tensor, ids: &Tensor) {
     let (ia, ib) = (a.model.image_embeddings(pixels, &Ctx::EVAL).unwrap(), b.model.image_embeddings(pixels, &Ctx::EVAL).unwrap());
@@ -112,6 +171,7 @@ fn every_format_round_trips_exactly() {
         ("open_clip/clip-native", "open_clip"),
         ("open_clip/clip-native", "CLIPModel"),
         ("open_clip/clip-native-bin", "open_clip"),
+        ("open_clip/clipa", "open_clip"),
         ("towers/clip-tiny", "open_clip"),
         ("towers/clip-tiny", "CLIPModel"),
         ("towers/siglip-tiny", "SiglipModel"),

@@ -21,34 +21,13 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
+pub use super::text_clean::Clean;
+
 static BUNDLED_MERGES: &[u8] = include_bytes!("../../assets/clip-bpe-merges.txt.gz");
 
 /// The start and end tokens, as transformers names them.
 pub const START: &str = "<|startoftext|>";
 pub const END: &str = "<|endoftext|>";
-
-/// How open_clip cleans a text before tokenising it (`tokenizer_kwargs.clean`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Clean {
-    /// Whitespace collapsed and lower-cased (open_clip's default).
-    Lower,
-    /// Whitespace collapsed, case kept.
-    Whitespace,
-    /// Underscores to spaces, ASCII punctuation removed, lower-cased, whitespace collapsed
-    /// (SigLIP's canonicalisation).
-    Canonicalize,
-}
-
-impl Clean {
-    pub fn parse(name: &str) -> Result<Clean> {
-        match name {
-            "lower" => Ok(Clean::Lower),
-            "whitespace" => Ok(Clean::Whitespace),
-            "canonicalize" => Ok(Clean::Canonicalize),
-            other => bail!("tokenizer clean mode {other:?} is not one of lower, whitespace, canonicalize"),
-        }
-    }
-}
 
 /// GPT-2's byte-to-character table in CLIP's order: the printable bytes as themselves, then the
 /// rest as characters from U+0100 on.
@@ -121,6 +100,47 @@ pub fn normalizers_json(clean: Clean) -> Vec<Value> {
         n.push(json!({"type": "Lowercase"}));
     }
     n
+}
+
+/// The normalisers of `clean` as the tokenizers library writes them back.
+fn cleaning_wrapper(clean: Clean) -> Result<Value> {
+    let ours: tokenizers::NormalizerWrapper = serde_json::from_value(json!({"type": "Sequence", "normalizers": normalizers_json(clean)}))
+        .map_err(|e| anyhow!("building open_clip's text cleaning: {e}"))?;
+    Ok(serde_json::to_value(ours)?)
+}
+
+/// Takes open_clip's cleaning out of a tokenizer's normaliser: the whole normaliser when it is
+/// the cleaning (CLIP's `SimpleTokenizer`), or the first of two (a Hugging Face tokenizer that
+/// open_clip cleans first). The caller cleans exactly instead.
+pub fn take_cleaning(tok: &mut Tokenizer) -> Result<Option<Clean>> {
+    let Some(n) = tok.get_normalizer() else { return Ok(None) };
+    let found = serde_json::to_value(n)?;
+    for clean in Clean::ALL {
+        let ours = cleaning_wrapper(clean)?;
+        if found == ours {
+            tok.with_normalizer(None::<tokenizers::NormalizerWrapper>).map_err(|e| anyhow!("{e}"))?;
+            return Ok(Some(clean));
+        }
+        if let Some([first, theirs]) = found.get("normalizers").and_then(Value::as_array).map(Vec::as_slice) {
+            if *first == ours {
+                let theirs: tokenizers::NormalizerWrapper = serde_json::from_value(theirs.clone())?;
+                tok.with_normalizer(Some(theirs)).map_err(|e| anyhow!("{e}"))?;
+                return Ok(Some(clean));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Puts open_clip's cleaning, as normalisers, before a tokenizer's own normaliser.
+pub fn put_cleaning(tok: &mut Tokenizer, clean: Clean) -> Result<()> {
+    let ours: tokenizers::NormalizerWrapper = serde_json::from_value(cleaning_wrapper(clean)?)?;
+    let combined = match tok.get_normalizer().cloned() {
+        Some(theirs) => tokenizers::normalizers::Sequence::new(vec![ours, theirs]).into(),
+        None => ours,
+    };
+    tok.with_normalizer(Some(combined)).map_err(|e| anyhow!("{e}"))?;
+    Ok(())
 }
 
 /// A CLIP tokenizer from a vocabulary (token → id) and merges, with the normalisers of `clean`

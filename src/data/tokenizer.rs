@@ -6,6 +6,7 @@
 
 use std::path::Path;
 
+use super::text_clean::Clean;
 use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::models::wordpiece::WordPiece;
 use tokenizers::normalizers::bert::BertNormalizer;
@@ -35,9 +36,14 @@ pub struct TokenBatch {
 
 #[derive(Clone)]
 pub struct TextTokenizer {
+    /// Without open_clip's cleaning, which `clean` does before it.
     inner: Tokenizer,
     max_len: usize,
     pad_id: u32,
+    /// open_clip's text cleaning, run on each text before the tokenizer's own normaliser. A
+    /// `tokenizer.json` carries it as the normalisers that `clip_bpe::normalizers_json` spells,
+    /// an approximation other libraries run; align recognises them and cleans exactly.
+    clean: Option<Clean>,
 }
 
 /// A `tokenizer.json`, read without a panic whatever the file holds: a damaged file is an error
@@ -103,7 +109,8 @@ impl TextTokenizer {
             }))
             .map_err(|e| anyhow!("{e}"))?;
         inner.with_padding(None);
-        Ok(Self { inner, max_len, pad_id })
+        let clean = super::clip_bpe::take_cleaning(&mut inner)?;
+        Ok(Self { inner, max_len, pad_id, clean })
     }
 
     /// A BERT tokenizer from a WordPiece `vocab.txt` (checkpoints that ship no `tokenizer.json`).
@@ -124,15 +131,38 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The tokenizer without open_clip's cleaning (see `clean`).
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
+    }
+
+    /// open_clip's text cleaning, when the tokenizer's texts are cleaned as open_clip cleans them.
+    pub fn clean(&self) -> Option<Clean> {
+        self.clean
+    }
+
+    /// The tokenizer as another library runs it: open_clip's cleaning, if any, put back as the
+    /// normalisers that approximate it.
+    pub fn portable(&self) -> Result<Tokenizer> {
+        let mut t = self.inner.clone();
+        if let Some(c) = self.clean {
+            super::clip_bpe::put_cleaning(&mut t, c)?;
+        }
+        Ok(t)
+    }
+
+    fn cleaned<'a>(&self, text: &'a str) -> std::borrow::Cow<'a, str> {
+        match self.clean {
+            Some(c) => std::borrow::Cow::Owned(c.apply(text)),
+            None => std::borrow::Cow::Borrowed(text),
+        }
     }
 
     /// Writes the tokenizer as a `tokenizer.json` that records its padding token, so that it
     /// reads back padding the same way (open_clip pads CLIP's ids with 0, transformers with
     /// `<|endoftext|>`; a text tower that attends to its padding tells them apart).
     pub fn save(&self, path: &Path) -> Result<()> {
-        let mut t = self.inner.clone();
+        let mut t = self.portable()?;
         let pad_token = t.id_to_token(self.pad_id).ok_or_else(|| anyhow!("the padding id {} has no token", self.pad_id))?;
         t.with_padding(Some(tokenizers::PaddingParams {
             strategy: tokenizers::PaddingStrategy::Fixed(self.max_len),
@@ -150,7 +180,7 @@ impl TextTokenizer {
 
     /// Tokenises one text into `ids`/`mask` rows of length `max_len` (appended to the vectors).
     pub fn encode_into(&self, text: &str, ids: &mut Vec<u32>, mask: &mut Vec<u32>) -> Result<()> {
-        let enc = self.inner.encode(text, true).map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
+        let enc = self.inner.encode(self.cleaned(text).as_ref(), true).map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
         let n = enc.get_ids().len().min(self.max_len);
         ids.extend_from_slice(&enc.get_ids()[..n]);
         mask.extend(std::iter::repeat_n(1, n));
@@ -169,7 +199,7 @@ impl TextTokenizer {
     }
 
     pub fn tokens(&self, text: &str) -> Result<Vec<String>> {
-        let enc = self.inner.encode(text, true).map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
+        let enc = self.inner.encode(self.cleaned(text).as_ref(), true).map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
         Ok(enc.get_tokens().to_vec())
     }
 }

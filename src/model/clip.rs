@@ -15,14 +15,67 @@ pub struct ClipTextConfig {
     pub max_position: usize,
     pub encoder: EncoderConfig,
     pub eos_token_id: u32,
+    /// Each token sees only those before it (CLIP); without, every token sees every other and
+    /// the padding too, unmasked, as open_clip runs its bidirectional towers (CLIPA).
+    #[serde(default = "yes")]
+    pub causal: bool,
+    /// The position pooled; absent, transformers' rule for CLIP (`pools_at_highest_id`).
+    #[serde(default)]
+    pub pool: Option<TextPool>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Which position's final state is the text's: open_clip's `pool_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TextPool {
+    /// The highest id of each row (CLIP's end-of-text token is its vocabulary's last).
+    Argmax,
+    /// The first `eos_token_id` of each row (the first position when there is none).
+    Eos,
+    First,
+    Last,
 }
 
 impl ClipTextConfig {
     /// OpenAI's configs say `eos_token_id = 2` although the end-of-text token is the vocabulary's
     /// last; transformers then pools at the highest id of each row, which is that token.
     pub fn pools_at_highest_id(&self) -> bool {
-        self.eos_token_id == 2
+        self.pooling() == TextPool::Argmax
     }
+
+    pub fn pooling(&self) -> TextPool {
+        match self.pool {
+            Some(p) => p,
+            None if self.eos_token_id == 2 => TextPool::Argmax,
+            None => TextPool::Eos,
+        }
+    }
+
+    /// Whether this is the tower transformers' `CLIPTextModel` runs: causal, pooled at the end.
+    pub fn is_transformers_clip(&self) -> bool {
+        self.causal && matches!(self.pooling(), TextPool::Argmax | TextPool::Eos)
+    }
+
+    /// Whether padding never changes the pooled state: a causal tower pooled at or before the
+    /// end of the text.
+    pub fn ignores_padding(&self) -> bool {
+        self.causal && self.pooling() != TextPool::Last
+    }
+}
+
+/// Which of the vision transformer's outputs is the image's: open_clip's `pool_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VisionPool {
+    /// The class token (CLIP).
+    #[default]
+    Tok,
+    /// The mean of the patch tokens, the class token left out (CLIPA).
+    Avg,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -30,11 +83,30 @@ pub struct ClipVisionConfig {
     pub image_size: usize,
     pub patch_size: usize,
     pub encoder: EncoderConfig,
+    /// The LayerNorm before the encoder (`pre_layrnorm`, open_clip's `ln_pre`); CLIPA has none.
+    #[serde(default = "yes")]
+    pub pre_norm: bool,
+    #[serde(default)]
+    pub pool: VisionPool,
+    /// The final LayerNorm on the pooled vector instead of on every token (open_clip's
+    /// `final_ln_after_pool`): the same for the class token, not for a mean.
+    #[serde(default)]
+    pub norm_after_pool: bool,
 }
 
 impl ClipVisionConfig {
+    /// A CLIP vision tower as transformers builds it.
+    pub fn new(image_size: usize, patch_size: usize, encoder: EncoderConfig) -> Self {
+        ClipVisionConfig { image_size, patch_size, encoder, pre_norm: true, pool: VisionPool::Tok, norm_after_pool: false }
+    }
+
     pub fn num_patches(&self) -> usize {
         (self.image_size / self.patch_size).pow(2)
+    }
+
+    /// Whether this is the tower transformers' `CLIPVisionModel` runs.
+    pub fn is_transformers_clip(&self) -> bool {
+        self.pre_norm && self.pool == VisionPool::Tok
     }
 }
 
@@ -75,6 +147,9 @@ impl ClipText {
         let dev = ids.device();
         let positions = Tensor::arange(0u32, l as u32, dev)?;
         let x = self.token.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?;
+        if !self.config.causal {
+            return self.final_norm.forward(&self.encoder.forward(&x, None)?);
+        }
         let causal: Vec<f32> = (0..l).flat_map(|q| (0..l).map(move |k| if k <= q { 0.0 } else { MASKED as f32 })).collect();
         let causal = Tensor::from_vec(causal, (1, 1, l, l), dev)?;
         let padding = ((mask.to_dtype(DType::F32)? - 1.0)? * -MASKED)?.reshape((b, 1, 1, l))?;
@@ -82,22 +157,28 @@ impl ClipText {
         self.final_norm.forward(&self.encoder.forward(&x, Some(&bias))?)
     }
 
-    /// The end-of-text token's final state of each row: at the row's highest id (OpenAI's
-    /// configs), else at its first `eos_token_id`, as transformers pools.
+    /// The pooled position's final state of each row: the end-of-text token at the row's
+    /// highest id (OpenAI's configs) or at its first `eos_token_id`, as transformers pools, or
+    /// the first or last position.
     pub fn pooled(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let h = self.hidden_states(ids, mask)?;
         let (b, l, w) = h.dims3()?;
         let rows: Vec<Vec<u32>> = ids.to_vec2()?;
         let eos = self.config.eos_token_id;
+        let pool = self.config.pooling();
         let at: Vec<u32> = rows
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let p = if self.config.pools_at_highest_id() {
+                let p = match pool {
                     // The first of the highest ids, as torch's argmax returns.
-                    r.iter().enumerate().fold(0, |best, (j, &t)| if t > r[best] { j } else { best })
-                } else {
-                    r.iter().position(|&t| t == eos).unwrap_or(l - 1)
+                    TextPool::Argmax => r.iter().enumerate().fold(0, |best, (j, &t)| if t > r[best] { j } else { best }),
+                    // transformers falls back to the last position, open_clip to the first;
+                    // a configuration with an end token always has one in each row.
+                    TextPool::Eos if self.config.pool.is_none() => r.iter().position(|&t| t == eos).unwrap_or(l - 1),
+                    TextPool::Eos => r.iter().position(|&t| t == eos).unwrap_or(0),
+                    TextPool::First => 0,
+                    TextPool::Last => l - 1,
                 };
                 (i * l + p) as u32
             })
@@ -110,7 +191,7 @@ pub struct ClipVision {
     patch_weight: Tensor,
     class_embedding: Tensor,
     position: Tensor,
-    pre_norm: LayerNorm,
+    pre_norm: Option<LayerNorm>,
     pub encoder: Encoder,
     post_norm: LayerNorm,
     pub config: ClipVisionConfig,
@@ -126,7 +207,7 @@ impl ClipVision {
             class_embedding: e.get_with_hints(w, "class_embedding", Init::Randn { mean: 0.0, stdev: (w as f64).powf(-0.5) })?,
             position: e.pp("position_embedding").get_with_hints((c.num_patches() + 1, w), "weight", scaled_normal(w))?,
             // Hugging Face's spelling.
-            pre_norm: LayerNorm::new(w, eps, vb.pp("pre_layrnorm"))?,
+            pre_norm: c.pre_norm.then(|| LayerNorm::new(w, eps, vb.pp("pre_layrnorm"))).transpose()?,
             encoder: Encoder::new(&c.encoder, vb.pp("encoder"))?,
             post_norm: LayerNorm::new(w, eps, vb.pp("post_layernorm"))?,
             config: c.clone(),
@@ -147,10 +228,26 @@ impl ClipVision {
         let tokens = patches.reshape((b * np, ()))?.matmul(&self.patch_weight.reshape((width, ()))?.t()?)?.reshape((b, np, width))?;
         let cls = self.class_embedding.reshape((1, 1, width))?.broadcast_as((b, 1, width))?;
         let x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.position.unsqueeze(0)?)?;
-        self.encoder.forward(&self.pre_norm.forward(&x)?, None)
+        let x = match &self.pre_norm {
+            Some(n) => n.forward(&x)?,
+            None => x,
+        };
+        self.encoder.forward(&x, None)
     }
 
     pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
-        self.post_norm.forward(&self.hidden_states(images)?.narrow(1, 0, 1)?.squeeze(1)?)
+        let h = self.hidden_states(images)?;
+        match (self.config.pool, self.config.norm_after_pool) {
+            // A LayerNorm acts on each token alone: before or after picking one is the same.
+            (VisionPool::Tok, _) => self.post_norm.forward(&h.narrow(1, 0, 1)?.squeeze(1)?),
+            (VisionPool::Avg, true) => self.post_norm.forward(&patch_mean(&h)?),
+            (VisionPool::Avg, false) => patch_mean(&self.post_norm.forward(&h)?),
+        }
     }
+}
+
+/// The mean over the patch tokens of `[b, 1 + patches, w]`, the class token left out.
+fn patch_mean(h: &Tensor) -> Result<Tensor> {
+    let n = h.dim(1)? - 1;
+    h.narrow(1, 1, n)?.mean(1)
 }

@@ -144,9 +144,14 @@ impl TextSpec {
 
     /// Whether padding never changes an embedding, so a batch may be cut to its longest text:
     /// BERT and CLIP mask their padding (CLIP's causal mask hides it from the end token too);
-    /// SigLIP's text tower attends to its padding and pools the last position.
+    /// SigLIP's text tower and open_clip's bidirectional ones attend to their padding, and a
+    /// tower pooled at the last position pools a padding token.
     pub fn masks_padding(&self) -> bool {
-        !matches!(self, TextSpec::Siglip(_))
+        match self {
+            TextSpec::Bert(_) => true,
+            TextSpec::Clip(c) => c.ignores_padding(),
+            TextSpec::Siglip(_) => false,
+        }
     }
 
     /// The BERT config, where the tower is one.

@@ -89,6 +89,12 @@ pub fn clip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     if !spec.image_projection || spec.text_projection_bias || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_some() {
         return Err("CLIPModel projects both towers without a bias and scales by exp(logit_scale): this model differs".into());
     }
+    if !v.is_transformers_clip() {
+        return Err("CLIPVisionModel has a LayerNorm before its encoder and pools the class token; this tower (open_clip's no_ln_pre or average pooling) does not".into());
+    }
+    if !t.is_transformers_clip() || t.pool.is_some_and(|p| p == crate::model::clip::TextPool::Eos && t.eos_token_id == 2) {
+        return Err("CLIPTextModel is causal and pools at the end-of-text token; this text tower (open_clip's no_causal_mask or first/last pooling) is not".into());
+    }
     let text = tower_to_hf(
         &t.encoder,
         serde_json::json!({"model_type": "clip_text_model", "vocab_size": t.vocab_size, "max_position_embeddings": t.max_position,

@@ -198,7 +198,7 @@ impl HfDir<'_> {
         std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
         crate::io::tensors::write_tensors(&self.tensors, &out.join(WEIGHTS))?;
         std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&self.config)?)?;
-        let mut inner = tokenizer.inner().clone();
+        let mut inner = tokenizer.portable()?;
         inner.with_truncation(None).map_err(|e| anyhow::anyhow!("{e}"))?;
         inner.with_padding(None);
         inner

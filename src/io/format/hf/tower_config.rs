@@ -335,14 +335,16 @@ pub fn clip_towers(c: &Value) -> Result<(ClipTextConfig, ClipVisionConfig), Conf
         max_position: size(t.max_position_embeddings, "text_config", "max_position_embeddings")?,
         encoder,
         eos_token_id: size(t.eos_token_id, "text_config", "eos_token_id")? as u32,
+        causal: true,
+        pool: None,
     };
     let (v, encoder) = tower::<ClipVisionFields>(c, "vision_config", EncoderFields::class(768, 3072, 12, 12, 1e-5, "quick_gelu"))?;
     three_channels(v.num_channels, "vision_config")?;
-    let vision = ClipVisionConfig {
-        image_size: size(v.image_size, "vision_config", "image_size")?,
-        patch_size: size(v.patch_size, "vision_config", "patch_size")?,
+    let vision = ClipVisionConfig::new(
+        size(v.image_size, "vision_config", "image_size")?,
+        size(v.patch_size, "vision_config", "patch_size")?,
         encoder,
-    };
+    );
     patches(vision.image_size, vision.patch_size)?;
     Ok((text, vision))
 }

@@ -155,6 +155,8 @@ pub struct TextCfg {
     pub embed_cls: bool,
     pub no_causal_mask: bool,
     pub pool_type: String,
+    /// The end token `pool_type = "eos"` pools at.
+    pub eos_id: u32,
     pub proj_bias: bool,
     pub proj_type: String,
     pub output_tokens: bool,
@@ -178,6 +180,7 @@ impl Default for TextCfg {
             embed_cls: false,
             no_causal_mask: false,
             pool_type: "argmax".into(),
+            eos_id: 2,
             proj_bias: false,
             proj_type: "linear".into(),
             output_tokens: false,

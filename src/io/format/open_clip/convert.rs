@@ -8,18 +8,20 @@ use super::config::{read, ActKwargs, Layers, ModelCfg, PerChannel, PreprocessCfg
 use crate::data::transform::{CropOffset, ImageConfig, Interpolation, ResizeMode};
 use crate::io::format::config_error::ConfigError;
 use crate::io::limits::{check_eps, check_key};
-use crate::model::clip::{ClipTextConfig, ClipVisionConfig};
+use crate::model::clip::{ClipTextConfig, ClipVisionConfig, TextPool, VisionPool};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::prenorm::{Act, EncoderConfig};
 use crate::model::presets::{TemperatureKind, TextPooling};
 use crate::model::siglip::SiglipTextConfig;
 
-/// The text tower's kind: CLIP's causal transformer pooled at the end token (native `CLIP`), or a
-/// bidirectional one pooled at its last position through a linear head with a bias (SigLIP-style
-/// text of a `CustomTextCLIP`).
+/// The text tower's kind: CLIP's transformer (causal or not, pooled where `pool_type` says)
+/// projected by a matrix (`text_projection`, `x @ P`) or by a linear layer with a bias
+/// (`proj_bias`), or a bidirectional one pooled at its last position through a linear head with
+/// a bias (SigLIP-style text of a `CustomTextCLIP`, SigLIP's text tower in align).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TextKind {
     Clip,
+    ClipBiased,
     LastToken,
 }
 
@@ -111,13 +113,17 @@ fn vision_tower(v: &VisionCfg, quick_gelu: bool) -> Result<ClipVisionConfig, Con
     };
     unsupported(layer_scale(v.ls_init_value), "vision_cfg.ls_init_value", "layer scale")?;
     unsupported(v.attentional_pool, "vision_cfg.attentional_pool", "CoCa's attentional pooling")?;
-    unsupported(v.no_ln_pre, "vision_cfg.no_ln_pre", "a tower without ln_pre")?;
-    unsupported(v.final_ln_after_pool, "vision_cfg.final_ln_after_pool", "LayerNorm after pooling")?;
     unsupported(v.output_tokens, "vision_cfg.output_tokens", "token outputs")?;
     plain_block(&v.block, ctx)?;
-    if v.pool_type != "tok" {
-        return Err(ConfigError::Invalid(format!("vision_cfg.pool_type {:?}: align pools the class token (\"tok\")", v.pool_type)));
-    }
+    let pool = match v.pool_type.as_str() {
+        "tok" => VisionPool::Tok,
+        "avg" => VisionPool::Avg,
+        other => {
+            return Err(ConfigError::Invalid(format!(
+                "vision_cfg.pool_type {other:?}: align pools the class token (\"tok\") or the mean of the patch tokens (\"avg\")"
+            )))
+        }
+    };
     if v.pos_embed_type != "learnable" {
         return Err(ConfigError::Invalid("vision_cfg.pos_embed_type: align learns its position embeddings (\"learnable\")".into()));
     }
@@ -136,6 +142,9 @@ fn vision_tower(v: &VisionCfg, quick_gelu: bool) -> Result<ClipVisionConfig, Con
     let vision = ClipVisionConfig {
         image_size: size(image_size, ctx, "image_size")?,
         patch_size: size(v.patch_size, ctx, "patch_size")?,
+        pre_norm: !v.no_ln_pre,
+        pool,
+        norm_after_pool: v.final_ln_after_pool,
         encoder: EncoderConfig {
             width,
             layers,
@@ -154,7 +163,7 @@ fn vision_tower(v: &VisionCfg, quick_gelu: bool) -> Result<ClipVisionConfig, Con
     Ok(vision)
 }
 
-fn text_tower(t: &TextCfg, quick_gelu: bool, embed_dim: usize) -> Result<(TextSpec, TextKind), ConfigError> {
+fn text_tower(t: &TextCfg, quick_gelu: bool, embed_dim: usize, custom_text: bool) -> Result<(TextSpec, TextKind), ConfigError> {
     let ctx = "text_cfg";
     if t.hf_model_name.is_some() {
         return Err(ConfigError::Invalid(
@@ -184,22 +193,27 @@ fn text_tower(t: &TextCfg, quick_gelu: bool, embed_dim: usize) -> Result<(TextSp
     let vocab_size = size(t.vocab_size, ctx, "vocab_size")?;
     let positions = size(t.context_length, ctx, "context_length")?;
     let causal = !t.no_causal_mask;
-    Ok(match (causal, t.pool_type.as_str(), t.proj_bias) {
-        // argmax pools at the highest id: what a CLIP config with eos_token_id 2 makes
-        // transformers (and align) do.
-        (true, "argmax", false) => {
-            (TextSpec::Clip(ClipTextConfig { vocab_size, max_position: positions, encoder, eos_token_id: 2 }), TextKind::Clip)
-        }
-        (false, "last", true) => {
-            (TextSpec::Siglip(SiglipTextConfig { vocab_size, max_position: positions, projection: embed_dim, encoder }), TextKind::LastToken)
-        }
-        (_, pool, proj_bias) => {
+    if custom_text && !causal && t.pool_type == "last" && t.proj_bias {
+        return Ok((
+            TextSpec::Siglip(SiglipTextConfig { vocab_size, max_position: positions, projection: embed_dim, encoder }),
+            TextKind::LastToken,
+        ));
+    }
+    let pool = match t.pool_type.as_str() {
+        "argmax" => TextPool::Argmax,
+        "eos" => TextPool::Eos,
+        "first" => TextPool::First,
+        "last" => TextPool::Last,
+        other => {
             return Err(ConfigError::Invalid(format!(
-                "text_cfg: no_causal_mask {}, pool_type {pool:?}, proj_bias {proj_bias}: align reads CLIP's text tower (causal, \"argmax\", no projection bias) and SigLIP's (no causal mask, \"last\", a projection bias)",
-                !causal
+                "text_cfg.pool_type {other:?}: align pools one position (argmax, eos, first or last)"
             )))
         }
-    })
+    };
+    // With argmax pooling transformers' CLIP reads eos_token_id 2 as "the highest id".
+    let eos_token_id = if pool == TextPool::Argmax { 2 } else { t.eos_id };
+    let kind = if t.proj_bias { TextKind::ClipBiased } else { TextKind::Clip };
+    Ok((TextSpec::Clip(ClipTextConfig { vocab_size, max_position: positions, encoder, eos_token_id, causal, pool: Some(pool) }), kind))
 }
 
 impl TryFrom<ModelCfg> for OpenClipModel {
@@ -211,14 +225,9 @@ impl TryFrom<ModelCfg> for OpenClipModel {
         unsupported(cfg.multimodal_cfg.is_some(), "model_cfg.multimodal_cfg", "CoCa's captioning decoder")?;
         let embed_dim = size(cfg.embed_dim, "model_cfg", "embed_dim")?;
         let vision = vision_tower(v, cfg.quick_gelu)?;
-        let (text, text_kind) = text_tower(t, cfg.quick_gelu, embed_dim)?;
+        let (text, text_kind) = text_tower(t, cfg.quick_gelu, embed_dim, cfg.custom_text)?;
         if !cfg.init_logit_scale.is_finite() || cfg.init_logit_bias.is_some_and(|b| !b.is_finite()) {
             return Err(ConfigError::Invalid("model_cfg.init_logit_scale and init_logit_bias must be finite numbers".into()));
-        }
-        if text_kind == TextKind::LastToken && !cfg.custom_text {
-            return Err(ConfigError::Invalid(
-                "text_cfg: a bidirectional text tower pooled at its last token outside custom_text (CLIPA) is not read by align".into(),
-            ));
         }
         Ok(OpenClipModel {
             spec: ModelSpec {
@@ -226,7 +235,7 @@ impl TryFrom<ModelCfg> for OpenClipModel {
                 text,
                 embed_dim,
                 image_projection: true,
-                text_projection_bias: false,
+                text_projection_bias: text_kind == TextKind::ClipBiased,
                 text_pooling: TextPooling::Cls,
                 temperature: TemperatureKind::Clip,
                 temperature_init: (-cfg.init_logit_scale).exp(),
@@ -303,8 +312,8 @@ pub fn model_to(spec: &ModelSpec) -> Result<Value, ConfigError> {
     let (ImageSpec::Clip(v), TextSpec::Clip(t)) = (&spec.image, &spec.text) else {
         return Err(ConfigError::Unwritable("open_clip's native CLIP has CLIP's vision and text towers; this model does not (SigLIP's vision tower is a timm model in open_clip)".into()));
     };
-    if !spec.image_projection || spec.text_projection_bias || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_some() {
-        return Err(ConfigError::Unwritable("open_clip's CLIP projects both towers without a bias and scales by exp(logit_scale)".into()));
+    if !spec.image_projection || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_some() {
+        return Err(ConfigError::Unwritable("open_clip's CLIP projects both towers and scales by exp(logit_scale) without a bias".into()));
     }
     if v.encoder.act != t.encoder.act || v.encoder.layer_norm_eps != t.encoder.layer_norm_eps {
         return Err(ConfigError::Unwritable("open_clip's CLIP has one activation and one LayerNorm epsilon for both towers".into()));
@@ -316,7 +325,7 @@ pub fn model_to(spec: &ModelSpec) -> Result<Value, ConfigError> {
             return Err(ConfigError::Unwritable("open_clip's CLIP uses GELU or quick-GELU, not GELU's tanh approximation".into()))
         }
     };
-    if !t.pools_at_highest_id() && t.eos_token_id != t.vocab_size as u32 - 1 {
+    if t.pool.is_none() && !t.pools_at_highest_id() && t.eos_token_id != t.vocab_size as u32 - 1 {
         return Err(ConfigError::Unwritable(format!(
             "the text tower pools at token {}, not at the highest id as open_clip's argmax pooling does",
             t.eos_token_id
@@ -330,6 +339,31 @@ pub fn model_to(spec: &ModelSpec) -> Result<Value, ConfigError> {
     if v.encoder.layer_norm_eps != 1e-5 {
         vision["norm_kwargs"] = json!({"eps": v.encoder.layer_norm_eps});
         text["norm_kwargs"] = json!({"eps": t.encoder.layer_norm_eps});
+    }
+    // Only what differs from open_clip's defaults, as its own configs are written.
+    if !v.pre_norm {
+        vision["no_ln_pre"] = true.into();
+    }
+    if v.pool == VisionPool::Avg {
+        vision["pool_type"] = "avg".into();
+    }
+    if v.norm_after_pool {
+        vision["final_ln_after_pool"] = true.into();
+    }
+    if !t.causal {
+        text["no_causal_mask"] = true.into();
+    }
+    match t.pool {
+        Some(TextPool::Eos) => {
+            text["pool_type"] = "eos".into();
+            text["eos_id"] = t.eos_token_id.into();
+        }
+        Some(TextPool::First) => text["pool_type"] = "first".into(),
+        Some(TextPool::Last) => text["pool_type"] = "last".into(),
+        Some(TextPool::Argmax) | None => {}
+    }
+    if spec.text_projection_bias {
+        text["proj_bias"] = true.into();
     }
     Ok(json!({"embed_dim": spec.embed_dim, "quick_gelu": quick_gelu, "init_logit_scale": (1.0 / spec.temperature_init).ln(),
         "vision_cfg": vision, "text_cfg": text}))
@@ -383,7 +417,7 @@ mod tests {
             ("vision_cfg", json!({"timm_model_name": "vit_base_patch16_siglip_224"}), "timm"),
             ("vision_cfg", json!({"ls_init_value": 1e-4}), "ls_init_value"),
             ("vision_cfg", json!({"layers": [3, 4, 6, 3]}), "ModifiedResNet"),
-            ("text_cfg", json!({"pool_type": "eos"}), "pool_type \"eos\""),
+            ("text_cfg", json!({"pool_type": "none"}), "pool_type \"none\""),
             ("text_cfg", json!({"hf_model_name": "xlm-roberta-base"}), "hf_model_name"),
         ];
         for (section, extra, want) in cases {
@@ -418,8 +452,8 @@ mod tests {
             "timm_model_name": null, "act_kwargs": null}, "text_cfg": {"hf_model_name": null, "norm_kwargs": null}});
         let m = model_from(&nulls).unwrap();
         assert_eq!((m.spec.logit_bias, m.spec.image.width()), (None, 32));
-        let e = model_from(&json!({"vision_cfg": {"no_ln_pre": true}, "text_cfg": {}})).unwrap_err();
-        assert_eq!(e, ConfigError::Unsupported { key: "vision_cfg.no_ln_pre".into(), what: "a tower without ln_pre".into() });
+        let e = model_from(&json!({"vision_cfg": {"attentional_pool": true}, "text_cfg": {}})).unwrap_err();
+        assert_eq!(e, ConfigError::Unsupported { key: "vision_cfg.attentional_pool".into(), what: "CoCa's attentional pooling".into() });
         let e = model_from(&json!({"vision_cfg": {"width": 1u64 << 40}, "text_cfg": {}})).unwrap_err().to_string();
         assert!(e.contains("vision_cfg.width"), "{e}");
     }

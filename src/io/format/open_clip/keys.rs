@@ -57,7 +57,8 @@ pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKi
                 let t = if from.starts_with("logit_") && t.dims() == [1] { t.squeeze(0)? } else { t };
                 out.insert(to.to_string(), t);
             }
-            None if from == "logit_bias" => {}
+            // CLIPA's towers have no ln_pre; whether the model needs one is the spec's to say.
+            None if from == "logit_bias" || from.starts_with("visual.ln_pre.") => {}
             None => bail!("open_clip weights have no {from}"),
         }
     }
@@ -68,6 +69,10 @@ pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKi
     match text {
         TextKind::Clip => {
             out.insert("text_projection.weight".into(), take(&mut sd, &format!("{text_prefix}text_projection"))?.t()?.contiguous()?);
+        }
+        TextKind::ClipBiased => {
+            out.insert("text_projection.weight".into(), take(&mut sd, &format!("{text_prefix}text_projection.weight"))?);
+            out.insert("text_projection.bias".into(), take(&mut sd, &format!("{text_prefix}text_projection.bias"))?);
         }
         TextKind::LastToken => {
             out.insert("text_model.head.weight".into(), take(&mut sd, &format!("{text_prefix}text_projection.weight"))?);
@@ -111,7 +116,7 @@ pub fn from_align(w: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>
     let get = |name: &str| w.get(name).cloned().ok_or_else(|| anyhow!("the model has no {name}"));
     let mut out = HashMap::new();
     for (to, from) in PLAIN {
-        if from == "logit_bias" {
+        if from == "logit_bias" || (from.starts_with("vision_model.pre_layrnorm.") && !w.contains_key(from)) {
             continue;
         }
         out.insert(to.to_string(), get(from)?);
@@ -120,7 +125,12 @@ pub fn from_align(w: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>
         out.insert(to.to_string(), get(from)?);
     }
     out.insert("visual.proj".into(), get("visual_projection.weight")?.t()?.contiguous()?);
-    out.insert("text_projection".into(), get("text_projection.weight")?.t()?.contiguous()?);
+    if w.contains_key("text_projection.bias") {
+        out.insert("text_projection.weight".into(), get("text_projection.weight")?);
+        out.insert("text_projection.bias".into(), get("text_projection.bias")?);
+    } else {
+        out.insert("text_projection".into(), get("text_projection.weight")?.t()?.contiguous()?);
+    }
     for (from_prefix, to_prefix) in
         [("vision_model.encoder.layers.", "visual.transformer.resblocks."), ("text_model.encoder.layers.", "transformer.resblocks.")]
     {

@@ -4,10 +4,13 @@
 //! DataComp, DFN and MetaCLIP publish their weights this way, some only this way.
 //!
 //! Read: native `CLIP` models (a vision transformer with a class token, CLIP's causal text
-//! transformer) and `CustomTextCLIP` ones with native towers and SigLIP-style text (`text.*`, no
+//! transformer) with the native towers' options (CLIPA's `no_ln_pre`, `pool_type` `avg` and
+//! `final_ln_after_pool`; text `pool_type` `argmax`/`eos`/`first`/`last`, `no_causal_mask`,
+//! `proj_bias`), and `CustomTextCLIP` ones with native towers and SigLIP-style text (`text.*`, no
 //! causal mask, last-token pooling, a projection with a bias, a logit bias). The tokenizer is
 //! open_clip's `SimpleTokenizer` (CLIP's BPE with its text cleaning, padded with 0 to
-//! `context_length`), or the Hugging Face tokenizer the config names, from the folder.
+//! `context_length`), or the Hugging Face tokenizer the config names, from the folder, with
+//! open_clip's cleaning and `strip_sep_token`.
 //! Written: native `CLIP` models, which open_clip and CLIP_benchmark then load from the folder.
 //!
 //! OpenAI's, DFN's and MetaCLIP's weights were trained with quick-GELU, which open_clip sets from
@@ -212,15 +215,20 @@ impl Format for OpenClip {
                 format!("{}: text_cfg.hf_tokenizer_name {name:?} has no tokenizer.json, in the folder or on the hub", path.display())
             })?
         };
-        let inner = crate::data::tokenizer::read_tokenizer_json(&file)?;
-        let inner = with_cleaning(inner, clean)?;
+        let mut inner = crate::data::tokenizer::read_tokenizer_json(&file)?;
+        clip_bpe::put_cleaning(&mut inner, clean)?;
         let tokenizer_config = read_json(&file.with_file_name("tokenizer_config.json")).ok();
+        match kwargs.get("strip_sep_token") {
+            None | Some(Value::Null | Value::Bool(false)) => {}
+            Some(Value::Bool(true)) => {
+                let sep = tokenizer_config.as_ref().and_then(|c| token_of(c.get("sep_token")?)).unwrap_or_else(|| "[SEP]".into());
+                strip_sep(&mut inner, &sep).with_context(|| format!("{}: text_cfg.tokenizer_kwargs.strip_sep_token", path.display()))?;
+            }
+            Some(v) => bail!("{}: text_cfg.tokenizer_kwargs.strip_sep_token is {v}, not true or false", path.display()),
+        }
         let pad = tokenizer_config
             .as_ref()
-            .and_then(|c| match c.get("pad_token")? {
-                Value::String(s) => Some(s.clone()),
-                v => v.get("content")?.as_str().map(str::to_string),
-            })
+            .and_then(|c| token_of(c.get("pad_token")?))
             .or_else(|| inner.get_padding().map(|p| p.pad_token.clone()))
             .unwrap_or_else(|| clip_bpe::END.to_string());
         TextTokenizer::with_pad_token(inner, max_len, &pad).map_err(|e| anyhow!("{}: {e}", file.display()))
@@ -261,7 +269,8 @@ impl Format for OpenClip {
             // Not CLIP's own vocabulary: open_clip reads the folder's Hugging Face tokenizer.
             model_cfg["text_cfg"]["hf_tokenizer_name"] =
                 out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default().into();
-            model_cfg["text_cfg"]["tokenizer_kwargs"] = json!({"clean": "whitespace"});
+            let clean = m.tokenizer.clean().unwrap_or(Clean::Whitespace);
+            model_cfg["text_cfg"]["tokenizer_kwargs"] = json!({"clean": clean.name()});
             let mut inner = m.tokenizer.inner().clone();
             inner.with_truncation(None).map_err(|e| anyhow!("{e}"))?;
             inner.with_padding(None);
@@ -279,15 +288,42 @@ impl Format for OpenClip {
     }
 }
 
-/// A Hugging Face tokenizer with open_clip's cleaning put before its own normaliser.
-fn with_cleaning(mut inner: tokenizers::Tokenizer, clean: Clean) -> Result<tokenizers::Tokenizer> {
-    let ours: tokenizers::NormalizerWrapper =
-        serde_json::from_value(json!({"type": "Sequence", "normalizers": clip_bpe::normalizers_json(clean)}))
-            .map_err(|e| anyhow!("building open_clip's text cleaning: {e}"))?;
-    let combined = match inner.get_normalizer().cloned() {
-        Some(theirs) => tokenizers::normalizers::Sequence::new(vec![ours, theirs]).into(),
-        None => ours,
-    };
-    inner.with_normalizer(Some(combined)).map_err(|e| anyhow!("{e}"))?;
-    Ok(inner)
+/// A special token as `tokenizer_config.json` gives it: a string, or an object with `content`.
+fn token_of(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        v => v.get("content")?.as_str().map(str::to_string),
+    }
+}
+
+/// open_clip's `strip_sep_token`: the separator its Hugging Face tokenizer appends becomes id 0
+/// (CLIPA's text tower was trained on BERT ids without `[SEP]`). Done in the post-processor, so
+/// the separator's place is still reserved when a text is truncated, as open_clip reserves it.
+fn strip_sep(inner: &mut tokenizers::Tokenizer, sep: &str) -> Result<()> {
+    let zero = inner.id_to_token(0).ok_or_else(|| anyhow!("the vocabulary has no id 0"))?;
+    let post = inner.get_post_processor().ok_or_else(|| anyhow!("the tokenizer adds no separator to strip"))?;
+    let mut p = serde_json::to_value(post)?;
+    let kind = p.get("type").and_then(Value::as_str).unwrap_or_default().to_string();
+    match kind.as_str() {
+        "BertProcessing" | "RobertaProcessing" if p["sep"][0] == sep => p["sep"] = json!([zero, 0]),
+        "TemplateProcessing" => {
+            let mut found = false;
+            for part in ["single", "pair"] {
+                for item in p[part].as_array_mut().into_iter().flatten() {
+                    if item.pointer("/SpecialToken/id").and_then(Value::as_str) == Some(sep) {
+                        item["SpecialToken"]["id"] = zero.clone().into();
+                        found = true;
+                    }
+                }
+            }
+            if !found {
+                bail!("its template has no {sep}");
+            }
+            p["special_tokens"][&zero] = json!({"id": zero, "ids": [0], "tokens": [zero]});
+        }
+        other => bail!("its post-processor ({other}) has no {sep} to strip"),
+    }
+    let post: tokenizers::PostProcessorWrapper = serde_json::from_value(p)?;
+    inner.with_post_processor(Some(post));
+    Ok(())
 }
