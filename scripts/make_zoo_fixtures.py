@@ -64,9 +64,50 @@ Writes tests/fixtures/open_clip/:
   entities, one with combining accents, one CJK, one longer than 16 pieces), text_features (not
   normalised), text_pooled (position 15 after ln_final, before text_projection), logits_per_image
   (get_logits) and logit_scale (the raw parameter, shape [1]).
+- timm-siglip/: a SigLIP model as open_clip's ViT-B-16-SigLIP2 config has it (CustomTextCLIP,
+  custom_text true, init_logit_bias -10, vision tower a timm trunk with timm_pool "map" and
+  timm_proj "none") at toy size. The trunk is timm's VisionTransformer registered here with
+  timm.models.register_model as "vit_pico_patch8_siglip_32" (timm names fix the sizes; open_clip
+  builds it by timm.create_model(name, num_classes=0, global_pool="map", pretrained=False), and any
+  code that loads this folder with open_clip must import this script's module first): img_size 32,
+  patch 8 (16 tokens), embed_dim 128, depth 2, 2 heads of 64, mlp_ratio 2 (hidden 256; the only
+  departure from the vit_*_siglip_* recipe, whose mlp_ratio 4 would put the weights file at
+  2.5 MB), no class token, attention-pool head (AttentionPoolLatent, mlp_ratio 2 as well), timm's
+  defaults otherwise: LayerNorm eps 1e-6, nn.GELU (erf, not tanh), qkv bias, no qk norm, no layer
+  scale. Keys visual.trunk.{patch_embed.proj, pos_embed (1, 16, 128), blocks.N.{norm1, attn.qkv,
+  attn.proj, norm2, mlp.fc1, mlp.fc2}, norm, attn_pool.{latent (1, 1, 128), q, kv, proj, norm,
+  mlp.fc1, mlp.fc2}}; fc_norm, head and visual.head are Identity / empty (no weights). Forward:
+  patches + pos_embed, blocks (x + attn(norm1(x)), x + mlp(norm2(x))), norm on every token, then
+  MAP: q = attn_pool.q(latent), (k, v) = attn_pool.kv(tokens), softmax(q k^T / sqrt(64)) v per
+  head, y = attn_pool.proj(.), y = y + attn_pool.mlp(attn_pool.norm(y)), the single latent row is
+  the image feature (128 = embed_dim). Text: open_clip TextTransformer under text.*: vocab 400,
+  context 16, width 32, 2 heads, 2 layers, no causal mask, GELU tanh, LayerNorm eps 1e-6,
+  pool_type "last", text_projection nn.Linear(32, 128) with bias. text_cfg.hf_tokenizer_name is
+  "timm/ViT-B-16-SigLIP2" with tokenizer_kwargs {"clean": "canonicalize"}; as for clipa the name is
+  never resolved (checked offline: the folder's 400-piece tokenizer is the one loaded). The
+  tokenizer: a SentencePiece-style Unigram model of 400 pieces built by hand (<pad> 0, </s> 1, <unk>
+  2, "\u2581" 3, characters, suffixes, "\u2581word" pieces, letter pairs; tokenizers' own
+  UnigramTrainer gives a different vocabulary on every run), NFKC + Replace(" {2,}", " "),
+  Metaspace (prepend "always"), TemplateProcessing "$A </s>", wrapped as transformers'
+  PreTrainedTokenizerFast (pad "</s>", eos "</s>", unk "<unk>", model_max_length 16; transformers 5
+  saves it as tokenizer_class "TokenizersBackend", tokenizer.json + tokenizer_config.json). So
+  ids are pieces + </s>, cut to 15 pieces + </s>, padded with </s> (1): position 15 is always 1.
+  Weights: open_clip / timm init after torch.manual_seed(110), then randomise (seed 111: N(0,
+  0.05^2) noise on every parameter, the latent included; LayerNorm 1 + N(0, 0.2^2) / N(0, 0.2^2)),
+  logit_scale ln 10, logit_bias -10. preprocess_cfg: SigLIP's (pretrained._slpcfg): mean / std 0.5,
+  bicubic, resize_mode "squash". Written by save_for_hf(..., safe_serialization=True).
+- timm-siglip-io.safetensors (model reloaded with create_model_and_transforms("local-dir:
+  timm-siglip"), checked against the saved model and against the forward written out with plain
+  torch ops): pixel_values, image_features (encode_image, not normalised), image_tokens (the trunk's
+  tokens after its final norm, before the attention pool, (4, 16, 128)), jpeg_image_features,
+  input_ids (get_tokenizer("local-dir:timm-siglip") on six captions: plain, snake_case with
+  punctuation, upper case, entities (the &hellip; becomes "..." under NFKC, one fused <unk>), CJK,
+  one longer than 16 pieces), text_features (not normalised), text_pooled (position 15 after
+  ln_final, before text_projection), logits_per_image (exp(logit_scale) cos + logit_bias),
+  logit_scale and logit_bias (the raw parameters, shape [1]).
 - zoo-expected.json: {"versions", "images", "models": {"clipa": {captions, input_ids, tokenizer,
   open_clip_config written, final preprocess cfg, val transform repr, weights file, state dict
-  keys with shapes, pooling, logit_scale, files}}}.
+  keys with shapes, pooling, logit_scale, files}, "timm-siglip": {the same, plus timm_model}}}.
 
 Written with: torch 2.15.0, open_clip_torch 3.3.0, torchvision 0.29.2, transformers 5.24.0,
 tokenizers 0.23.3, ftfy 6.3.1, Pillow 13.0.0, safetensors 0.8.0, numpy 2.4.6 (run by hand, not by
@@ -77,20 +118,26 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
+import collections
 import json
 import math
 import shutil
 import string
+import unicodedata
 from pathlib import Path
 
+import timm
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
+from timm.models import register_model
+from timm.models.vision_transformer import VisionTransformer, _create_vision_transformer
 
 import open_clip
-from open_clip.constants import IMAGENET_MEAN, IMAGENET_STD
+from open_clip.constants import IMAGENET_MEAN, IMAGENET_STD, INCEPTION_MEAN, INCEPTION_STD
 from open_clip.push_to_hf_hub import save_for_hf
-from open_clip.tokenizer import HFTokenizer, SimpleTokenizer
+from open_clip.tokenizer import HFTokenizer, SimpleTokenizer, get_clean_fn
 from open_clip.transformer import text_global_pool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -172,6 +219,88 @@ def bert_tokenizer():
     tok = BertTokenizerFast(vocab={t: i for i, t in enumerate(vocab)}, do_lower_case=True, model_max_length=512)
     assert (tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id) == (0, 1, 2, 3, 4)
     return tok, vocab
+
+
+# The tiny SentencePiece-style (T5 / SigLIP v1 style) tokenizer of timm-siglip: a Unigram model of
+# 400 pieces, built by hand (the tokenizers UnigramTrainer is not deterministic from run to run).
+UNIGRAM_SIZE = 400
+UNIGRAM_SPECIALS = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2 as in T5; padding uses </s> (1), as SigLIP's does
+UNIGRAM_SUFFIXES = ["es", "ed", "ing", "er", "ers", "ly", "en", "ion", "tion", "ation", "ren", "ness", "able"]
+
+
+def unigram_vocab():
+    """[(piece, score)]: the specials, a lone "\u2581", every alphanumeric character of the cleaned captions
+    (plus a-z, 0-9), some suffixes, "\u2581word" for the words of up to 5 letters, then the commonest
+    letter pairs until there are 400 pieces. Scores: characters -12, "\u2581" -10, pairs -9, suffixes -8,
+    words -6 + log(count) / 4, so the Viterbi segmentation takes the fewest, longest pieces."""
+    clean = get_clean_fn("canonicalize")
+    texts = [unicodedata.normalize("NFKC", clean(c)) for c in CAPTIONS] + [" ".join(WORDS)]
+    vocab = [(t, 0.0) for t in UNIGRAM_SPECIALS] + [("\u2581", -10.0)]
+
+    def add(piece, score):
+        if piece not in have and len(vocab) < UNIGRAM_SIZE:
+            vocab.append((piece, score))
+            have.add(piece)
+
+    have = {p for p, _ in vocab}
+    for c in sorted({ch for t in texts for ch in t if ch.isalnum()} | set(string.ascii_lowercase + string.digits)):
+        add(c, -12.0)
+    for piece in UNIGRAM_SUFFIXES:
+        add(piece, -8.0)
+    words = collections.Counter(w for t in texts for w in t.split())
+    for w, n in sorted(words.items(), key=lambda kv: (-kv[1], kv[0])):
+        if w.isascii() and w.isalpha() and len(w) <= 5:
+            add("\u2581" + w, round(-6.0 + 0.25 * math.log(n), 4))
+    pairs = collections.Counter(w[i:i + 2] for t in texts for w in t.split() if w.isascii() and w.isalpha()
+                                for i in range(len(w) - 1))
+    for pair, _ in sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0])):
+        add(pair, -9.0)
+    assert len(vocab) == UNIGRAM_SIZE and len(have) == UNIGRAM_SIZE, len(vocab)
+    return vocab
+
+
+def unigram_tokenizer(model_max_length):
+    """transformers PreTrainedTokenizerFast (TokenizersBackend in transformers 5) over a tokenizers
+    Tokenizer laid out as T5's tokenizer.json: normalizer NFKC + Replace(" {2,}", " ") (T5 has the
+    sentencepiece "Precompiled" nmt_nfkc map first), Metaspace("\u2581", prepend_scheme "always",
+    split), Unigram (unk_id 2, no byte fallback; runs of unknown characters fuse into one <unk>),
+    TemplateProcessing "$A </s>", Metaspace decoder; pad "</s>", eos "</s>", unk "<unk>"."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = unigram_vocab()
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                       special_tokens=[("</s>", 1)])
+    tok.add_special_tokens(UNIGRAM_SPECIALS)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="</s>", eos_token="</s>", unk_token="<unk>",
+                                 model_max_length=model_max_length)
+    assert (hf.pad_token_id, hf.eos_token_id, hf.unk_token_id, len(hf)) == (1, 1, 2, UNIGRAM_SIZE)
+    return hf
+
+
+# A timm ViT at toy size, in the form of timm's vit_*_siglip_* models (no class token, attention-pool
+# "map" head). timm model names fix the sizes, so it is registered under a name of its own; anything
+# that loads the timm-siglip folder with open_clip must import this module first (or register it).
+PICO_NAME = "vit_pico_patch8_siglip_32"
+PICO_ARGS = dict(img_size=32, patch_size=8, embed_dim=128, depth=2, num_heads=2, mlp_ratio=2.0,
+                 class_token=False, global_pool="map")
+
+
+def vit_pico_patch8_siglip_32(pretrained=False, **kwargs):
+    """timm entrypoint: VisionTransformer(**PICO_ARGS) with timm's defaults otherwise (LayerNorm eps
+    1e-6, nn.GELU (erf), qkv bias, no qk norm, no layer scale). open_clip's TimmModel calls it through
+    timm.create_model(name, num_classes=0, global_pool="map", pretrained=False)."""
+    if kwargs.get("pretrained_cfg") is None:
+        kwargs["pretrained_cfg"] = dict(input_size=(3, 32, 32), mean=tuple(INCEPTION_MEAN), std=tuple(INCEPTION_STD),
+                                        interpolation="bicubic", num_classes=0)
+    return _create_vision_transformer(PICO_NAME, pretrained=pretrained, **dict(PICO_ARGS, **kwargs))
+
+
+if not timm.is_model(PICO_NAME):
+    register_model(vit_pico_patch8_siglip_32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,20 +536,205 @@ def make_clipa(vers):
         "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in sd.items()},
         "files": sorted(os.listdir(d)),
     }
-    dump_json({"versions": vers, "images": IMAGES,
-               "image_open": "PIL.Image.open(tests/fixtures/<path>) passed to the val transform as it is",
-               "models": {"clipa": record}},
-              os.path.join(OUT, "zoo-expected.json"), ensure_ascii=True)
     print(f"clipa: {type(loaded).__name__}, {len(sd)} tensors, ids {ids.tolist()}, files {record['files']}")
+    return record
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. timm-siglip
+
+TIMM_SIGLIP = {
+    "seed": 110,
+    "logit_scale": math.log(10.0),
+    "logit_bias": -10.0,
+    "model_cfg": {
+        "embed_dim": 128,
+        "init_logit_bias": -10,
+        "custom_text": True,
+        "vision_cfg": {"image_size": 32, "timm_model_name": PICO_NAME, "timm_model_pretrained": False,
+                       "timm_pool": "map", "timm_proj": "none"},
+        "text_cfg": {"context_length": 16, "vocab_size": UNIGRAM_SIZE, "hf_tokenizer_name": "timm/ViT-B-16-SigLIP2",
+                     "tokenizer_kwargs": {"clean": "canonicalize"}, "width": 32, "heads": 2, "layers": 2,
+                     "no_causal_mask": True, "proj_bias": True, "pool_type": "last", "norm_kwargs": {"eps": 1e-6},
+                     "act_kwargs": {"approximate": "tanh"}},
+    },
+    "preprocess_cfg": {"mean": list(INCEPTION_MEAN), "std": list(INCEPTION_STD),
+                       "interpolation": "bicubic", "resize_mode": "squash"},
+    "pooling": "vision (visual.trunk, timm VisionTransformer): patch_embed.proj (conv 8x8 stride 8) flattened to "
+               "16 tokens in row-major order, + pos_embed (1, 16, 128) (no class token), blocks "
+               "(x + attn(norm1(x)), x + mlp(norm2(x)); fused qkv; nn.GELU erf), norm over every token, then "
+               "attn_pool (MAP): q = attn_pool.q(latent) (1 query), k, v = split(attn_pool.kv(tokens)), "
+               "2 heads of 64, softmax(q k^T / 8) v, then attn_pool.proj, then y + attn_pool.mlp(attn_pool.norm(y)) "
+               "(no residual around the attention, the norm is only on the MLP branch), the one latent row "
+               "taken; fc_norm and head are Identity (no weights); timm_proj 'none': visual.head is empty; "
+               "text: token_embedding + positional_embedding, bidirectional transformer (no mask, padding attended; "
+               "GELU tanh), ln_final over every position, then position 15 (pool_type 'last': always </s> (1), "
+               "the appended eos or padding), then text.text_projection (nn.Linear with bias)",
+}
+TIMM_SIGLIP_CAPTIONS = [0, 22, 23, 4, 10, 25]  # plain, snake_case + punctuation, upper case, entities, CJK, long
+
+
+def timm_siglip_image_by_hand(trunk, pixels):
+    """The trunk's forward written out with plain torch ops: (tokens after trunk.norm, pooled)."""
+    B = pixels.shape[0]
+    C, H = trunk.embed_dim, trunk.blocks[0].attn.num_heads
+    D = C // H
+    pe = trunk.patch_embed.proj
+    x = F.conv2d(pixels, pe.weight, pe.bias, stride=8).flatten(2).transpose(1, 2)  # (B, 16, C), row-major
+    x = x + trunk.pos_embed
+
+    def ln(m, t):
+        assert m.eps == 1e-6
+        return F.layer_norm(t, (C,), m.weight, m.bias, 1e-6)
+
+    def attend(q, k, v):  # (B, H, Lq, D), (B, H, N, D) -> (B, Lq, C)
+        a = ((q * D ** -0.5) @ k.transpose(-2, -1)).softmax(-1)
+        return (a @ v).transpose(1, 2).reshape(q.shape[0], q.shape[2], C)
+
+    def mlp(m, t):
+        return m.fc2(F.gelu(m.fc1(t)))  # erf GELU
+
+    for blk in trunk.blocks:
+        h = ln(blk.norm1, x)
+        q, k, v = blk.attn.qkv(h).reshape(B, -1, 3, H, D).permute(2, 0, 3, 1, 4)
+        x = x + blk.attn.proj(attend(q, k, v))
+        x = x + mlp(blk.mlp, ln(blk.norm2, x))
+    tokens = ln(trunk.norm, x)
+    ap = trunk.attn_pool
+    q = ap.q(ap.latent.expand(B, -1, -1)).reshape(B, 1, H, D).transpose(1, 2)
+    k, v = ap.kv(tokens).reshape(B, -1, 2, H, D).permute(2, 0, 3, 1, 4)
+    y = ap.proj(attend(q, k, v))
+    y = y + mlp(ap.mlp, ln(ap.norm, y))
+    return tokens, y[:, 0]
+
+
+def timm_siglip_text_by_hand(text, ids):
+    assert text.attn_mask is None
+    x = text.token_embedding(ids) + text.positional_embedding
+    x = text.ln_final(text.transformer(x, attn_mask=None))
+    pooled = x[:, -1]
+    assert torch.equal(pooled, text_global_pool(x, ids, text.pool_type))
+    return pooled
+
+
+def make_timm_siglip(vers):
+    d = os.path.join(OUT, "timm-siglip")
+    cfg = TIMM_SIGLIP
+    if os.path.isdir(d):
+        shutil.rmtree(d)
+    os.makedirs(d)
+    model_cfg = json.loads(json.dumps(cfg["model_cfg"]))
+    with open(os.path.join(d, "open_clip_config.json"), "w") as f:
+        json.dump({"model_cfg": model_cfg, "preprocess_cfg": cfg["preprocess_cfg"]}, f, indent=2)
+    torch.manual_seed(cfg["seed"])
+    model = open_clip.create_model("local-dir:" + os.path.abspath(d)).eval()
+    trunk = model.visual.trunk
+    assert type(model) is open_clip.CustomTextCLIP and type(trunk) is VisionTransformer
+    assert isinstance(trunk.fc_norm, torch.nn.Identity) and isinstance(trunk.head, torch.nn.Identity)
+    assert trunk.cls_token is None and trunk.num_prefix_tokens == 0 and len(model.visual.head) == 0
+    n_ln = sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    assert n_ln == 11, n_ln  # trunk: 2 x (norm1, norm2), norm, attn_pool.norm; text: 2 x (ln_1, ln_2), ln_final
+    randomise(model, cfg["seed"] + 1)
+    with torch.no_grad():
+        model.logit_scale.fill_(cfg["logit_scale"])
+        model.logit_bias.fill_(cfg["logit_bias"])
+    os.remove(os.path.join(d, "open_clip_config.json"))
+    save_for_hf(model, unigram_tokenizer(model_cfg["text_cfg"]["context_length"]), model_cfg, d,
+                safe_serialization=True)
+    written = json.loads((Path(d) / "open_clip_config.json").read_text())
+    assert written["model_cfg"] == model_cfg
+
+    loaded, preprocess, tokenizer = load(d)
+    assert isinstance(tokenizer, HFTokenizer) and not tokenizer.strip_sep_token and len(tokenizer.tokenizer) == UNIGRAM_SIZE
+    t = tokenizer.tokenizer
+    assert t.convert_ids_to_tokens([0, 1, 2, 3]) == UNIGRAM_SPECIALS + ["\u2581"]
+    captions = [CAPTIONS[i] for i in TIMM_SIGLIP_CAPTIONS]
+    ids = tokenizer(captions).to(torch.int64)
+    assert ids.shape == (6, 16) and (ids[:, -1] == 1).all() and (ids[-1, :15] != 1).all()  # long: 15 pieces + </s>
+    assert (ids == 2).any()  # an <unk>
+    pieces = [t.backend_tokenizer.encode(tokenizer.clean_fn(c), add_special_tokens=False).ids for c in captions]
+    for row, p in zip(ids.tolist(), pieces):
+        want = (p[:15] if len(p) > 15 else p) + [1]
+        assert row == want + [1] * (16 - len(want)), (row, p)
+
+    pixels = open_images(preprocess)
+    with torch.no_grad():
+        image_features = loaded.encode_image(pixels)
+        text_features = loaded.encode_text(ids)
+        logits_per_image, _ = loaded.get_logits(pixels, ids)
+        tokens, pooled = timm_siglip_image_by_hand(loaded.visual.trunk, pixels)
+        assert torch.allclose(tokens, loaded.visual.trunk.forward_features(pixels), atol=1e-5)
+        assert torch.allclose(pooled, image_features, atol=1e-5)
+        txt_pooled = timm_siglip_text_by_hand(loaded.text, ids)
+        assert torch.allclose(loaded.text.text_projection(txt_pooled), text_features, atol=1e-6)
+        assert torch.equal(model.encode_image(pixels), image_features)
+        assert torch.equal(model.encode_text(ids), text_features)
+        want_logits = (10.0 * F.normalize(image_features, dim=-1) @ F.normalize(text_features, dim=-1).T - 10.0)
+        assert torch.allclose(logits_per_image, want_logits, atol=1e-4)
+        jpeg_features = loaded.encode_image(open_images(preprocess))
+    tensors = {
+        "pixel_values": pixels,
+        "image_features": image_features,
+        "image_tokens": tokens,
+        "jpeg_image_features": jpeg_features,
+        "input_ids": ids,
+        "text_features": text_features,
+        "text_pooled": txt_pooled,
+        "logits_per_image": logits_per_image,
+        "logit_scale": loaded.logit_scale.detach().reshape(1),
+        "logit_bias": loaded.logit_bias.detach().reshape(1),
+    }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(OUT, "timm-siglip-io.safetensors"))
+
+    sd = loaded.state_dict()
+    record = {
+        "dir": "timm-siglip",
+        "io": "timm-siglip-io.safetensors",
+        "weights_file": "open_clip_model.safetensors",
+        "model_class": type(loaded).__name__,
+        "open_clip_config": written,
+        "final_preprocess_cfg": {k: list(v) if isinstance(v, tuple) else v
+                                 for k, v in loaded.visual.preprocess_cfg.items()},
+        "val_transform": repr(preprocess),
+        "caption_indices": TIMM_SIGLIP_CAPTIONS,
+        "captions": captions,
+        "input_ids": ids.tolist(),
+        "tokenizer": {"class": "open_clip.tokenizer.HFTokenizer", "hf_class": type(t).__name__,
+                      "source": "the folder itself (local-dir), not hf_tokenizer_name",
+                      "context_length": tokenizer.context_length, "clean": "canonicalize",
+                      "call": "tokenizer(texts, max_length=context_length, padding='max_length', truncation=True)",
+                      "model": "Unigram (unk_id 2, no byte fallback), NFKC + Replace(' {2,}', ' '), "
+                               "Metaspace(prepend_scheme 'always'), TemplateProcessing '$A </s>'",
+                      "strip_sep_token": False,
+                      "eos_token_id": t.eos_token_id, "pad_token_id": t.pad_token_id,
+                      "unk_token_id": t.unk_token_id, "vocab_size": len(t)},
+        "timm_model": {"name": PICO_NAME, "args": dict(PICO_ARGS),
+                       "open_clip_kwargs": {"num_classes": 0, "global_pool": "map", "pretrained": False},
+                       "registered_by": "scripts/make_zoo_fixtures.py (timm.models.register_model)"},
+        "pooling": cfg["pooling"],
+        "activation": "vision: gelu (erf) in the blocks and attn_pool.mlp; text: gelu (tanh)",
+        "layer_norm_eps": 1e-6,
+        "logit_scale": tensors["logit_scale"].item(),
+        "logit_bias": tensors["logit_bias"].item(),
+        "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in sd.items()},
+        "files": sorted(os.listdir(d)),
+    }
+    print(f"timm-siglip: {type(loaded).__name__}, {len(sd)} tensors, ids {ids.tolist()}, files {record['files']}")
+    return record
 
 
 def main():
     vers = versions()
     make_captions(vers)
-    make_clipa(vers)
+    records = {"clipa": make_clipa(vers), "timm-siglip": make_timm_siglip(vers)}
+    dump_json({"versions": vers, "images": IMAGES,
+               "image_open": "PIL.Image.open(tests/fixtures/<path>) passed to the val transform as it is",
+               "models": records},
+              os.path.join(OUT, "zoo-expected.json"), ensure_ascii=True)
     paths = [os.path.join(OUT, n) for n in ("captions.json", "captions-io.safetensors", "clipa-io.safetensors",
-                                            "zoo-expected.json")]
+                                            "timm-siglip-io.safetensors", "zoo-expected.json")]
     paths += sorted(os.path.join(OUT, "clipa", n) for n in os.listdir(os.path.join(OUT, "clipa")))
+    paths += sorted(os.path.join(OUT, "timm-siglip", n) for n in os.listdir(os.path.join(OUT, "timm-siglip")))
     for p in paths:
         os.chmod(p, 0o644)  # safetensors writes 0600
         assert os.path.getsize(p) < 2_000_000, p

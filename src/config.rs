@@ -191,6 +191,13 @@ pub struct ModelConfig {
     pub efficientnet: EfficientNetOverrides,
     /// Sizes replacing those of the `bert-*` preset (or all of them, for `text_tower = "bert"`).
     pub bert: BertOverrides,
+    /// A whole architecture by open_clip's name, trained from scratch: `ViT-B-32`, `ViT-B-16`,
+    /// `ViT-L-14` (and their `-quickgelu` forms, `ViT-B-32-256`), `ViT-B-16-SigLIP`,
+    /// `ViT-B-16-SigLIP2`. Its towers, image size, preprocessing, text length, loss family and
+    /// the family's optimizer recipe become the run's defaults (settings given explicitly win);
+    /// CLIP's BPE tokenizes unless `text.tokenizer` names another. Instead of `image_tower` and
+    /// `text_tower`.
+    pub architecture: String,
     /// Start from these weights: an align checkpoint or run; a Hugging Face `AlignModel`,
     /// `CLIPModel`, `SiglipModel` or `VisionTextDualEncoderModel` folder; an open_clip folder
     /// (`open_clip_config.json`); or `hf:ID[@REV]` (e.g. `hf:openai/clip-vit-base-patch32`). The
@@ -248,6 +255,7 @@ impl Default for ModelConfig {
             vit: VitOverrides::default(),
             efficientnet: EfficientNetOverrides::default(),
             bert: BertOverrides::default(),
+            architecture: String::new(),
             init: String::new(),
             init_text: String::new(),
             init_image: String::new(),

@@ -363,7 +363,7 @@ fn embed_then_search_finds_the_captioned_image() {
     let img_path = dir.path().join("query.png");
     let events = align::data::tar_read::read_shard_events(&align::data::spec::expand(&data.test).unwrap()[0]);
     let align::data::tar_read::ShardEvent::Sample(first) = &events[0] else { panic!() };
-    let img = align::data::transform::decode(&first.fields["jpg"], u32::MAX, 1 << 30).unwrap();
+    let img = align::data::transform::decode(&first.fields["jpg"], u32::MAX, 1 << 30, align::data::transform::Alpha::Drop).unwrap();
     img.save(&img_path).unwrap();
     let (ok, out, err) = align(&[
         "search",

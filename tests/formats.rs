@@ -37,7 +37,7 @@ fn fixture_images_decode() {
     for name in ["wds-writer.tar", "gnu-tar.tar"] {
         for e in read_shard_events(&ShardSource::File(fixture(name))) {
             if let ShardEvent::Sample(s) = e {
-                let img = decode(sample::image_bytes(&s).unwrap(), u32::MAX, 1 << 30).unwrap();
+                let img = decode(sample::image_bytes(&s).unwrap(), u32::MAX, 1 << 30, align::data::transform::Alpha::Drop).unwrap();
                 assert!(img.width() >= 12, "{name} {}", s.key);
             }
         }

@@ -122,6 +122,20 @@ fn a_clipa_tower_matches_open_clip() {
     assert!(!m.model.spec.text.masks_padding(), "a bidirectional tower pooled at its last position sees its padding");
 }
 
+/// open_clip's SigLIP 2 form (`ViT-B-16-SigLIP2`'s config at toy size): a timm ViT trunk
+/// (`visual.trunk.*`, no class token, a MAP head, no projection), SigLIP-style text cleaned by
+/// canonicalisation and tokenised by the folder's SentencePiece-like tokenizer, a logit bias.
+/// The trunk's name is not one of timm's SigLIP sizes, so its sizes come from its weights.
+#[test]
+fn a_timm_trunk_siglip_matches_open_clip() {
+    check_against("timm-siglip", &json_fixture("open_clip/zoo-expected.json"));
+    let m = load_model(&fixtures().join("open_clip/timm-siglip"), &Device::Cpu).unwrap();
+    assert_eq!(m.usage.loss, align::config::LossKind::Sigmoid);
+    let bias = m.model.logit_bias().unwrap().unwrap().to_scalar::<f32>().unwrap();
+    let want = io("timm-siglip")["logit_bias"].flatten_all().unwrap().to_vec1::<f32>().unwrap()[0];
+    assert!((bias - want).abs() < 1e-6, "{bias} vs {want}");
+}
+
 /// Awkward captions (ligatures, full-width and half-width forms, HTML entities, curly quotes,
 /// emoji, non-Latin scripts, control characters) tokenised as open_clip 3.3's SimpleTokenizer
 /// does in each of its cleaning modes, and embedded as open_clip embeds them.

@@ -99,7 +99,7 @@ fn preprocessed_pixels_match_transformers_on_a_grid() {
     let s = cfg.image_size;
     for (n, name) in names().iter().enumerate() {
         let bytes = std::fs::read(fixtures().join("preprocess").join(name)).unwrap();
-        let img = decode(&bytes, FULL_RESOLUTION, cfg.max_pixels).unwrap();
+        let img = decode(&bytes, FULL_RESOLUTION, cfg.max_pixels, cfg.alpha).unwrap();
         let mut px = vec![0f32; cfg.numel()];
         eval_transform(&img, cfg, &mut px);
         let mut worst = 0f32;
@@ -144,7 +144,7 @@ fn hub_processor_configs_in_every_form_give_transformers_pixels() {
     // (mean level difference, embedding cosine) of align's pixels against transformers'.
     let compare = |cfg: &ImageConfig, form: &str, image: &str, m: &LoadedModel| -> (f32, f64) {
         let bytes = std::fs::read(fixtures().join("preprocess").join(image)).unwrap();
-        let img = decode(&bytes, FULL_RESOLUTION, cfg.max_pixels).unwrap();
+        let img = decode(&bytes, FULL_RESOLUTION, cfg.max_pixels, cfg.alpha).unwrap();
         let mut ours = vec![0.0; cfg.numel()];
         eval_transform(&img, cfg, &mut ours);
         let want = expected[&format!("{form}/{image}")].flatten_all().unwrap().to_vec1::<f32>().unwrap();

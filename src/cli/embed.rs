@@ -239,13 +239,14 @@ pub fn search(a: &SearchArgs) -> Result<()> {
         (None, Some(path)) => {
             let cfg = &m.usage.image;
             let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-            let img = decode(&bytes, align::data::transform::FULL_RESOLUTION, cfg.max_pixels)
+            let img = decode(&bytes, align::data::transform::FULL_RESOLUTION, cfg.max_pixels, cfg.alpha)
                 .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.detail))?;
             let mut pixels = vec![0.0; cfg.numel()];
             eval_transform(&img, cfg, &mut pixels);
-            let image = embed_images(&m.model, &pixels, cfg.image_size, &device, &[path.to_string_lossy().as_ref()])?
-                .flatten_all()?
-                .to_vec1::<f32>()?;
+            let image =
+                embed_images(&m.model, &pixels, align::data::batch::ImageLayout::of(cfg), &device, &[path.to_string_lossy().as_ref()])?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
             let plus = a.plus.as_deref().map(text_vec).transpose()?;
             let minus = a.minus.as_deref().map(text_vec).transpose()?;
             combine(&image, plus.as_deref(), minus.as_deref(), a.text_weight)

@@ -79,6 +79,10 @@ fn describe_image(i: &ImageSpec) -> String {
             "SigLIP ViT {}px/{}, width {}, {} layers, {} heads",
             v.image_size, v.patch_size, v.encoder.width, v.encoder.layers, v.encoder.heads
         ),
+        ImageSpec::Naflex(v) => format!(
+            "SigLIP 2 NaFlex ViT, patch {}, up to {} patches, {}×{} position grid, width {}, {} layers, {} heads",
+            v.patch_size, v.max_patches, v.position_grid, v.position_grid, v.encoder.width, v.encoder.layers, v.encoder.heads
+        ),
     }
 }
 

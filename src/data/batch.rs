@@ -2,16 +2,47 @@
 //! straight into them: no per-sample tensors, no extra copies, and a sample that fails half-way
 //! leaves no partial row.
 
+use candle_core::{Device, Tensor};
+
 use super::sample::Rejected;
 use super::tokenizer::TextTokenizer;
+use super::transform::ImageConfig;
+
+/// How one image lies in a batch buffer: `[3, image_size, image_size]` pixels, or a row of
+/// `numel` numbers (a NaFlex tower's patches and grid).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageLayout {
+    pub image_size: usize,
+    pub numel: usize,
+}
+
+impl ImageLayout {
+    pub fn of(cfg: &ImageConfig) -> Self {
+        ImageLayout { image_size: cfg.image_size, numel: cfg.numel() }
+    }
+
+    pub fn square(image_size: usize) -> Self {
+        ImageLayout { image_size, numel: 3 * image_size * image_size }
+    }
+
+    /// `n` images of a buffer as the image tower's input, without a copy.
+    pub fn tensor(&self, pixels: Vec<f32>, n: usize, device: &Device) -> candle_core::Result<Tensor> {
+        let s = self.image_size;
+        if self.numel == 3 * s * s {
+            Tensor::from_vec(pixels, (n, 3, s, s), device)
+        } else {
+            Tensor::from_vec(pixels, (n, self.numel), device)
+        }
+    }
+}
 
 /// One training batch in host memory.
 #[derive(Debug, Clone)]
 pub struct Batch {
     pub size: usize,
-    /// `size × 3 × image_size × image_size`, normalised.
+    /// `size` images of `image.numel` numbers each, normalised.
     pub images: Vec<f32>,
-    pub image_size: usize,
+    pub image: ImageLayout,
     /// `size × max_len` token ids and attention mask.
     pub ids: Vec<u32>,
     pub mask: Vec<u32>,
@@ -22,11 +53,11 @@ pub struct Batch {
 }
 
 impl Batch {
-    fn with_capacity(n: usize, image_size: usize, max_len: usize) -> Self {
+    fn with_capacity(n: usize, image: ImageLayout, max_len: usize) -> Self {
         Batch {
             size: 0,
-            images: Vec::with_capacity(n * 3 * image_size * image_size),
-            image_size,
+            images: Vec::with_capacity(n * image.numel),
+            image,
             ids: Vec::with_capacity(n * max_len),
             mask: Vec::with_capacity(n * max_len),
             max_len,
@@ -38,7 +69,7 @@ impl Batch {
 
     /// Drops rows from `size` on (a row written half-way).
     fn truncate_rows(&mut self) {
-        let numel = 3 * self.image_size * self.image_size;
+        let numel = self.image.numel;
         self.images.truncate(self.size * numel);
         self.ids.truncate(self.size * self.max_len);
         self.mask.truncate(self.size * self.max_len);
@@ -51,8 +82,8 @@ pub struct BatchBuilder {
 }
 
 impl BatchBuilder {
-    pub fn new(batch_size: usize, image_size: usize, max_len: usize) -> Self {
-        BatchBuilder { batch: Batch::with_capacity(batch_size, image_size, max_len), batch_size }
+    pub fn new(batch_size: usize, image: ImageLayout, max_len: usize) -> Self {
+        BatchBuilder { batch: Batch::with_capacity(batch_size, image, max_len), batch_size }
     }
 
     /// Writes a sample into the next row: `write_image` fills the row's pixels, the caption is
@@ -67,7 +98,7 @@ impl BatchBuilder {
         write_image: impl FnOnce(&mut [f32]),
     ) -> Result<(), Rejected> {
         let b = &mut self.batch;
-        let numel = 3 * b.image_size * b.image_size;
+        let numel = b.image.numel;
         let start = b.images.len();
         b.images.resize(start + numel, 0.0);
         write_image(&mut b.images[start..]);
@@ -88,7 +119,7 @@ impl BatchBuilder {
 
     /// The batch so far, and an empty one in its place.
     pub fn take(&mut self) -> Batch {
-        let fresh = Batch::with_capacity(self.batch_size, self.batch.image_size, self.batch.max_len);
+        let fresh = Batch::with_capacity(self.batch_size, self.batch.image, self.batch.max_len);
         std::mem::replace(&mut self.batch, fresh)
     }
 }
@@ -106,7 +137,7 @@ mod tests {
     #[test]
     fn rows_land_in_place_and_a_full_batch_is_taken_whole() {
         let tok = tokenizer(6);
-        let mut b = BatchBuilder::new(2, 2, 6);
+        let mut b = BatchBuilder::new(2, ImageLayout::square(2), 6);
         b.add("k0", "a photo of thing 0".into(), Some(3), &tok, |px| px.fill(1.0)).unwrap();
         assert!(!b.is_full());
         b.add("k1", "thing 1".into(), None, &tok, |px| px.fill(2.0)).unwrap();

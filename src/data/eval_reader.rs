@@ -223,8 +223,8 @@ fn prepare(shards: &[String], cfg: &ImageConfig, needs: Needs, shard: usize, s: 
     }
     if needs.image {
         let bytes = sample::image_bytes(s)?;
-        let img =
-            decode(bytes, decode_min_side(cfg, false), cfg.max_pixels).map_err(|e| Rejected { reason: e.reason, detail: e.detail })?;
+        let img = decode(bytes, decode_min_side(cfg, false), cfg.max_pixels, cfg.alpha)
+            .map_err(|e| Rejected { reason: e.reason, detail: e.detail })?;
         eval_transform(&img, cfg, out);
     }
     Ok(EvalItem { key: s.key.clone(), captions, label })
@@ -273,7 +273,7 @@ mod tests {
         prepare(&["s".into()], &cfg, Needs { image: true, captions: false, label: false }, 0, &sample, &mut image).unwrap();
         let at = |min_side: u32| {
             let mut out = vec![0.0; cfg.numel()];
-            eval_transform(&decode(&jpeg, min_side, cfg.max_pixels).unwrap(), &cfg, &mut out);
+            eval_transform(&decode(&jpeg, min_side, cfg.max_pixels, cfg.alpha).unwrap(), &cfg, &mut out);
             out
         };
         assert_eq!(image, at(super::super::transform::FULL_RESOLUTION));

@@ -228,7 +228,7 @@ impl TrainLoader {
                 tokenizer: tokenizer.clone(),
                 state: pos.workers[w].clone(),
                 buffer: ShuffleBuffer::new(settings.shuffle_buffer),
-                batch: BatchBuilder::new(settings.batch_size, settings.image.image_size, tokenizer.max_len()),
+                batch: BatchBuilder::new(settings.batch_size, super::batch::ImageLayout::of(&settings.image), tokenizer.max_len()),
                 cache: None,
             };
             let (rx, handle) = super::reader_thread::spawn(&format!("loader-{w}"), settings.prefetch, move |tx| worker.run(tx))?;
@@ -469,7 +469,7 @@ impl Worker {
             let caps = sample::captions(&s)?;
             let label = sample::label(&s)?;
             let bytes = sample::image_bytes(&s)?;
-            let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels)
+            let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels, cfg.alpha)
                 .map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
             let caption = caps[rng.below(caps.len())].clone();
             self.batch.add(&s.key, caption, label, &self.tokenizer, |row| train_transform(&img, cfg, &mut rng, row))

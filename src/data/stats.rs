@@ -72,8 +72,8 @@ pub fn compute(shards: &[ShardSource], max_pixels: u64, on_shard: impl Fn() + Sy
                             let caps = sample::captions(&s)?;
                             let label = sample::label(&s)?;
                             let bytes = sample::image_bytes(&s)?;
-                            let img =
-                                decode(bytes, u32::MAX, max_pixels).map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
+                            let img = decode(bytes, u32::MAX, max_pixels, crate::data::transform::Alpha::Drop)
+                                .map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
                             Ok::<_, sample::Rejected>((caps, label, img.dimensions()))
                         })();
                         match checked {

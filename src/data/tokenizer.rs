@@ -44,6 +44,9 @@ pub struct TextTokenizer {
     /// `tokenizer.json` carries it as the normalisers that `clip_bpe::normalizers_json` spells,
     /// an approximation other libraries run; align recognises them and cleans exactly.
     clean: Option<Clean>,
+    /// Padding goes before the text (transformers' `padding_side = "left"`: Gemma's and SigLIP
+    /// 2's tokenizers), so the last position holds the end of the text.
+    pad_left: bool,
 }
 
 /// A `tokenizer.json`, read without a panic whatever the file holds: a damaged file is an error
@@ -97,6 +100,7 @@ impl TextTokenizer {
     /// `<|startoftext|> … <|endoftext|>`), padded with `pad_token`.
     pub fn with_pad_token(mut inner: Tokenizer, max_len: usize, pad_token: &str) -> Result<Self> {
         let pad_id = inner.token_to_id(pad_token).ok_or_else(|| anyhow!("vocabulary has no padding token {pad_token:?}"))?;
+        let pad_left = inner.get_padding().is_some_and(|p| matches!(p.direction, tokenizers::PaddingDirection::Left));
         if inner.get_post_processor().is_none() {
             bail!("the tokenizer adds no special tokens (it has no post-processor)");
         }
@@ -110,7 +114,7 @@ impl TextTokenizer {
             .map_err(|e| anyhow!("{e}"))?;
         inner.with_padding(None);
         let clean = super::clip_bpe::take_cleaning(&mut inner)?;
-        Ok(Self { inner, max_len, pad_id, clean })
+        Ok(Self { inner, max_len, pad_id, clean, pad_left })
     }
 
     /// A BERT tokenizer from a WordPiece `vocab.txt` (checkpoints that ship no `tokenizer.json`).
@@ -134,6 +138,28 @@ impl TextTokenizer {
     /// The tokenizer without open_clip's cleaning (see `clean`).
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
+    }
+
+    /// The same tokenizer lower-casing each text before its own normaliser (SigLIP 2's
+    /// processor does).
+    pub fn lowercased(mut self) -> Result<Self> {
+        let lower: tokenizers::NormalizerWrapper = tokenizers::normalizers::utils::Lowercase.into();
+        let n = match self.inner.get_normalizer().cloned() {
+            Some(theirs) => tokenizers::normalizers::Sequence::new(vec![lower, theirs]).into(),
+            None => lower,
+        };
+        self.inner.with_normalizer(Some(n)).map_err(|e| anyhow!("{e}"))?;
+        Ok(self)
+    }
+
+    /// The same tokenizer padding before the text instead of after it.
+    pub fn padding_left(mut self, left: bool) -> Self {
+        self.pad_left = left;
+        self
+    }
+
+    pub fn pads_left(&self) -> bool {
+        self.pad_left
     }
 
     /// open_clip's text cleaning, when the tokenizer's texts are cleaned as open_clip cleans them.
@@ -166,6 +192,7 @@ impl TextTokenizer {
         let pad_token = t.id_to_token(self.pad_id).ok_or_else(|| anyhow!("the padding id {} has no token", self.pad_id))?;
         t.with_padding(Some(tokenizers::PaddingParams {
             strategy: tokenizers::PaddingStrategy::Fixed(self.max_len),
+            direction: if self.pad_left { tokenizers::PaddingDirection::Left } else { tokenizers::PaddingDirection::Right },
             pad_id: self.pad_id,
             pad_token,
             ..Default::default()
@@ -182,10 +209,17 @@ impl TextTokenizer {
     pub fn encode_into(&self, text: &str, ids: &mut Vec<u32>, mask: &mut Vec<u32>) -> Result<()> {
         let enc = self.inner.encode(self.cleaned(text).as_ref(), true).map_err(|e| anyhow!("tokenising {text:?}: {e}"))?;
         let n = enc.get_ids().len().min(self.max_len);
+        let pads = self.max_len - n;
+        if self.pad_left {
+            ids.extend(std::iter::repeat_n(self.pad_id, pads));
+            mask.extend(std::iter::repeat_n(0, pads));
+        }
         ids.extend_from_slice(&enc.get_ids()[..n]);
         mask.extend(std::iter::repeat_n(1, n));
-        ids.extend(std::iter::repeat_n(self.pad_id, self.max_len - n));
-        mask.extend(std::iter::repeat_n(0, self.max_len - n));
+        if !self.pad_left {
+            ids.extend(std::iter::repeat_n(self.pad_id, pads));
+            mask.extend(std::iter::repeat_n(0, pads));
+        }
         Ok(())
     }
 
@@ -340,6 +374,21 @@ mod tests {
         ];
         let tok = train_wordpiece(captions.iter().cycle().take(40), 200, true, 1).unwrap();
         TextTokenizer::new(tok, max_len).unwrap()
+    }
+
+    /// transformers' `padding_side = "left"`: the padding before the text, kept by a save.
+    #[test]
+    fn left_padding_puts_the_text_last_and_survives_a_save() {
+        let t = small_tokenizer(8).padding_left(true);
+        let b = t.encode_batch(&["a dog"]).unwrap();
+        let n = b.mask.iter().filter(|&&m| m == 1).count();
+        assert!(n < 8 && b.mask[..8 - n].iter().all(|&m| m == 0) && b.mask[8 - n..].iter().all(|&m| m == 1), "{b:?}");
+        assert!(b.ids[..8 - n].iter().all(|&i| i == t.pad_id()));
+        let dir = tempfile::tempdir().unwrap();
+        t.save(&dir.path().join("tokenizer.json")).unwrap();
+        let back = TextTokenizer::from_file(&dir.path().join("tokenizer.json"), 8).unwrap();
+        assert!(back.pads_left());
+        assert_eq!(back.encode_batch(&["a dog"]).unwrap(), b);
     }
 
     #[test]

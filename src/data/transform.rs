@@ -101,6 +101,61 @@ pub struct ImageConfig {
     pub crop_offset: CropOffset,
     /// Images whose header claims more pixels than this are skipped unread (decompression bombs).
     pub max_pixels: u64,
+    /// How a transparent image becomes RGB: `drop` its alpha channel (PIL's `convert("RGB")`,
+    /// as open_clip and transformers' pipelines read images) or composite it over `white` (what
+    /// transformers' CLIP and SigLIP processors do with a transparent PIL image handed to them
+    /// as it is).
+    pub alpha: Alpha,
+    /// SigLIP 2's NaFlex input instead of a square: the image resized, keeping its aspect
+    /// ratio, to at most `max_num_patches` patches of `patch_size` pixels (transformers'
+    /// `Siglip2ImageProcessor`). Absent for every other tower.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub naflex: Option<Naflex>,
+}
+
+/// A NaFlex patch budget (see [`ImageConfig::naflex`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Naflex {
+    /// Side of a square patch, in pixels (the tower's).
+    pub patch_size: usize,
+    /// The most patches an image becomes.
+    pub max_num_patches: usize,
+}
+
+impl Naflex {
+    /// The image's size in pixels (height, width) at this budget, as transformers chooses it:
+    /// the largest scale (found by bisection to 1e-5) whose sides, each rounded up to whole
+    /// patches, give at most `max_num_patches` patches.
+    pub fn size_for(&self, height: u32, width: u32) -> (u32, u32) {
+        let p = self.patch_size as f64;
+        let side = |scale: f64, size: u32| -> f64 { ((size as f64 * scale / p).ceil() * p).max(p) };
+        let (mut lo, mut hi) = (1e-5 / 10.0, 100.0);
+        while hi - lo >= 1e-5 {
+            let scale = (lo + hi) / 2.0;
+            let patches = (side(scale, height) / p) * (side(scale, width) / p);
+            if patches <= self.max_num_patches as f64 {
+                lo = scale;
+            } else {
+                hi = scale;
+            }
+        }
+        (side(lo, height) as u32, side(lo, width) as u32)
+    }
+
+    /// Numbers per image: the patches, then the grid's height and width.
+    pub fn numel(&self) -> usize {
+        self.max_num_patches * 3 * self.patch_size * self.patch_size + 2
+    }
+}
+
+/// How transparency is flattened (see [`ImageConfig::alpha`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Alpha {
+    #[default]
+    Drop,
+    White,
 }
 
 impl Default for ImageConfig {
@@ -120,6 +175,8 @@ impl Default for ImageConfig {
             crop_offset: CropOffset::Floor,
             // PIL's default MAX_IMAGE_PIXELS.
             max_pixels: 89_478_485,
+            alpha: Alpha::Drop,
+            naflex: None,
         }
     }
 }
@@ -159,7 +216,10 @@ impl ImageConfig {
 
     /// Floats per image in the output buffer.
     pub fn numel(&self) -> usize {
-        3 * self.image_size * self.image_size
+        match self.naflex {
+            Some(n) => n.numel(),
+            None => 3 * self.image_size * self.image_size,
+        }
     }
 }
 
@@ -172,7 +232,7 @@ pub struct DecodeError {
 /// Decodes an image, refusing ones whose header claims more than `max_pixels`. A JPEG at least
 /// four times larger than `min_side` on both sides is decoded at a reduced DCT scale (1/4 or 1/8)
 /// that still gives at least `min_side` pixels, several times cheaper for large web images.
-pub fn decode(bytes: &[u8], min_side: u32, max_pixels: u64) -> Result<RgbImage, DecodeError> {
+pub fn decode(bytes: &[u8], min_side: u32, max_pixels: u64, alpha: Alpha) -> Result<RgbImage, DecodeError> {
     let corrupt = |detail: String| DecodeError { reason: reason::CORRUPT_IMAGE, detail };
     if bytes.starts_with(&[0xff, 0xd8]) {
         if !jpeg_is_complete(bytes) {
@@ -193,7 +253,19 @@ pub fn decode(bytes: &[u8], min_side: u32, max_pixels: u64) -> Result<RgbImage, 
     limits.max_alloc = Some(max_pixels.saturating_mul(16).max(1 << 26));
     reader.limits(limits);
     let img = reader.decode().map_err(|e| corrupt(e.to_string()))?;
+    if alpha == Alpha::White && img.color().has_alpha() {
+        return Ok(over_white(&img.into_rgba8()));
+    }
     Ok(img.into_rgb8())
+}
+
+/// An RGBA image composited over opaque white, rounded as PIL's `alpha_composite` rounds.
+fn over_white(rgba: &image::RgbaImage) -> RgbImage {
+    RgbImage::from_fn(rgba.width(), rgba.height(), |x, y| {
+        let p = rgba.get_pixel(x, y).0;
+        let a = p[3] as u32;
+        image::Rgb(std::array::from_fn(|c| ((p[c] as u32 * a + 255 * (255 - a) + 127) / 255) as u8))
+    })
 }
 
 /// Whether a JPEG's last scan is followed by an end-of-image marker. zune-jpeg decodes a cut-off
@@ -386,7 +458,8 @@ pub const FULL_RESOLUTION: u32 = u32::MAX;
 /// augmented anyway: an evaluation at reduced scale moved per-image embeddings of large JPEGs
 /// by up to 0.025 in cosine.
 pub fn decode_min_side(cfg: &ImageConfig, train: bool) -> u32 {
-    if !train {
+    // A NaFlex image's size follows its aspect ratio: its shorter side may need every pixel.
+    if !train || cfg.naflex.is_some() {
         return FULL_RESOLUTION;
     }
     if cfg.train_crop == TrainCrop::RandomResizedCrop {
@@ -396,8 +469,51 @@ pub fn decode_min_side(cfg: &ImageConfig, train: bool) -> u32 {
     }
 }
 
+/// An image as NaFlex patches (see `model::naflex`): resized to the budget's size for its aspect
+/// ratio, scaled and normalised, cut into patches row by row (each patch's pixels row by row, R
+/// G B), zero padding, then the grid's height and width.
+pub fn write_naflex(img: &RgbImage, n: Naflex, cfg: &ImageConfig, flip: bool, out: &mut [f32]) {
+    let (th, tw) = n.size_for(img.height(), img.width());
+    let resized = resize(img, tw, th, cfg.interpolation);
+    let p = n.patch_size as u32;
+    let (gh, gw) = (th / p, tw / p);
+    out.fill(0.0);
+    let mut at = 0;
+    for py in 0..gh {
+        for px in 0..gw {
+            for ky in 0..p {
+                for kx in 0..p {
+                    let x = px * p + kx;
+                    let x = if flip { tw - 1 - x } else { x };
+                    let pixel = resized.get_pixel(x, py * p + ky).0;
+                    for (c, v) in pixel.iter().enumerate() {
+                        out[at] = (*v as f32 / 255.0 - cfg.mean[c]) / cfg.std[c];
+                        at += 1;
+                    }
+                }
+            }
+        }
+    }
+    let len = out.len();
+    out[len - 2] = gh as f32;
+    out[len - 1] = gw as f32;
+}
+
 /// Training transform: random crop (or random resized crop) and random flip, drawn from `rng`.
+/// A NaFlex input takes the random resized crop (or the whole image) at its own aspect ratio.
 pub fn train_transform(img: &RgbImage, cfg: &ImageConfig, rng: &mut Rng, out: &mut [f32]) {
+    if let Some(n) = cfg.naflex {
+        let cropped = match cfg.train_crop {
+            TrainCrop::RandomResizedCrop => {
+                let r = random_resized_crop(img.width(), img.height(), cfg.rrc_scale, cfg.rrc_ratio, rng);
+                image::imageops::crop_imm(img, r.x, r.y, r.w, r.h).to_image()
+            }
+            TrainCrop::RandomCrop => img.clone(),
+        };
+        let flip = cfg.hflip && rng.bernoulli(0.5);
+        write_naflex(&cropped, n, cfg, flip, out);
+        return;
+    }
     let s = cfg.image_size as u32;
     match cfg.train_crop {
         TrainCrop::RandomCrop => {
@@ -420,6 +536,10 @@ pub fn train_transform(img: &RgbImage, cfg: &ImageConfig, rng: &mut Rng, out: &m
 /// Evaluation transform: deterministic resize and center crop (or, resizing the longer side,
 /// centred padding with black).
 pub fn eval_transform(img: &RgbImage, cfg: &ImageConfig, out: &mut [f32]) {
+    if let Some(n) = cfg.naflex {
+        write_naflex(img, n, cfg, false, out);
+        return;
+    }
     let s = cfg.image_size as u32;
     let (rw, rh) = resized_dims(img.width(), img.height(), cfg);
     if cfg.resize_mode == ResizeMode::Longer {
@@ -541,21 +661,21 @@ mod tests {
 
     #[test]
     fn decoding_rejects_garbage_and_bombs_and_scales_jpegs() {
-        assert_eq!(decode(b"not an image", 10, 1 << 30).unwrap_err().reason, "corrupt_image");
+        assert_eq!(decode(b"not an image", 10, 1 << 30, Alpha::Drop).unwrap_err().reason, "corrupt_image");
         let img = gradient_image(200, 120);
         let mut jpg = Vec::new();
         image::codecs::jpeg::JpegEncoder::new_with_quality(&mut jpg, 90).encode_image(&img).unwrap();
-        assert_eq!(decode(&jpg, 10, 100).unwrap_err().reason, "image_too_large");
+        assert_eq!(decode(&jpg, 10, 100, Alpha::Drop).unwrap_err().reason, "image_too_large");
         // 30 px allows 1/4 scale (50x30); 40 px only 1/2, which is not worth a scaled decode.
-        assert_eq!(decode(&jpg, 30, 1 << 30).unwrap().dimensions(), (50, 30));
-        assert_eq!(decode(&jpg, 15, 1 << 30).unwrap().dimensions(), (25, 15));
-        assert_eq!(decode(&jpg, 40, 1 << 30).unwrap().dimensions(), (200, 120));
-        let full = decode(&jpg, 500, 1 << 30).unwrap();
+        assert_eq!(decode(&jpg, 30, 1 << 30, Alpha::Drop).unwrap().dimensions(), (50, 30));
+        assert_eq!(decode(&jpg, 15, 1 << 30, Alpha::Drop).unwrap().dimensions(), (25, 15));
+        assert_eq!(decode(&jpg, 40, 1 << 30, Alpha::Drop).unwrap().dimensions(), (200, 120));
+        let full = decode(&jpg, 500, 1 << 30, Alpha::Drop).unwrap();
         assert_eq!(full.dimensions(), (200, 120));
         let truncated = &jpg[..jpg.len() / 3];
-        assert!(decode(truncated, 500, 1 << 30).is_err());
+        assert!(decode(truncated, 500, 1 << 30, Alpha::Drop).is_err());
         let mut png = Vec::new();
         img.write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png).unwrap();
-        assert_eq!(decode(&png, 10, 1 << 30).unwrap().dimensions(), (200, 120));
+        assert_eq!(decode(&png, 10, 1 << 30, Alpha::Drop).unwrap().dimensions(), (200, 120));
     }
 }

@@ -4,6 +4,7 @@
 //! compares false with everything, so ranks and accuracies computed from it would come out as
 //! perfect scores instead of failing.
 
+use crate::data::batch::ImageLayout;
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 
@@ -27,9 +28,10 @@ pub fn auto_batch(spec: &crate::model::dual_encoder::ModelSpec) -> usize {
     }
 }
 
-/// Embeds `n` preprocessed images (`n × 3 × S × S` floats); `names` names them in an error.
-pub fn embed_images(model: &DualEncoder, pixels: &[f32], image_size: usize, device: &Device, names: &[&str]) -> Result<Tensor> {
-    embed_pixels(model, pixels.to_vec(), image_size, device, names).and_then(|v| {
+/// Embeds `n` preprocessed images (`n × numel` floats, laid out as `image`); `names` names them
+/// in an error.
+pub fn embed_images(model: &DualEncoder, pixels: &[f32], image: ImageLayout, device: &Device, names: &[&str]) -> Result<Tensor> {
+    embed_pixels(model, pixels.to_vec(), image, device, names).and_then(|v| {
         let n = v.len() / model.spec.embed_dim.max(1);
         Ok(Tensor::from_vec(v, (n, model.spec.embed_dim), &Device::Cpu)?)
     })
@@ -37,10 +39,9 @@ pub fn embed_images(model: &DualEncoder, pixels: &[f32], image_size: usize, devi
 
 /// The embeddings (row-major) of a batch buffer of preprocessed images, which becomes the input
 /// tensor without a copy.
-fn embed_pixels(model: &DualEncoder, pixels: Vec<f32>, image_size: usize, device: &Device, names: &[&str]) -> Result<Vec<f32>> {
-    let per = 3 * image_size * image_size;
-    let n = pixels.len() / per;
-    let x = Tensor::from_vec(pixels, (n, 3, image_size, image_size), &Device::Cpu)?.to_device(device)?;
+fn embed_pixels(model: &DualEncoder, pixels: Vec<f32>, image: ImageLayout, device: &Device, names: &[&str]) -> Result<Vec<f32>> {
+    let n = pixels.len() / image.numel;
+    let x = image.tensor(pixels, n, &Device::Cpu)?.to_device(device)?;
     let values = model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
     check_finite(&values, model.spec.embed_dim, |row| format!("image {}", names.get(row).copied().unwrap_or("?")))?;
     Ok(values)
@@ -169,7 +170,7 @@ impl<'a> Embedder<'a> {
         };
         for b in reader.by_ref() {
             let names: Vec<&str> = b.items.iter().map(|it| it.key.as_str()).collect();
-            out.embeddings.data.extend(embed_pixels(model, b.pixels, self.image.image_size, device, &names)?);
+            out.embeddings.data.extend(embed_pixels(model, b.pixels, ImageLayout::of(self.image), device, &names)?);
             if let Some(texts) = out.caption_embeddings.as_mut() {
                 let captions: Vec<String> = b.items.iter().flat_map(|it| it.captions.iter().cloned()).collect();
                 texts.data.extend(embed_texts(model, self.tokenizer, &captions, batch, device, |_| {})?.data);

@@ -13,6 +13,7 @@ use super::clip::{ClipText, ClipTextConfig, ClipVision, ClipVisionConfig};
 use super::efficientnet::{EfficientNet, EfficientNetConfig};
 use super::init::LINEAR_DEFAULT;
 use super::layers::{l2_normalize, linear, Linear};
+use super::naflex::{NaflexVision, NaflexVisionConfig};
 use super::presets::{BertConfig, TemperatureKind, TextPooling, VitConfig};
 use super::recompute::{Checkpointing, GradSink};
 use super::siglip::{SiglipText, SiglipTextConfig, SiglipVision, SiglipVisionConfig};
@@ -54,6 +55,8 @@ pub enum ImageSpec {
     Clip(ClipVisionConfig),
     /// SigLIP's vision transformer with its attention-pooling head.
     Siglip(SiglipVisionConfig),
+    /// SigLIP 2's NaFlex vision transformer: images as variable patch grids.
+    Naflex(NaflexVisionConfig),
 }
 
 impl ImageSpec {
@@ -64,15 +67,19 @@ impl ImageSpec {
             ImageSpec::EfficientNet(c) => c.width(),
             ImageSpec::Clip(c) => c.encoder.width,
             ImageSpec::Siglip(c) => c.encoder.width,
+            ImageSpec::Naflex(c) => c.encoder.width,
         }
     }
 
+    /// The side of the square the tower sees; a NaFlex tower's nominal one, its position grid
+    /// in pixels.
     pub fn image_size(&self) -> usize {
         match self {
             ImageSpec::Vit(c) => c.image_size,
             ImageSpec::EfficientNet(c) => c.image_size,
             ImageSpec::Clip(c) => c.image_size,
             ImageSpec::Siglip(c) => c.image_size,
+            ImageSpec::Naflex(c) => c.position_grid * c.patch_size,
         }
     }
 }
@@ -168,6 +175,7 @@ pub enum ImageTower {
     EfficientNet(EfficientNet),
     Clip(ClipVision),
     Siglip(SiglipVision),
+    Naflex(NaflexVision),
 }
 
 impl ImageTower {
@@ -177,6 +185,7 @@ impl ImageTower {
             ImageTower::EfficientNet(e) => e.pooled(images, ctx),
             ImageTower::Clip(c) => c.pooled(images),
             ImageTower::Siglip(s) => s.pooled(images),
+            ImageTower::Naflex(n) => n.pooled(images),
         }
     }
 }
@@ -201,7 +210,7 @@ impl TextTower {
         match self {
             TextTower::Bert(b) => b.pooled(ids, mask, pooling),
             TextTower::Clip(c) => c.pooled(ids, mask),
-            TextTower::Siglip(s) => s.pooled(ids),
+            TextTower::Siglip(s) => s.pooled(ids, mask),
         }
     }
 }
@@ -253,6 +262,7 @@ impl DualEncoder {
             ImageSpec::EfficientNet(c) => ImageTower::EfficientNet(EfficientNet::new(c, vb.pp("vision_model"))?),
             ImageSpec::Clip(c) => ImageTower::Clip(ClipVision::new(c, vb.pp("vision_model"))?),
             ImageSpec::Siglip(c) => ImageTower::Siglip(SiglipVision::new(c, vb.pp("vision_model"))?),
+            ImageSpec::Naflex(c) => ImageTower::Naflex(NaflexVision::new(c, vb.pp("vision_model"))?),
         };
         let text = TextTower::new(&spec.text, spec.text_pooling, vb.pp("text_model"))?;
         let width = spec.image.width();
@@ -304,6 +314,7 @@ impl DualEncoder {
             ImageTower::EfficientNet(e) => e.checkpointing = c.clone(),
             ImageTower::Clip(v) => v.encoder.checkpointing = c.clone(),
             ImageTower::Siglip(v) => v.encoder.checkpointing = c.clone(),
+            ImageTower::Naflex(v) => v.encoder.checkpointing = c.clone(),
         }
         match &mut self.text {
             TextTower::Bert(t) => t.checkpointing = c,
@@ -400,6 +411,13 @@ impl DualEncoder {
                 // The head: the probe's attention over the patches and its MLP.
                 let head = 4.0 * patches * d * d + 4.0 * patches * d + 4.0 * d * c.encoder.mlp_dim as f64;
                 2.0 * patches * 3.0 * p * p * d + c.encoder.flops(patches) + head
+            }
+            ImageTower::Naflex(v) => {
+                // The full patch budget: the padding is computed too.
+                let c = &v.config;
+                let (patches, d) = (c.max_patches as f64, c.encoder.width as f64);
+                let head = 4.0 * patches * d * d + 4.0 * patches * d + 4.0 * d * c.encoder.mlp_dim as f64;
+                2.0 * patches * c.patch_dim() as f64 * d + c.encoder.flops(patches) + head
             }
         };
         let l = text_len as f64;

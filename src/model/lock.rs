@@ -25,6 +25,7 @@ fn image_layers(spec: &ModelSpec) -> usize {
         ImageSpec::EfficientNet(c) => c.num_blocks(),
         ImageSpec::Clip(c) => c.encoder.layers,
         ImageSpec::Siglip(c) => c.encoder.layers,
+        ImageSpec::Naflex(c) => c.encoder.layers,
     }
 }
 

@@ -9,6 +9,7 @@ pub mod efficientnet;
 pub mod init;
 pub mod layers;
 pub mod lock;
+pub mod naflex;
 pub mod pos_embed;
 pub mod prenorm;
 pub mod presets;

@@ -23,17 +23,41 @@ fn cubic(x: f64) -> f64 {
     }
 }
 
+/// The triangle kernel of bilinear interpolation.
+fn triangle(x: f64) -> f64 {
+    (1.0 - x.abs()).max(0.0)
+}
+
 /// For each output index, the first input index and the normalised weights of the inputs from it.
 fn weights(input: usize, output: usize) -> Vec<(usize, Vec<f64>)> {
+    kernel_weights(input, output, 2.0, cubic)
+}
+
+/// torch's antialiased bilinear interpolation (`F.interpolate(mode="bilinear",
+/// align_corners=False, antialias=True)`) from `input` to `output` positions, as a dense
+/// `[output, input]` matrix.
+pub fn bilinear_matrix(input: usize, output: usize) -> Vec<f32> {
+    let mut m = vec![0f32; output * input];
+    for (i, (lo, ws)) in kernel_weights(input, output, 1.0, triangle).into_iter().enumerate() {
+        for (k, w) in ws.into_iter().enumerate() {
+            m[i * input + lo + k] = w as f32;
+        }
+    }
+    m
+}
+
+/// PIL's and torch's antialiased resampling: a kernel of half-width `radius`, stretched by the
+/// downscaling factor, its weights normalised per output.
+fn kernel_weights(input: usize, output: usize, radius: f64, kernel: fn(f64) -> f64) -> Vec<(usize, Vec<f64>)> {
     let scale = input as f64 / output as f64;
     let stretch = scale.max(1.0);
-    let support = 2.0 * stretch;
+    let support = radius * stretch;
     (0..output)
         .map(|i| {
             let center = scale * (i as f64 + 0.5);
             let lo = ((center - support + 0.5).floor().max(0.0)) as usize;
             let hi = ((center + support + 0.5).floor() as usize).min(input);
-            let w: Vec<f64> = (lo..hi).map(|j| cubic((j as f64 - center + 0.5) / stretch)).collect();
+            let w: Vec<f64> = (lo..hi).map(|j| kernel((j as f64 - center + 0.5) / stretch)).collect();
             let total: f64 = w.iter().sum();
             (lo, w.into_iter().map(|x| if total != 0.0 { x / total } else { x }).collect())
         })

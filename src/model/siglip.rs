@@ -17,6 +17,11 @@ pub struct SiglipTextConfig {
     pub encoder: EncoderConfig,
     /// The head's output width (`projection_size`), the text embedding's.
     pub projection: usize,
+    /// Padding is hidden from attention (transformers does so when the checkpoint's tokenizer
+    /// returns an attention mask); SigLIP itself was trained attending to it. Either way the
+    /// last position is pooled, padding or not.
+    #[serde(default)]
+    pub masked: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,20 +64,23 @@ impl SiglipText {
     }
 
     /// `[b, L, width]` after `final_layer_norm`. SigLIP was trained on text padded to its full
-    /// length without a mask, so the padding takes part in attention here too.
-    pub fn hidden_states(&self, ids: &Tensor) -> Result<Tensor> {
-        let l = ids.dim(1)?;
+    /// length without a mask, so the padding takes part in attention, unless the tower is
+    /// `masked`.
+    pub fn hidden_states(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, l) = ids.dims2()?;
         if l > self.config.max_position {
             candle_core::bail!("SigLIP's text tower takes at most {} tokens, got {l}", self.config.max_position);
         }
         let positions = Tensor::arange(0u32, l as u32, ids.device())?;
         let x = self.token.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?;
-        self.final_norm.forward(&self.encoder.forward(&x, None)?)
+        let bias =
+            if self.config.masked { Some(((mask.to_dtype(candle_core::DType::F32)? - 1.0)? * 1e9)?.reshape((b, 1, 1, l))?) } else { None };
+        self.final_norm.forward(&self.encoder.forward(&x, bias.as_ref())?)
     }
 
     /// The head applied to the last position's state (`[b, projection]`).
-    pub fn pooled(&self, ids: &Tensor) -> Result<Tensor> {
-        let h = self.hidden_states(ids)?;
+    pub fn pooled(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let h = self.hidden_states(ids, mask)?;
         let l = h.dim(1)?;
         self.head.forward(&h.narrow(1, l - 1, 1)?.squeeze(1)?)
     }
@@ -80,7 +88,7 @@ impl SiglipText {
 
 /// Multihead attention pooling: a learned probe attends over the tokens, then a residual MLP.
 /// PyTorch's `nn.MultiheadAttention` keeps q, k and v in one `in_proj_weight` `[3w, w]`.
-struct PoolingHead {
+pub(crate) struct PoolingHead {
     probe: Tensor,
     in_proj_weight: Tensor,
     in_proj_bias: Tensor,
@@ -91,7 +99,7 @@ struct PoolingHead {
 }
 
 impl PoolingHead {
-    fn new(c: &EncoderConfig, vb: VarBuilder) -> Result<Self> {
+    pub(crate) fn new(c: &EncoderConfig, vb: VarBuilder) -> Result<Self> {
         let w = c.width;
         let att = vb.pp("attention");
         Ok(PoolingHead {
@@ -106,14 +114,20 @@ impl PoolingHead {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let none = Tensor::zeros((1, 1, 1, 1), x.dtype(), x.device())?;
+        self.forward_masked(x, &none)
+    }
+
+    /// The probe attending over `x` with `bias` (`[b or 1, 1, 1, tokens]`) added to its scores:
+    /// large and negative where a token is padding.
+    pub(crate) fn forward_masked(&self, x: &Tensor, bias: &Tensor) -> Result<Tensor> {
         let (b, _, w) = x.dims3()?;
         let project = |t: &Tensor, i: usize| -> Result<Tensor> {
             let (wt, bias) = (self.in_proj_weight.narrow(0, i * w, w)?, self.in_proj_bias.narrow(0, i * w, w)?);
             t.broadcast_matmul(&wt.t()?)?.broadcast_add(&bias)
         };
         let probe = self.probe.broadcast_as((b, 1, w))?;
-        let none = Tensor::zeros((1, 1, 1, 1), x.dtype(), x.device())?;
-        let a = masked_attention(&project(&probe, 0)?, &project(x, 1)?, &project(x, 2)?, self.heads, &none)?;
+        let a = masked_attention(&project(&probe, 0)?, &project(x, 1)?, &project(x, 2)?, self.heads, bias)?;
         let a = self.out_proj.forward(&a)?;
         let y = (&a + self.mlp.forward(&self.norm.forward(&a)?)?)?;
         y.squeeze(1)

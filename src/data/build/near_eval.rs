@@ -36,7 +36,7 @@ pub(super) fn index_eval_sets(specs: &[String], max_pixels: u64, quiet: bool) ->
                 .par_iter()
                 .flat_map_iter(|p| {
                     bar.inc(1);
-                    let img = std::fs::read(p).ok().and_then(|b| transform::decode(&b, 64, max_pixels).ok());
+                    let img = std::fs::read(p).ok().and_then(|b| transform::decode(&b, 64, max_pixels, transform::Alpha::Drop).ok());
                     if img.is_none() {
                         log::warn(format!("--exclude-near {}: cannot decode {}; not indexed", spec, p.display()));
                     }
@@ -52,7 +52,10 @@ pub(super) fn index_eval_sets(specs: &[String], max_pixels: u64, quiet: bool) ->
                     for ev in read_shard_events(src) {
                         if let ShardEvent::Sample(s) = ev {
                             bar.inc(1);
-                            match crate::data::sample::image_bytes(&s).ok().and_then(|b| transform::decode(b, 64, max_pixels).ok()) {
+                            match crate::data::sample::image_bytes(&s)
+                                .ok()
+                                .and_then(|b| transform::decode(b, 64, max_pixels, transform::Alpha::Drop).ok())
+                            {
                                 Some(img) => out.extend(phash::phash_with_mirror(&img)),
                                 None => log::warn(format!("--exclude-near {src}: sample {}: no decodable image; not indexed", s.key)),
                             }

@@ -180,7 +180,8 @@ fn pixels(image: Vec<u8>, header: &Header, f: &Filters, near: &NearIndex) -> Res
     }
     // Full resolution only when writing pixels; the checks are fine at reduced DCT scale.
     let min_side = if resize || o.reencode_jpeg { u32::MAX } else { 64 };
-    let pixels = transform::decode(&image, min_side, f.image.max_pixels).map_err(|e| (Filter::Undecodable, e.detail))?;
+    let pixels =
+        transform::decode(&image, min_side, f.image.max_pixels, transform::Alpha::Drop).map_err(|e| (Filter::Undecodable, e.detail))?;
     let near_eval = if near.is_empty() { None } else { near.nearest_within(phash::phash(&pixels), f.dedup.near_max_distance) };
     if !(resize || o.reencode_jpeg) {
         return Ok((image, ext, near_eval));

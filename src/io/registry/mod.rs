@@ -52,6 +52,7 @@ fn image_kind(i: &ImageSpec) -> &'static str {
         ImageSpec::EfficientNet(_) => "EfficientNet",
         ImageSpec::Clip(_) => "CLIP",
         ImageSpec::Siglip(_) => "SigLIP",
+        ImageSpec::Naflex(_) => "SigLIP 2 NaFlex",
     }
 }
 
@@ -78,6 +79,6 @@ mod tests {
         }
         assert_eq!(writer("clipmodel", &vit_bert).unwrap().name(), "CLIPModel");
         let e = writer("align", &vit_bert).err().expect("align's own format is not exported").to_string();
-        assert!(e.contains("hf, AlignModel, CLIPModel, SiglipModel, VisionTextDualEncoderModel, open_clip"), "{e}");
+        assert!(e.contains("hf, AlignModel, CLIPModel, SiglipModel, Siglip2Model, VisionTextDualEncoderModel, open_clip"), "{e}");
     }
 }

@@ -46,14 +46,16 @@ pub fn train_image(eval: &ImageConfig, spec: &ModelSpec) -> ImageConfig {
     image
 }
 
-pub(super) fn from_start(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str) -> Adopted {
+/// `format` names the start's family (a format's name); `origin` is what the log says it came
+/// from.
+pub(super) fn from_start(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, format: &str, origin: &str) -> Adopted {
     let mut done = Adopted::default();
     adopt_image(cfg, spec, usage, &mut done);
     adopt_text_and_loss(cfg, spec, usage, &mut done);
     family_recipe(cfg, format, &mut done);
     adopt_architecture(cfg, spec, &mut done);
     for line in done.taken.iter_mut() {
-        *line = format!("{line} from model.init ({format})");
+        *line = format!("{line} from {origin}");
     }
     done
 }
@@ -100,6 +102,8 @@ fn adopt_image(cfg: &mut Config, spec: &ModelSpec, usage: &Usage, done: &mut Ado
     field!(rrc_scale);
     field!(rrc_ratio);
     field!(hflip);
+    field!(alpha);
+    field!(naflex);
     cfg.data.image = image;
 }
 
@@ -169,7 +173,7 @@ fn adopt_architecture(cfg: &mut Config, spec: &ModelSpec, done: &mut Adopted) {
 
 /// Every field adopting a start may set: what a resumed run takes back from its own
 /// `config.toml` (the start that set them may be gone by then).
-const ADOPTED: [&str; 27] = [
+const ADOPTED: [&str; 29] = [
     "data.image.image_size",
     "data.image.resize",
     "data.image.resize_mode",
@@ -181,6 +185,8 @@ const ADOPTED: [&str; 27] = [
     "data.image.rrc_scale",
     "data.image.rrc_ratio",
     "data.image.hflip",
+    "data.image.alpha",
+    "data.image.naflex",
     "text.max_len",
     "loss.kind",
     "loss.label_smoothing",
@@ -245,7 +251,7 @@ impl Family {
     fn of(format: &str) -> Family {
         match format {
             "CLIPModel" | "open_clip" | "VisionTextDualEncoderModel" => Family::Clip,
-            "SiglipModel" => Family::Siglip,
+            "SiglipModel" | "Siglip2Model" => Family::Siglip,
             _ => Family::Align,
         }
     }
@@ -308,6 +314,7 @@ pub fn tower_names(spec: &ModelSpec) -> (String, String) {
         ImageSpec::Vit(v) => format!("vit-{}x{}/{}", v.width, v.depth, v.patch_size),
         ImageSpec::Clip(v) => format!("clip-vit-{}x{}/{}", v.encoder.width, v.encoder.layers, v.patch_size),
         ImageSpec::Siglip(v) => format!("siglip-vit-{}x{}/{}", v.encoder.width, v.encoder.layers, v.patch_size),
+        ImageSpec::Naflex(v) => format!("siglip2-naflex-{}x{}/{}", v.encoder.width, v.encoder.layers, v.patch_size),
     };
     let text = match &spec.text {
         TextSpec::Bert(b) => format!("bert-{}x{}", b.hidden, b.layers),
@@ -341,7 +348,7 @@ mod tests {
     fn a_start_sets_the_defaults_and_an_explicit_setting_wins_with_a_warning() {
         let (spec, usage) = clip_like();
         let mut cfg = Config::from_str_with_overrides("[data.image]\nmean = [0.5, 0.5, 0.5]\n", "t", &[]).unwrap();
-        let done = from_start(&mut cfg, &spec, &usage, "CLIPModel");
+        let done = from_start(&mut cfg, &spec, &usage, "CLIPModel", &format!("model.init ({})", "CLIPModel"));
         let im = &cfg.data.image;
         assert_eq!((im.image_size, im.resize, im.resize_mode, im.interpolation), (8, 8, ResizeMode::Shorter, Interpolation::Bicubic));
         assert_eq!((im.train_crop, im.rrc_scale, im.hflip), (TrainCrop::RandomResizedCrop, [0.9, 1.0], false));
@@ -359,7 +366,7 @@ mod tests {
         usage.image.resize = 10;
         let mut cfg =
             Config::from_str_with_overrides("", "t", &["data.image.image_size=16".into(), "loss.kind=\"softmax\"".into()]).unwrap();
-        let done = from_start(&mut cfg, &spec, &usage, "SiglipModel");
+        let done = from_start(&mut cfg, &spec, &usage, "SiglipModel", &format!("model.init ({})", "SiglipModel"));
         assert_eq!((cfg.data.image.image_size, cfg.data.image.resize), (16, 20));
         assert_eq!(cfg.loss.kind, LossKind::Softmax);
         assert!(done.kept.iter().any(|k| k.contains("logit_bias stays unused")), "{done:?}");
@@ -374,7 +381,7 @@ mod tests {
         let (spec, mut usage) = clip_like();
         usage.loss = LossKind::Softmax;
         let mut cfg = Config::from_str_with_overrides("", "t", &["optimizer.weight_decay=0.05".into()]).unwrap();
-        let done = from_start(&mut cfg, &spec, &usage, "open_clip");
+        let done = from_start(&mut cfg, &spec, &usage, "open_clip", &format!("model.init ({})", "open_clip"));
         let (o, l) = (&cfg.optimizer, &cfg.loss);
         assert_eq!((o.kind, o.beta1, o.beta2, o.eps), (OptimizerKind::Adamw, 0.9, 0.98, 1e-6));
         assert_eq!((l.label_smoothing, l.directions, o.weight_decay), (0.0, Directions::Mean, 0.05));
@@ -382,11 +389,17 @@ mod tests {
         assert!(done.kept.iter().any(|k| k.starts_with("optimizer.weight_decay = 0.05 (the start's recipe has 0.2)")), "{done:?}");
 
         let mut cfg = Config::default();
-        from_start(&mut cfg, &spec, &Usage { loss: LossKind::Sigmoid, ..usage.clone() }, "SiglipModel");
+        from_start(
+            &mut cfg,
+            &spec,
+            &Usage { loss: LossKind::Sigmoid, ..usage.clone() },
+            "SiglipModel",
+            &format!("model.init ({})", "SiglipModel"),
+        );
         assert_eq!((cfg.optimizer.kind, cfg.optimizer.grad_clip, cfg.optimizer.eps), (OptimizerKind::Adamw, 1.0, 1e-8));
 
         let mut cfg = Config::default();
-        from_start(&mut cfg, &spec, &usage, "AlignModel");
+        from_start(&mut cfg, &spec, &usage, "AlignModel", &format!("model.init ({})", "AlignModel"));
         assert_eq!((cfg.optimizer, cfg.loss.label_smoothing, cfg.loss.directions), (Config::default().optimizer, 0.1, Directions::Sum));
     }
 
@@ -400,13 +413,13 @@ mod tests {
             &["model.embed_dim=64".into(), "model.image_tower=\"efficientnet-b0\"".into(), "model.text_tower=\"bert\"".into()],
         )
         .unwrap();
-        let done = from_start(&mut cfg, &spec, &usage, "CLIPModel");
+        let done = from_start(&mut cfg, &spec, &usage, "CLIPModel", &format!("model.init ({})", "CLIPModel"));
         assert_eq!(done.conflicts.len(), 2, "{done:?}");
         assert!(done.conflicts.iter().any(|c| c == "model.embed_dim = 64 (the start's is 8)"), "{done:?}");
         assert!(done.taken.iter().any(|t| t.starts_with("data.image.mean = [0.48, 0.46, 0.41]")), "{done:?}");
         // The names a run's own config.toml records are the start's: no conflict.
         let mut recorded = Config::from_str_with_overrides(&cfg.to_toml().unwrap(), "t", &[]).unwrap();
-        assert!(from_start(&mut recorded, &spec, &usage, "CLIPModel").conflicts.is_empty());
+        assert!(from_start(&mut recorded, &spec, &usage, "CLIPModel", &format!("model.init ({})", "CLIPModel")).conflicts.is_empty());
     }
 
     /// Every leaf field of a config as a line `path = value`.
@@ -443,7 +456,7 @@ mod tests {
         ] {
             let mut cfg = Config::default();
             let before = leaves(&cfg);
-            from_start(&mut cfg, spec, &Usage { loss, ..usage.clone() }, format);
+            from_start(&mut cfg, spec, &Usage { loss, ..usage.clone() }, format, &format!("model.init ({})", format));
             let after = leaves(&cfg);
             for (path, value) in &after {
                 if before.get(path) != Some(value) {
@@ -461,7 +474,7 @@ mod tests {
     fn a_resume_takes_the_start_settings_from_the_saved_config() {
         let (spec, usage) = clip_like();
         let mut first = Config::from_str_with_overrides("[model]\ninit = \"start\"\n", "t", &[]).unwrap();
-        from_start(&mut first, &spec, &usage, "CLIPModel");
+        from_start(&mut first, &spec, &usage, "CLIPModel", &format!("model.init ({})", "CLIPModel"));
         let saved = Config::from_str_with_overrides(&first.to_toml().unwrap(), "saved", &[]).unwrap();
 
         let mut again = Config::from_str_with_overrides("[model]\ninit = \"start\"\n[data.image]\nhflip = true\n", "t", &[]).unwrap();

@@ -25,10 +25,12 @@ use candle_nn::VarMap;
 pub use adopt::{tower_names, train_image, Adopted};
 
 use crate::config::{Config, LossKind};
+use crate::data::clip_bpe::Clean;
 use crate::data::tokenizer::TextTokenizer;
 use crate::io::format::align_run::AlignRun;
 use crate::io::format::hf::files::{load_prefixed, read_json, read_tokenizer, read_weights};
 use crate::io::format::hf::layout::{bert_from_hf, vit_from_hf};
+use crate::io::format::open_clip::presets::Family;
 use crate::io::format::{Format, Usage};
 use crate::io::registry::{locate, locate_tower, Located};
 use crate::io::run_dir::{CONFIG_FILE, TOKENIZER_FILE};
@@ -50,6 +52,8 @@ pub enum Start {
     /// Pretrained single towers (`model.init_text`, `model.init_image`; either or both), the
     /// rest random.
     Towers { text: Option<PathBuf>, image: Option<PathBuf> },
+    /// A named architecture (`model.architecture`), its weights random.
+    Architecture(Box<crate::io::format::open_clip::presets::Architecture>),
     /// The run's own checkpoint (`--resume`): its sizes, and the config it was trained with.
     Resume { checkpoint: PathBuf, spec: ModelSpec, saved: Box<Config> },
 }
@@ -64,6 +68,12 @@ impl Start {
             return Ok(Start::Resume { checkpoint: dir.to_path_buf(), spec, saved: Box::new(saved) });
         }
         let m = &cfg.model;
+        if !m.architecture.is_empty() {
+            if !(m.init.is_empty() && m.init_text.is_empty() && m.init_image.is_empty()) {
+                bail!("model.architecture {:?} is trained from scratch; model.init, model.init_text and model.init_image start from weights instead: set one or the other", m.architecture);
+            }
+            return Ok(Start::Architecture(Box::new(crate::io::format::open_clip::presets::architecture(&m.architecture)?)));
+        }
         if !m.init.is_empty() {
             let what = || format!("model.init {}", m.init);
             let located = locate(&m.init).with_context(what)?;
@@ -89,7 +99,8 @@ impl Start {
     pub fn adopt(&self, cfg: &mut Config) -> Result<Adopted> {
         match self {
             Start::Model(p) => {
-                let done = adopt::from_start(cfg, &p.spec, &p.usage, p.located.format.name());
+                let format = p.located.format.name();
+                let done = adopt::from_start(cfg, &p.spec, &p.usage, format, &format!("model.init ({format})"));
                 if !done.conflicts.is_empty() {
                     bail!(
                         "model.init {} brings its own architecture, which these settings would change: {}; remove them, or train from scratch without model.init",
@@ -99,7 +110,24 @@ impl Start {
                 }
                 Ok(done)
             }
-            Start::Resume { saved, .. } if !saved.model.init.is_empty() => adopt::from_saved(cfg, saved),
+            Start::Architecture(a) => {
+                let format = match a.family {
+                    Family::Clip => "open_clip",
+                    Family::Siglip => "SiglipModel",
+                };
+                let done = adopt::from_start(cfg, &a.spec, &a.usage, format, &format!("model.architecture {}", a.name));
+                if !done.conflicts.is_empty() {
+                    bail!(
+                        "model.architecture {} names its towers, which these settings would change: {}; remove them, or name the towers without model.architecture",
+                        a.name,
+                        done.conflicts.join("; ")
+                    );
+                }
+                Ok(done)
+            }
+            Start::Resume { saved, .. } if !saved.model.init.is_empty() || !saved.model.architecture.is_empty() => {
+                adopt::from_saved(cfg, saved)
+            }
             _ => Ok(Adopted::default()),
         }
     }
@@ -132,6 +160,16 @@ impl Start {
         }
         match self {
             Start::Model(p) => p.located.format.tokenizer(&p.located.dir, &p.spec, Some(max_len)).map(Some),
+            Start::Architecture(a) => {
+                let clean = match a.family {
+                    Family::Clip => Clean::Lower,
+                    Family::Siglip => Clean::Canonicalize,
+                };
+                // open_clip's SimpleTokenizer pads with id 0.
+                let inner = crate::data::clip_bpe::open_clip_simple(clean)?;
+                let pad = inner.id_to_token(0).ok_or_else(|| anyhow!("CLIP's vocabulary has no id 0"))?;
+                TextTokenizer::with_pad_token(inner, max_len, &pad).map(Some)
+            }
             Start::Towers { text: Some(dir), .. } => read_tokenizer(dir, max_len).map(Some),
             _ => Ok(None),
         }
@@ -143,6 +181,7 @@ impl Start {
             Start::Scratch => cfg.model_spec(vocab)?,
             Start::Resume { spec, .. } => spec.clone(),
             Start::Model(p) => pretrained_spec(cfg, &p.spec, vocab)?,
+            Start::Architecture(a) => architecture_spec(cfg, &a.spec, vocab)?,
             Start::Towers { text, image } => towers_spec(cfg, text.as_deref(), image.as_deref(), vocab)?,
         };
         run_settings(&mut spec, cfg)?;
@@ -155,7 +194,7 @@ impl Start {
     pub fn load_weights(&self, cfg: &Config, run_spec: &ModelSpec, vm: &VarMap, device: &Device) -> Result<Vec<String>> {
         let mut done = Vec::new();
         match self {
-            Start::Scratch | Start::Resume { .. } => {}
+            Start::Scratch | Start::Architecture(_) | Start::Resume { .. } => {}
             Start::Model(p) => {
                 let (dir, format) = (&p.located.dir, p.located.format);
                 let sizes = dir.join(format.config_file()).display().to_string();
@@ -219,6 +258,24 @@ fn pretrained_spec(cfg: &Config, start: &ModelSpec, vocab: usize) -> Result<Mode
     Ok(spec)
 }
 
+/// A named architecture with the run's vocabulary, loss and text length.
+fn architecture_spec(cfg: &Config, named: &ModelSpec, vocab: usize) -> Result<ModelSpec> {
+    let mut spec = named.clone();
+    match &mut spec.text {
+        TextSpec::Clip(t) => t.vocab_size = vocab,
+        TextSpec::Siglip(t) => t.vocab_size = vocab,
+        TextSpec::Bert(b) => b.vocab_size = vocab,
+    }
+    let sigmoid = cfg.loss.kind == LossKind::Sigmoid;
+    spec.logit_bias = sigmoid.then_some(cfg.loss.init_logit_bias);
+    spec.temperature_init = if sigmoid { (-cfg.loss.init_logit_scale).exp() } else { named.temperature_init };
+    let positions = spec.text.max_position();
+    if cfg.text.max_len > positions {
+        bail!("text.max_len {} exceeds the {positions} positions of model.architecture {}", cfg.text.max_len, cfg.model.architecture);
+    }
+    Ok(spec)
+}
+
 /// The config's towers with the pretrained ones' sizes in their place.
 fn towers_spec(cfg: &Config, text: Option<&Path>, image: Option<&Path>, vocab: usize) -> Result<ModelSpec> {
     let mut spec = cfg.model_spec(vocab)?;
@@ -267,11 +324,14 @@ pub fn run_settings(spec: &mut ModelSpec, cfg: &Config) -> Result<()> {
         ImageSpec::Vit(v) => v.image_size = size,
         ImageSpec::Clip(v) => v.image_size = size,
         ImageSpec::Siglip(v) => v.image_size = size,
+        // A NaFlex tower takes any size; its patch budget comes with its preprocessing.
+        ImageSpec::Naflex(_) => {}
     }
     let patch = match &spec.image {
         ImageSpec::Vit(v) => Some(v.patch_size),
         ImageSpec::Clip(v) => Some(v.patch_size),
         ImageSpec::Siglip(v) => Some(v.patch_size),
+        ImageSpec::Naflex(_) => None,
         ImageSpec::EfficientNet(_) => None,
     };
     if let Some(p) = patch.filter(|p| !size.is_multiple_of(*p)) {

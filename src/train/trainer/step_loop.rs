@@ -170,8 +170,7 @@ fn log_step(run: &Run, log: &mut RunLog, at: &Position, done: &StepDone, lr: f64
 }
 
 fn batch_tensors(b: Batch, device: &candle_core::Device) -> Result<MicroBatch> {
-    let s = b.image_size;
-    let images = Tensor::from_vec(b.images, (b.size, 3, s, s), device)?;
+    let images = b.image.tensor(b.images, b.size, device)?;
     let ids = Tensor::from_vec(b.ids, (b.size, b.max_len), device)?;
     let mask = Tensor::from_vec(b.mask, (b.size, b.max_len), device)?;
     Ok(MicroBatch { images, ids, mask })

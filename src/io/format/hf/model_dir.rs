@@ -27,6 +27,12 @@ pub trait HfLayout: Sync {
     /// The model's sizes from its `config.json`.
     fn spec_from(&self, config: &Value) -> Result<ModelSpec, String>;
 
+    /// The model's sizes from its `config.json` and, where they change how it runs, the other
+    /// files of its directory.
+    fn spec_in(&self, _dir: &Path, config: &Value) -> Result<ModelSpec, String> {
+        self.spec_from(config)
+    }
+
     /// The `config.json` of a model of these sizes, or why the class cannot hold it.
     fn config_of(&self, spec: &ModelSpec) -> Result<Value, String>;
 
@@ -64,7 +70,7 @@ impl<L: HfLayout> Format for Hf<L> {
 
     fn spec(&self, dir: &Path) -> Result<ModelSpec> {
         let path = dir.join("config.json");
-        self.0.spec_from(&read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
+        self.0.spec_in(dir, &read_json(&path)?).map_err(|e| anyhow!("{}: {e}", path.display()))
     }
 
     fn weights(&self, dir: &Path, _spec: &ModelSpec, device: &Device) -> Result<HashMap<String, Tensor>> {

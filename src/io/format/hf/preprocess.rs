@@ -159,6 +159,9 @@ pub fn image_config(json: &Value, model_type: Option<&str>) -> Result<ImageConfi
     let k = 255.0 * p.rescale_factor;
     let m: [f32; 3] = std::array::from_fn(|c| ((offset + mean[c]) / k) as f32);
     let s: [f32; 3] = std::array::from_fn(|c| (std[c] * top[c] / k) as f32);
+    // Transparency is dropped, as transformers' pipelines read images (`load_image` converts with
+    // PIL); `alpha = "white"` gives what its processors do with a transparent image handed over
+    // as it is.
     let cfg = ImageConfig { image_size, resize, resize_mode, interpolation, mean: m, std: s, ..ImageConfig::default() };
     cfg.validate().map_err(anyhow::Error::msg)?;
     Ok(cfg)

@@ -31,6 +31,14 @@ impl HfLayout for HfSiglip {
         siglip_spec_from_hf(config).map_err(|e| e.to_string())
     }
 
+    fn spec_in(&self, dir: &Path, config: &Value) -> std::result::Result<ModelSpec, String> {
+        let mut spec = siglip_spec_from_hf(config).map_err(|e| e.to_string())?;
+        if let TextSpec::Siglip(t) = &mut spec.text {
+            t.masked = tokenizer_returns_mask(dir);
+        }
+        Ok(spec)
+    }
+
     fn config_of(&self, spec: &ModelSpec) -> std::result::Result<Value, String> {
         siglip_spec_to_hf(spec)
     }
@@ -49,6 +57,18 @@ impl HfLayout for HfSiglip {
 
     fn write(&self, m: &ModelFiles, out: &Path) -> Result<()> {
         export_hf_siglip(m, out)
+    }
+}
+
+/// Whether transformers' tokenizer of the directory returns an attention mask, which
+/// `SiglipModel` then applies: its `model_input_names` as `tokenizer_config.json` gives them, else
+/// the class's (transformers 5 lists `attention_mask` for every tokenizer class, SigLIP's
+/// included). Without a tokenizer config, none: the SentencePiece model as SigLIP was trained.
+pub fn tokenizer_returns_mask(dir: &Path) -> bool {
+    let Ok(c) = super::files::read_json(&dir.join("tokenizer_config.json")) else { return false };
+    match c.get("model_input_names").and_then(Value::as_array) {
+        Some(names) => names.iter().any(|n| n == "attention_mask"),
+        None => true,
     }
 }
 
@@ -116,13 +136,22 @@ fn export_hf_siglip(m: &ModelFiles, out: &Path) -> Result<()> {
         }
     }
     let end = crate::data::tokenizer::SENTENCE_END;
+    let masked = matches!(&m.spec.text, TextSpec::Siglip(t) if t.masked);
+    let mut tokenizer_extra = if masked {
+        serde_json::json!({"model_input_names": ["input_ids", "attention_mask"]})
+    } else {
+        // SigLIP was trained attending to its padding: the tokenizer must return no mask.
+        serde_json::json!({"model_input_names": ["input_ids"]})
+    };
+    if m.tokenizer.pads_left() {
+        tokenizer_extra["padding_side"] = "left".into();
+    }
     HfDir {
         config,
         tensors,
         tokenizer_class: "PreTrainedTokenizerFast",
         specials: &[("eos_token", end), ("pad_token", end), ("unk_token", "<unk>")],
-        // SigLIP was trained attending to its padding: the tokenizer must return no mask.
-        tokenizer_extra: serde_json::json!({"model_input_names": ["input_ids"]}),
+        tokenizer_extra,
         image_processor: "SiglipImageProcessor",
         processor: "SiglipProcessor",
     }

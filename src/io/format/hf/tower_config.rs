@@ -12,6 +12,7 @@ use serde_json::Value;
 use crate::io::format::config_error::ConfigError;
 use crate::io::limits::{check_eps, check_key};
 use crate::model::clip::{ClipTextConfig, ClipVisionConfig};
+use crate::model::naflex::NaflexVisionConfig;
 use crate::model::prenorm::{Act, EncoderConfig};
 use crate::model::siglip::{SiglipTextConfig, SiglipVisionConfig};
 
@@ -151,6 +152,21 @@ pub struct SiglipVisionFields {
 impl Default for SiglipVisionFields {
     fn default() -> Self {
         SiglipVisionFields { image_size: 224, patch_size: 16, num_channels: 3, vision_use_head: true }
+    }
+}
+
+/// `Siglip2VisionConfig` besides its encoder's fields.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Siglip2VisionFields {
+    pub num_patches: usize,
+    pub patch_size: usize,
+    pub num_channels: usize,
+    pub vision_use_head: bool,
+}
+
+impl Default for Siglip2VisionFields {
+    fn default() -> Self {
+        Siglip2VisionFields { num_patches: 256, patch_size: 16, num_channels: 3, vision_use_head: true }
     }
 }
 
@@ -351,14 +367,7 @@ pub fn clip_towers(c: &Value) -> Result<(ClipTextConfig, ClipVisionConfig), Conf
 
 /// SigLIP's towers (`SiglipTextConfig`, `SiglipVisionConfig`) of a `SiglipConfig`.
 pub fn siglip_towers(c: &Value) -> Result<(SiglipTextConfig, SiglipVisionConfig), ConfigError> {
-    let siglip_encoder = || EncoderFields::class(768, 3072, 12, 12, 1e-6, "gelu_pytorch_tanh");
-    let (t, encoder) = tower::<SiglipTextFields>(c, "text_config", siglip_encoder())?;
-    let text = SiglipTextConfig {
-        vocab_size: size(t.vocab_size, "text_config", "vocab_size")?,
-        max_position: size(t.max_position_embeddings, "text_config", "max_position_embeddings")?,
-        projection: size(t.projection_size.unwrap_or(encoder.width), "text_config", "projection_size")?,
-        encoder,
-    };
+    let text = siglip_text(c)?;
     let (v, encoder) = tower::<SiglipVisionFields>(c, "vision_config", siglip_encoder())?;
     if !v.vision_use_head {
         return Err(ConfigError::Invalid(
@@ -373,6 +382,48 @@ pub fn siglip_towers(c: &Value) -> Result<(SiglipTextConfig, SiglipVisionConfig)
     };
     patches(vision.image_size, vision.patch_size)?;
     Ok((text, vision))
+}
+
+fn siglip_encoder() -> EncoderFields {
+    EncoderFields::class(768, 3072, 12, 12, 1e-6, "gelu_pytorch_tanh")
+}
+
+/// SigLIP 2's NaFlex towers (`Siglip2TextConfig`, `Siglip2VisionConfig`) of a `Siglip2Config`,
+/// the vision tower taking up to `max_patches` patches (its processor's budget).
+pub fn siglip2_towers(c: &Value, max_patches: usize) -> Result<(SiglipTextConfig, NaflexVisionConfig), ConfigError> {
+    let text = siglip_text(c)?;
+    let (v, encoder) = tower::<Siglip2VisionFields>(c, "vision_config", siglip_encoder())?;
+    if !v.vision_use_head {
+        return Err(ConfigError::Invalid(
+            "vision_config.vision_use_head is false: SigLIP 2's image embedding is its pooling head's output".into(),
+        ));
+    }
+    three_channels(v.num_channels, "vision_config")?;
+    let positions = size(v.num_patches, "vision_config", "num_patches")?;
+    let grid = (positions as f64).sqrt().round() as usize;
+    if grid * grid != positions {
+        return Err(ConfigError::Invalid(format!("vision_config.num_patches {positions} is not a square grid")));
+    }
+    let vision = NaflexVisionConfig {
+        patch_size: size(v.patch_size, "vision_config", "patch_size")?,
+        position_grid: grid,
+        max_patches: size(max_patches, "preprocessor_config", "max_num_patches")?,
+        encoder,
+    };
+    Ok((text, vision))
+}
+
+/// SigLIP's (and SigLIP 2's) text tower.
+fn siglip_text(c: &Value) -> Result<SiglipTextConfig, ConfigError> {
+    let (t, encoder) = tower::<SiglipTextFields>(c, "text_config", siglip_encoder())?;
+    let text = SiglipTextConfig {
+        vocab_size: size(t.vocab_size, "text_config", "vocab_size")?,
+        max_position: size(t.max_position_embeddings, "text_config", "max_position_embeddings")?,
+        projection: size(t.projection_size.unwrap_or(encoder.width), "text_config", "projection_size")?,
+        encoder,
+        masked: false,
+    };
+    Ok(text)
 }
 
 #[cfg(test)]

@@ -71,5 +71,18 @@ pub(crate) fn tokenizer(dir: &Path, text: &TextSpec, max_len: Option<usize>) -> 
         }
         _ => bail!("{} has no tokenizer.json (nor CLIP's vocab.json and merges.txt)", dir.display()),
     };
-    TextTokenizer::with_pad_token(inner, max_len, &pad).map_err(|e| anyhow!("{}: {e}", from.display()))
+    let tokenizer = TextTokenizer::with_pad_token(inner, max_len, &pad).map_err(|e| anyhow!("{}: {e}", from.display()))?;
+    Ok(tokenizer.padding_left(pads_left(tokenizer_config.as_ref())))
+}
+
+/// transformers' `padding_side`: the tokenizer config's, else its class's (Gemma's and SigLIP 2's
+/// tokenizers pad on the left, the rest on the right).
+fn pads_left(tokenizer_config: Option<&Value>) -> bool {
+    let Some(c) = tokenizer_config else { return false };
+    match c.get("padding_side").and_then(Value::as_str) {
+        Some(side) => side == "left",
+        None => {
+            matches!(c.get("tokenizer_class").and_then(Value::as_str), Some("GemmaTokenizer" | "GemmaTokenizerFast" | "Siglip2Tokenizer"))
+        }
+    }
 }

@@ -114,6 +114,11 @@ pub struct VisionCfg {
     #[serde(flatten)]
     pub block: BlockOptions,
     pub timm_model_name: Option<String>,
+    /// The pooling open_clip asks of a timm trunk (`avg` by default, `map` for SigLIP's).
+    pub timm_pool: String,
+    /// What follows a timm trunk: `linear` (a projection), `mlp` or `none`.
+    pub timm_proj: String,
+    pub timm_proj_bias: bool,
 }
 
 impl Default for VisionCfg {
@@ -137,6 +142,9 @@ impl Default for VisionCfg {
             norm_kwargs: NormKwargs::default(),
             block: BlockOptions::default(),
             timm_model_name: None,
+            timm_pool: "avg".into(),
+            timm_proj: "linear".into(),
+            timm_proj_bias: false,
         }
     }
 }

@@ -5,6 +5,7 @@
 use serde_json::{json, Value};
 
 use super::config::{read, ActKwargs, Layers, ModelCfg, PerChannel, PreprocessCfg, Side, TextCfg, VisionCfg};
+use super::timm::Shapes;
 use crate::data::transform::{CropOffset, ImageConfig, Interpolation, ResizeMode};
 use crate::io::format::config_error::ConfigError;
 use crate::io::limits::{check_eps, check_key};
@@ -29,6 +30,8 @@ pub enum TextKind {
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpenClipModel {
     pub spec: ModelSpec,
+    /// The image tower is a timm SigLIP trunk (`visual.trunk.*`) instead of open_clip's own.
+    pub timm_trunk: bool,
     /// Keys of the text tower under `text.` (`CustomTextCLIP`) instead of the top level.
     pub custom_text: bool,
     pub text_kind: TextKind,
@@ -36,10 +39,59 @@ pub struct OpenClipModel {
 
 /// `model_cfg` as align's model sizes.
 pub fn model_from(cfg: &Value) -> Result<OpenClipModel, ConfigError> {
+    model_with_shapes(cfg, None)
+}
+
+/// `model_cfg` as align's model sizes; `shapes` are the weights' tensor shapes, which size a
+/// timm trunk whose name timm's SigLIP family does not have.
+pub fn model_with_shapes(cfg: &Value, shapes: Option<&Shapes>) -> Result<OpenClipModel, ConfigError> {
     if !cfg.is_object() {
         return Err(ConfigError::Invalid("open_clip_config.json has no model_cfg object".into()));
     }
-    OpenClipModel::try_from(read::<ModelCfg>(cfg, "model_cfg")?)
+    OpenClipModel::read(read::<ModelCfg>(cfg, "model_cfg")?, shapes)
+}
+
+/// Whether reading `model_cfg` needs the weights' shapes: a timm trunk not named by timm's
+/// SigLIP family.
+pub fn needs_shapes(cfg: &Value) -> bool {
+    let name = cfg.pointer("/vision_cfg/timm_model_name").and_then(Value::as_str);
+    let size = |c: &Value| c.pointer("/vision_cfg/image_size").and_then(Value::as_u64).unwrap_or(224) as usize;
+    name.is_some_and(|n| super::timm::trunk(n, size(cfg), None).is_err())
+}
+
+/// The image tower of a timm trunk, and whether it is projected.
+fn timm_tower(v: &VisionCfg, name: &str, shapes: Option<&Shapes>, embed_dim: usize) -> Result<(ImageSpec, bool), ConfigError> {
+    let image_size = match &v.image_size {
+        Side::Square(n) => *n,
+        Side::Pair(p) => match p[..] {
+            [h, w] if h == w => h,
+            _ => return Err(ConfigError::Invalid(format!("vision_cfg.image_size {p:?} is not square; align's towers take square images"))),
+        },
+    };
+    let trunk = super::timm::trunk(name, image_size, shapes)?;
+    let projected = match v.timm_proj.as_str() {
+        "none" | "" => false,
+        "linear" => true,
+        other => {
+            return Err(ConfigError::Unsupported { key: "vision_cfg.timm_proj".into(), what: format!("{other:?} after a timm trunk") })
+        }
+    };
+    // With no projection open_clip asks timm for the pooling itself; "" there would pool nothing.
+    let pool_ok = v.timm_pool == "map" || (projected && v.timm_pool.is_empty());
+    if !pool_ok {
+        return Err(ConfigError::Invalid(format!(
+            "vision_cfg.timm_pool {:?}: align reads timm's SigLIP trunks with their attention pooling (\"map\")",
+            v.timm_pool
+        )));
+    }
+    unsupported(projected && v.timm_proj_bias, "vision_cfg.timm_proj_bias", "a projection with a bias after a timm trunk")?;
+    if !projected && trunk.encoder.width != embed_dim {
+        return Err(ConfigError::Invalid(format!(
+            "vision_cfg.timm_proj \"none\" leaves the trunk's width {} as the embedding, but embed_dim is {embed_dim}",
+            trunk.encoder.width
+        )));
+    }
+    Ok((ImageSpec::Siglip(trunk), projected))
 }
 
 /// A size within align's bounds for its kind.
@@ -100,9 +152,6 @@ fn mlp(width: usize, ratio: f64, ctx: &str) -> Result<usize, ConfigError> {
 
 fn vision_tower(v: &VisionCfg, quick_gelu: bool) -> Result<ClipVisionConfig, ConfigError> {
     let ctx = "vision_cfg";
-    if v.timm_model_name.is_some() {
-        return Err(ConfigError::Invalid("vision_cfg.timm_model_name: the image tower is a timm model (visual.trunk.*), which align does not read; its SigLIP checkpoints are read in the Hugging Face SiglipModel format".into()));
-    }
     let layers = match v.layers {
         Layers::Depth(n) => size(n, ctx, "layers")?,
         Layers::ResNet(_) => {
@@ -195,7 +244,7 @@ fn text_tower(t: &TextCfg, quick_gelu: bool, embed_dim: usize, custom_text: bool
     let causal = !t.no_causal_mask;
     if custom_text && !causal && t.pool_type == "last" && t.proj_bias {
         return Ok((
-            TextSpec::Siglip(SiglipTextConfig { vocab_size, max_position: positions, projection: embed_dim, encoder }),
+            TextSpec::Siglip(SiglipTextConfig { vocab_size, max_position: positions, projection: embed_dim, encoder, masked: false }),
             TextKind::LastToken,
         ));
     }
@@ -216,25 +265,27 @@ fn text_tower(t: &TextCfg, quick_gelu: bool, embed_dim: usize, custom_text: bool
     Ok((TextSpec::Clip(ClipTextConfig { vocab_size, max_position: positions, encoder, eos_token_id, causal, pool: Some(pool) }), kind))
 }
 
-impl TryFrom<ModelCfg> for OpenClipModel {
-    type Error = ConfigError;
-
-    fn try_from(cfg: ModelCfg) -> Result<Self, ConfigError> {
+impl OpenClipModel {
+    fn read(cfg: ModelCfg, shapes: Option<&Shapes>) -> Result<Self, ConfigError> {
         let v = cfg.vision_cfg.as_ref().ok_or(ConfigError::Invalid("model_cfg has no vision_cfg".into()))?;
         let t = cfg.text_cfg.as_ref().ok_or(ConfigError::Invalid("model_cfg has no text_cfg".into()))?;
         unsupported(cfg.multimodal_cfg.is_some(), "model_cfg.multimodal_cfg", "CoCa's captioning decoder")?;
         let embed_dim = size(cfg.embed_dim, "model_cfg", "embed_dim")?;
-        let vision = vision_tower(v, cfg.quick_gelu)?;
+        let (image, image_projection) = match &v.timm_model_name {
+            Some(name) => timm_tower(v, name, shapes, embed_dim)?,
+            None => (ImageSpec::Clip(vision_tower(v, cfg.quick_gelu)?), true),
+        };
         let (text, text_kind) = text_tower(t, cfg.quick_gelu, embed_dim, cfg.custom_text)?;
         if !cfg.init_logit_scale.is_finite() || cfg.init_logit_bias.is_some_and(|b| !b.is_finite()) {
             return Err(ConfigError::Invalid("model_cfg.init_logit_scale and init_logit_bias must be finite numbers".into()));
         }
         Ok(OpenClipModel {
+            timm_trunk: v.timm_model_name.is_some(),
             spec: ModelSpec {
-                image: ImageSpec::Clip(vision),
+                image,
                 text,
                 embed_dim,
-                image_projection: true,
+                image_projection,
                 text_projection_bias: text_kind == TextKind::ClipBiased,
                 text_pooling: TextPooling::Cls,
                 temperature: TemperatureKind::Clip,

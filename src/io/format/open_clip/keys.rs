@@ -47,10 +47,20 @@ const TEXT_PLAIN: [(&str, &str); 4] = [
 
 /// An open_clip state dict under align's names. `text_prefix` is `"text."` for a
 /// `CustomTextCLIP`, `""` for a native `CLIP`.
-pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKind) -> Result<HashMap<String, Tensor>> {
+/// `timm_trunk`: the image tower is a timm trunk (`visual.trunk.*`, then `visual.head.proj`).
+pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKind, timm_trunk: bool) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     let take = |sd: &mut HashMap<String, Tensor>, from: &str| sd.remove(from).ok_or_else(|| anyhow!("open_clip weights have no {from}"));
+    if timm_trunk {
+        super::timm::to_align(&mut sd, &mut out)?;
+        if let Some(p) = sd.remove("visual.head.proj.weight") {
+            out.insert("visual_projection.weight".into(), p);
+        }
+    }
     for (from, to) in PLAIN {
+        if timm_trunk && from.starts_with("visual.") {
+            continue;
+        }
         match sd.remove(from) {
             Some(t) => {
                 // A 0-d parameter may be stored as [1] (nonscalar_logit_scale).
@@ -65,7 +75,9 @@ pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKi
     for (from, to) in TEXT_PLAIN {
         out.insert(to.to_string(), take(&mut sd, &format!("{text_prefix}{from}"))?);
     }
-    out.insert("visual_projection.weight".into(), take(&mut sd, "visual.proj")?.t()?.contiguous()?);
+    if !timm_trunk {
+        out.insert("visual_projection.weight".into(), take(&mut sd, "visual.proj")?.t()?.contiguous()?);
+    }
     match text {
         TextKind::Clip => {
             out.insert("text_projection.weight".into(), take(&mut sd, &format!("{text_prefix}text_projection"))?.t()?.contiguous()?);

@@ -21,6 +21,8 @@
 pub mod config;
 pub mod convert;
 pub mod keys;
+pub mod presets;
+pub mod timm;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -29,7 +31,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
-use self::convert::{model_from, model_to, preprocess_from, preprocess_to, OpenClipModel};
+use self::convert::{model_to, model_with_shapes, preprocess_from, preprocess_to, OpenClipModel};
 use super::hf::files::read_json;
 use super::{loss_of, Format, HubFetch, ModelFiles, Usage};
 use crate::data::clip_bpe::{self, Clean};
@@ -68,9 +70,20 @@ fn model(dir: &Path) -> Result<OpenClipModel> {
     if std::env::var("ALIGN_OPEN_CLIP_QUICK_GELU").is_ok_and(|v| v == "1") && cfg.is_object() {
         cfg["quick_gelu"] = Value::Bool(true);
     }
-    let m = model_from(&cfg).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let shapes = if convert::needs_shapes(&cfg) { Some(raw_shapes(dir)?) } else { None };
+    let m = model_with_shapes(&cfg, shapes.as_ref()).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     crate::io::limits::check_spec(&m.spec).with_context(|| path.display().to_string())?;
     Ok(m)
+}
+
+/// The weights file's tensor shapes under open_clip's own names.
+fn raw_shapes(dir: &Path) -> Result<timm::Shapes> {
+    let path = weights_file(dir).with_context(|| format!("{} has no open_clip weights file", dir.display()))?;
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let header = crate::io::tensors::header_shapes(&path)?;
+        return Ok(header.into_iter().map(|(k, s)| (without_ddp(k), s)).collect());
+    }
+    Ok(state_dict(&path, &Device::Cpu)?.into_iter().map(|(k, t)| (k, t.dims().to_vec())).collect())
 }
 
 fn weights_file(dir: &Path) -> Option<PathBuf> {
@@ -161,7 +174,7 @@ impl Format for OpenClip {
         let path = weights_file(dir).with_context(|| format!("{} has no open_clip weights file", dir.display()))?;
         let sd = state_dict(&path, device)?;
         let prefix = text_prefix(&m, |k| sd.contains_key(k));
-        keys::to_align(sd, prefix, m.text_kind).with_context(|| path.display().to_string())
+        keys::to_align(sd, prefix, m.text_kind, m.timm_trunk).with_context(|| path.display().to_string())
     }
 
     fn weight_shapes(&self, dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
@@ -178,7 +191,7 @@ impl Format for OpenClip {
         let fake: HashMap<String, Tensor> =
             header.into_iter().map(|(k, s)| Ok((without_ddp(k), zero.broadcast_as(s)?))).collect::<Result<_>>()?;
         let prefix = text_prefix(&m, |k| fake.contains_key(k));
-        let mapped = keys::to_align(fake, prefix, m.text_kind).with_context(|| path.display().to_string())?;
+        let mapped = keys::to_align(fake, prefix, m.text_kind, m.timm_trunk).with_context(|| path.display().to_string())?;
         Ok(mapped.into_iter().map(|(k, t)| (k, t.dims().to_vec())).collect())
     }
 
