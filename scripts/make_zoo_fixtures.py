@@ -105,12 +105,49 @@ Writes tests/fixtures/open_clip/:
   one longer than 16 pieces), text_features (not normalised), text_pooled (position 15 after
   ln_final, before text_projection), logits_per_image (exp(logit_scale) cos + logit_bias),
   logit_scale and logit_bias (the raw parameters, shape [1]).
+- xlmr/: open_clip's xlm-roberta-base-ViT-B-32 layout (an HF text tower, CustomTextCLIP) at toy
+  size. Vision: the standard native ViT (32 px, patch 8, width 32, 2 layers, head_width 8, ln_pre,
+  ln_post on every token, class token pooled, @ proj; erf GELU). Text: text_cfg {hf_model_name and
+  hf_tokenizer_name "xlm-roberta-base" (as the real config), hf_proj_type "mlp", hf_pooler_type
+  "mean_pooler", context_length 16}; HFTextEncoder wraps transformers' XLMRobertaModel (no pooler:
+  add_pooling_layer is True only for cls_pooler) under text.transformer.*, and text.proj.{0, 2} is
+  Linear(32, 24, no bias), GELU, Linear(24, 16, no bias). The folder also holds the tiny
+  XLMRobertaConfig as config.json (hidden 32, 2 layers, 2 heads, intermediate 64,
+  max_position_embeddings 18 = 16 + padding_idx 1 + 1, type_vocab_size 1, pad 1, bos 0, eos 2,
+  layer_norm_eps 1e-5, vocab 402): built with hf_model_name set to the folder's path, so that
+  AutoConfig.from_pretrained reads it (pretrained_text=False: AutoModel.from_config, nothing read).
+  open_clip resolves hf_model_name with AutoConfig.from_pretrained(name) even when the folder has
+  the weights, so create_model_and_transforms("local-dir:xlmr") fails offline ("xlm-roberta-base"
+  is not on this machine; recorded in zoo-expected.json); it is reloaded here with a top-level
+  text_cfg override naming the folder (hf_model_pretrained false), open_clip then loading
+  open_clip_model.safetensors strictly, and checked against CustomTextCLIP + load_state_dict. The
+  tokenizer: a SentencePiece Unigram model of 400 pieces trained in memory (one thread, so the
+  same every run) on XLMR_CORPUS (English, German, French, Chinese, Japanese, Korean, Arabic,
+  Russian, Hindi captions, plus each with a capital first letter), nmt_nfkc, converted by
+  XLMRobertaTokenizer.from_pretrained from a folder holding only sentencepiece.bpe.model (fairseq
+  order: <s> 0, <pad> 1, </s> 2, <unk> 3, piece i >= 3 at id i + 1, <mask> 401; Unigram unk_id 3;
+  normalizer Precompiled; pre-tokenizer WhitespaceSplit + Metaspace "always"; "<s> $A </s>"),
+  saved as tokenizer.json + tokenizer_config.json (transformers 5 writes no sentencepiece model).
+  Weights: open_clip / transformers init after torch.manual_seed(130), randomise(seed 131),
+  logit_scale ln 20; preprocess_cfg the tag's (pretrained._pcfg: OpenAI mean / std, bicubic,
+  resize_mode "shortest"). Written by save_for_hf(..., safe_serialization=True).
+- xlmr-io.safetensors: pixel_values, image_features, image_pooled (class token after ln_post),
+  jpeg_image_features, input_ids (get_tokenizer("local-dir:xlmr"): HFTokenizer, clean
+  "whitespace", <s> pieces </s> cut to 16, padded with <pad> 1, on ten captions: English,
+  German umlauts (exactly 14 pieces: no padding), the fi ligature and French accents, Chinese +
+  Japanese, Arabic, Russian, Hindi, emoji (<unk> 3), one longer than 14 pieces, and one with the
+  literal text "<pad>" and "<mask>", which the tokenizer matches as special tokens: a 1 mid-row),
+  position_ids (RoBERTa's: cumsum(ids != 1) * (ids != 1) + 1), text_hidden (XLMRobertaModel's
+  last_hidden_state with attention_mask ids != 1), text_pooled (mean over the unmasked positions),
+  text_features (not normalised; checked against the forward written out with plain torch ops),
+  logits_per_image and logit_scale.
 - zoo-expected.json: {"versions", "images", "models": {"clipa": {captions, input_ids, tokenizer,
   open_clip_config written, final preprocess cfg, val transform repr, weights file, state dict
-  keys with shapes, pooling, logit_scale, files}, "timm-siglip": {the same, plus timm_model}}}.
+  keys with shapes, pooling, logit_scale, files}, "timm-siglip": {the same, plus timm_model},
+  "xlmr": {the same without caption_indices, plus hf_config (config.json) and load}}}.
 
 Written with: torch 2.15.0, open_clip_torch 3.3.0, torchvision 0.29.2, transformers 5.24.0,
-tokenizers 0.23.3, ftfy 6.3.1, Pillow 13.0.0, safetensors 0.8.0, numpy 2.4.6 (run by hand, not by
+tokenizers 0.23.3, sentencepiece 0.2.3, ftfy 6.3.1, Pillow 13.0.0, safetensors 0.8.0, numpy 2.4.6 (run by hand, not by
 CI; nothing downloaded: HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE are set before anything imports).
 """
 import os
@@ -135,7 +172,8 @@ from timm.models import register_model
 from timm.models.vision_transformer import VisionTransformer, _create_vision_transformer
 
 import open_clip
-from open_clip.constants import IMAGENET_MEAN, IMAGENET_STD, INCEPTION_MEAN, INCEPTION_STD
+from open_clip.constants import (IMAGENET_MEAN, IMAGENET_STD, INCEPTION_MEAN, INCEPTION_STD, OPENAI_DATASET_MEAN,
+                                  OPENAI_DATASET_STD)
 from open_clip.push_to_hf_hub import save_for_hf
 from open_clip.tokenizer import HFTokenizer, SimpleTokenizer, get_clean_fn
 from open_clip.transformer import text_global_pool
@@ -723,18 +761,355 @@ def make_timm_siglip(vers):
     return record
 
 
+# ----------------------------------------------------------------------------------------------
+# 4. xlmr: open_clip's xlm-roberta-base-ViT-B-32 layout (an HF text tower) at toy size
+
+# The multilingual text the tiny SentencePiece model is trained on (deterministic: trained in
+# memory from this list, one thread).
+XLMR_CORPUS = """a photo of a cat sitting on a red sofa
+a dog running on the beach at sunset
+two children playing with a blue ball in the park
+an old man riding a brown horse near the river
+a bowl of fresh fruit on a wooden table
+the city skyline at night with bright lights
+a woman reading a book in a quiet cafe
+snow covered mountains under a clear blue sky
+a small boat on a calm lake in the morning
+a plate of pasta with tomato sauce and cheese
+people walking down a busy street in the rain
+a black and white photo of an old train station
+ein Foto einer Katze auf einem roten Sofa
+ein Hund läuft am Strand bei Sonnenuntergang
+zwei Kinder spielen mit einem blauen Ball im Park
+ein alter Mann reitet auf einem braunen Pferd am Fluss
+eine Schüssel mit frischem Obst auf einem Holztisch
+die Skyline der Stadt bei Nacht mit hellen Lichtern
+schöne grüne Bäume und Blumen im Garten
+Straße in München mit Fußgängern und Fahrrädern
+Frühstück mit Brötchen, Käse und Kaffee
+ein großes Haus über dem See
+une photo d'un chat assis sur un canapé rouge
+un chien qui court sur la plage au coucher du soleil
+deux enfants jouent avec un ballon bleu dans le parc
+un vieil homme à cheval près de la rivière
+un bol de fruits frais sur une table en bois
+la ville la nuit avec des lumières brillantes
+une femme lit un livre dans un café à Paris
+le cœur de l'œuvre est très élégant
+un gâteau au chocolat et une crème brûlée
+la fête de Noël en décembre, où est le garçon ?
+桌子上的一只猫
+海滩上奔跑的狗
+公园里玩球的两个孩子
+夜晚的城市天际线
+一碗新鲜的水果
+東京の夜景の写真
+海辺を走る犬
+公園で遊ぶ子供たち
+赤いソファの上の猫
+바닷가를 달리는 개
+공원에서 노는 아이들
+빨간 소파 위의 고양이
+صورة قطة على أريكة حمراء
+كلب يركض على الشاطئ عند غروب الشمس
+طفلان يلعبان بكرة زرقاء في الحديقة
+رجل عجوز يركب حصانا بنيا بالقرب من النهر
+وعاء من الفاكهة الطازجة على طاولة خشبية
+المدينة في الليل مع أضواء ساطعة
+фотография кошки на красном диване
+собака бежит по пляжу на закате
+двое детей играют с синим мячом в парке
+старик едет на коричневой лошади у реки
+миска свежих фруктов на деревянном столе
+ночной город с яркими огнями
+кошка на диване
+एक बिल्ली की तस्वीर लाल सोफे पर
+समुद्र तट पर दौड़ता हुआ कुत्ता
+पार्क में नीली गेंद से खेलते दो बच्चे
+नदी के पास भूरे घोड़े पर सवार एक बूढ़ा आदमी
+लकड़ी की मेज पर ताजे फलों का कटोरा
+रात में शहर की रोशनी""".split("\n")
+XLMR_SPM_PIECES = 400  # sentencepiece pieces (<unk> 0, <s> 1, </s> 2, then 397 learned)
+XLMR_VOCAB = XLMR_SPM_PIECES + 2  # fairseq order: <s> <pad> </s> <unk>, pieces 3.. shifted by one, <mask> last
+
+XLMR_CAPTIONS = [
+    "A photo of a cat",
+    "Sch\u00f6ne B\u00e4ume in M\u00fcnchen",  # umlauts
+    "Un \ufb01lm tr\u00e8s \u00e9l\u00e9gant",  # the fi ligature U+FB01 (ftfy makes it "fi"), accents
+    "\u516c\u56ed\u91cc\u7684\u5b69\u5b50 \u6771\u4eac\u306e\u591c\u666f",  # 公园里的孩子 東京の夜景
+    "\u0635\u0648\u0631\u0629 \u0642\u0637\u0629",  # صورة قطة
+    "\u041a\u043e\u0448\u043a\u0430 \u043d\u0430 \u0434\u0438\u0432\u0430\u043d\u0435",  # Кошка на диване
+    "\u090f\u0915 \u092c\u093f\u0932\u094d\u0932\u0940",  # एक बिल्ली (virama)
+    "party \U0001F389 family \U0001F468\u200d\U0001F469\u200d\U0001F467",  # emoji: <unk>
+    "Zwei Kinder spielen mit einem blauen Ball im gr\u00fcnen Park, w\u00e4hrend ein alter Mann auf einem "
+    "braunen Pferd am Fluss reitet.",  # longer than 14 pieces: truncated
+    "a <pad> cat on a <mask>",  # literal special tokens: matched as added tokens (a <pad> mid-sequence)
+]
+
+XLMR = {
+    "seed": 130,
+    "logit_scale": math.log(20.0),
+    "model_cfg": {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 8},
+        "text_cfg": {"hf_model_name": "xlm-roberta-base", "hf_tokenizer_name": "xlm-roberta-base",
+                     "hf_proj_type": "mlp", "hf_pooler_type": "mean_pooler", "context_length": 16},
+    },
+    # the xlm-roberta-base-ViT-B-32 tag's preprocessing (pretrained._pcfg: OpenAI mean / std)
+    "preprocess_cfg": {"mean": list(OPENAI_DATASET_MEAN), "std": list(OPENAI_DATASET_STD),
+                       "interpolation": "bicubic", "resize_mode": "shortest"},
+    "hf_config": dict(vocab_size=XLMR_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=18, type_vocab_size=1, pad_token_id=1,
+                      bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5, hidden_act="gelu",
+                      architectures=["XLMRobertaForMaskedLM"]),
+    "pooling": "text (HFTextEncoder): attention_mask = (ids != config.pad_token_id (1)); XLMRobertaModel "
+               "(no pooler: add_pooling_layer is False unless hf_pooler_type is cls_pooler): embeddings = "
+               "LayerNorm(word_embeddings[ids] + token_type_embeddings[0] + position_embeddings[pos]) with "
+               "pos = cumsum(ids != 1) * (ids != 1) + 1 (RoBERTa / fairseq positions: 2, 3, ... for the tokens, "
+               "1 for every <pad>, also a <pad> in the middle, after which the count carries on), then post-LN "
+               "encoder layers (x = LN(x + attn(x)), x = LN(x + output(gelu(intermediate(x)))); padded keys "
+               "masked out of every softmax), then mean_pooler: sum over positions of last_hidden_state * mask / "
+               "mask.sum() (<s> and </s> included, <pad> excluded), then proj = Linear(32, 24, no bias), "
+               "GELU (erf), Linear(24, 16, no bias) (hf_proj_type 'mlp': hidden (width + embed_dim) // 2); "
+               "vision: standard open_clip ViT (conv1 patches, class token + positional_embedding, ln_pre, "
+               "transformer, ln_post on every token, class token (pool_type 'tok'), @ proj)",
+}
+
+
+def xlmr_sentencepiece():
+    """A SentencePiece Unigram model (the kind xlm-roberta-base's sentencepiece.bpe.model is) trained
+    on XLMR_CORPUS and its lines with a capital first letter: 400 pieces, character_coverage 1.0, sentencepiece's defaults otherwise (nmt_nfkc
+    normalisation with its precompiled map, <unk> 0, <s> 1, </s> 2, no <pad>, no byte fallback).
+    Returns the serialized model proto."""
+    import io
+    import sentencepiece as spm
+    buf = io.BytesIO()
+    sentences = XLMR_CORPUS + [t[0].upper() + t[1:] for t in XLMR_CORPUS if t[0].islower()]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_writer=buf, model_type="unigram",
+                                   vocab_size=XLMR_SPM_PIECES, character_coverage=1.0, num_threads=1,
+                                   minloglevel=2)
+    return buf.getvalue()
+
+
+def xlmr_tokenizer(proto):
+    """transformers' XLMRobertaTokenizer converted from the SentencePiece model as from_pretrained does it
+    for a folder holding only sentencepiece.bpe.model (XLMRobertaConverter's order: <s> 0, <pad> 1,
+    </s> 2, <unk> 3, the pieces after the first three with their scores, <mask> last; Unigram unk_id 3;
+    normalizer Precompiled(the model's nmt_nfkc map); pre-tokenizer WhitespaceSplit + Metaspace
+    (prepend "always"); TemplateProcessing "<s> $A </s>")."""
+    import tempfile
+    from transformers import XLMRobertaTokenizer
+    with tempfile.TemporaryDirectory() as t:
+        with open(os.path.join(t, "sentencepiece.bpe.model"), "wb") as f:
+            f.write(proto)
+        tok = XLMRobertaTokenizer.from_pretrained(t, model_max_length=512)
+    assert (tok.bos_token_id, tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    assert tok.mask_token_id == XLMR_VOCAB - 1 and len(tok) == XLMR_VOCAB
+    return tok
+
+
+def xlmr_text_by_hand(text, ids):
+    """HFTextEncoder.forward written out with plain torch ops: (position ids, last hidden state, mean
+    pooled, projected)."""
+    hf = text.transformer
+    cfg = hf.config
+    H, C = cfg.num_attention_heads, cfg.hidden_size
+    D = C // H
+    mask = (ids != cfg.pad_token_id).long()
+    pos = torch.cumsum(mask, dim=1) * mask + cfg.pad_token_id
+    e = hf.embeddings
+
+    def ln(m, t):
+        assert m.eps == 1e-5
+        return F.layer_norm(t, (C,), m.weight, m.bias, 1e-5)
+
+    x = ln(e.LayerNorm, e.word_embeddings.weight[ids] + e.token_type_embeddings.weight[0] + e.position_embeddings.weight[pos])
+    bias = torch.zeros(mask.shape, dtype=x.dtype).masked_fill(mask == 0, float("-inf"))[:, None, None, :]
+    B, L = ids.shape
+    for layer in hf.encoder.layer:
+        a = layer.attention
+
+        def heads(lin):
+            return lin(x).reshape(B, L, H, D).transpose(1, 2)
+
+        w = (heads(a.self.query) @ heads(a.self.key).transpose(-2, -1)) * D ** -0.5 + bias
+        y = (w.softmax(-1) @ heads(a.self.value)).transpose(1, 2).reshape(B, L, C)
+        x = ln(a.output.LayerNorm, x + a.output.dense(y))
+        h = F.gelu(layer.intermediate.dense(x))
+        x = ln(layer.output.LayerNorm, x + layer.output.dense(h))
+    m = mask.unsqueeze(-1).to(x.dtype)
+    pooled = (x * m).sum(1) / m.sum(1)
+    p0, act, p2 = text.proj
+    assert isinstance(act, torch.nn.GELU) and act.approximate == "none"
+    projected = F.linear(F.gelu(F.linear(pooled, p0.weight)), p2.weight)
+    return pos, x, pooled, projected
+
+
+def make_xlmr(vers):
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+    import sentencepiece
+    d = os.path.join(OUT, "xlmr")
+    cfg = XLMR
+    if os.path.isdir(d):
+        shutil.rmtree(d)
+    os.makedirs(d)
+    ad = os.path.abspath(d)
+    proto = xlmr_sentencepiece()
+    assert proto == xlmr_sentencepiece()  # deterministic
+    tok = xlmr_tokenizer(proto)
+    # the tiny architecture as config.json in the folder itself, so that AutoConfig.from_pretrained(folder)
+    # finds it (the folder path stands in for "xlm-roberta-base" while building)
+    XLMRobertaConfig(**cfg["hf_config"]).save_pretrained(d)
+    model_cfg = json.loads(json.dumps(cfg["model_cfg"]))
+    build_cfg = json.loads(json.dumps(model_cfg))
+    build_cfg["text_cfg"]["hf_model_name"] = ad
+    build_cfg["text_cfg"]["hf_tokenizer_name"] = ad
+    with open(os.path.join(d, "open_clip_config.json"), "w") as f:
+        json.dump({"model_cfg": build_cfg, "preprocess_cfg": cfg["preprocess_cfg"]}, f, indent=2)
+    torch.manual_seed(cfg["seed"])
+    # pretrained_text=False: hf_model_pretrained False, so AutoModel.from_config (random init, no weights read)
+    model = open_clip.create_model("local-dir:" + ad, pretrained_text=False).eval()
+    assert type(model) is open_clip.CustomTextCLIP and type(model.text.transformer) is XLMRobertaModel
+    assert model.text.transformer.pooler is None and isinstance(model.visual.ln_pre, torch.nn.LayerNorm)
+    n_ln = sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+    assert n_ln == 11, n_ln  # vision: ln_pre, 2 x (ln_1, ln_2), ln_post; text: embeddings, 2 x (attention, output)
+    randomise(model, cfg["seed"] + 1)
+    with torch.no_grad():
+        model.logit_scale.fill_(cfg["logit_scale"])
+    os.remove(os.path.join(d, "open_clip_config.json"))
+    save_for_hf(model, tok, model_cfg, d, safe_serialization=True)
+    written = json.loads((Path(d) / "open_clip_config.json").read_text())
+    assert written["model_cfg"] == model_cfg and written["model_cfg"]["text_cfg"]["hf_model_name"] == "xlm-roberta-base"
+    hf_written = json.loads((Path(d) / "config.json").read_text())
+
+    # open_clip's own local-dir load: the HF config is looked up by hf_model_name, offline
+    try:
+        load(d)
+        local_dir_load = "loads"
+    except Exception as e:  # noqa: BLE001 (recorded, as what open_clip does offline)
+        local_dir_load = f"fails offline: {type(e).__name__}: {str(e).splitlines()[0]}"
+    assert local_dir_load.startswith("fails offline"), local_dir_load
+    # ... so the folder itself is named as hf_model_name (a top-level text_cfg override); the weights are
+    # then open_clip's own strict load_checkpoint of open_clip_model.safetensors
+    override = dict(written["model_cfg"]["text_cfg"], hf_model_name=ad, hf_model_pretrained=False)
+    loaded, _, preprocess = open_clip.create_model_and_transforms("local-dir:" + ad, text_cfg=override)
+    loaded = loaded.eval()
+    tokenizer = open_clip.get_tokenizer("local-dir:" + ad)
+    # the same by hand: the class built from the config with the folder path, the state dict loaded strictly
+    from safetensors.torch import load_file
+    by_hand = open_clip.CustomTextCLIP(**dict(written["model_cfg"], text_cfg=override)).eval()
+    by_hand.load_state_dict(load_file(os.path.join(d, "open_clip_model.safetensors")), strict=True)
+
+    assert isinstance(tokenizer, HFTokenizer) and not tokenizer.strip_sep_token and tokenizer.context_length == 16
+    t = tokenizer.tokenizer
+    assert type(t).__name__ == "XLMRobertaTokenizer" and len(t) == XLMR_VOCAB
+    assert t.convert_ids_to_tokens([0, 1, 2, 3, XLMR_VOCAB - 1]) == ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    ids = tokenizer(XLMR_CAPTIONS).to(torch.int64)
+    n = len(XLMR_CAPTIONS)
+    assert ids.shape == (n, 16) and (ids[:, 0] == 0).all()
+    assert (ids[8] != 1).all() and ids[8, 15] == 2  # the long one: <s> + 14 pieces + </s>
+    assert (ids == 3).any()  # an <unk> (the emoji)
+    assert ids[9, 2] == 1 and (ids[9] == XLMR_VOCAB - 1).any()  # literal <pad> -> 1 mid-sequence, <mask> -> 401
+    for row, c in zip(ids.tolist(), XLMR_CAPTIONS):
+        p = t(tokenizer.clean_fn(c), add_special_tokens=False).input_ids
+        want = [0] + p[:14] + [2]
+        assert row == want + [1] * (16 - len(want)), (row, p)
+
+    pixels = open_images(preprocess)
+    with torch.no_grad():
+        image_features = loaded.encode_image(pixels)
+        text_features = loaded.encode_text(ids)
+        logits_per_image, _ = loaded.get_logits(pixels, ids)
+        v = loaded.visual
+        x = v.transformer(v._embeds(pixels))  # _embeds: patches, class token, positional_embedding, ln_pre
+        img_pooled = v.ln_post(x)[:, 0]  # ln_post on every token, then the class token
+        assert torch.equal(img_pooled, v._pool(x)[0])
+        assert torch.allclose(img_pooled @ v.proj, image_features, atol=1e-6)
+        pos, hidden, txt_pooled, projected = xlmr_text_by_hand(loaded.text, ids)
+        out = loaded.text.transformer(input_ids=ids, attention_mask=(ids != 1).long())
+        assert torch.allclose(out.last_hidden_state, hidden, atol=1e-5)
+        assert torch.allclose(projected, text_features, atol=1e-5)
+        assert pos[9, :4].tolist() == [2, 3, 1, 4] and pos.max() == 17
+        assert torch.equal(model.encode_image(pixels), image_features)
+        assert torch.equal(model.encode_text(ids), text_features)
+        assert torch.equal(by_hand.encode_image(pixels), image_features)
+        assert torch.equal(by_hand.encode_text(ids), text_features)
+        jpeg_features = loaded.encode_image(open_images(preprocess))
+    tensors = {
+        "pixel_values": pixels,
+        "image_features": image_features,
+        "image_pooled": img_pooled,
+        "jpeg_image_features": jpeg_features,
+        "input_ids": ids,
+        "position_ids": pos,
+        "text_hidden": out.last_hidden_state,
+        "text_features": text_features,
+        "text_pooled": txt_pooled,
+        "logits_per_image": logits_per_image,
+        "logit_scale": loaded.logit_scale.detach().reshape(1),
+    }
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, os.path.join(OUT, "xlmr-io.safetensors"))
+
+    sd = loaded.state_dict()
+    record = {
+        "dir": "xlmr",
+        "io": "xlmr-io.safetensors",
+        "weights_file": "open_clip_model.safetensors",
+        "model_class": type(loaded).__name__,
+        "open_clip_config": written,
+        "hf_config": hf_written,
+        "load": {"local_dir": local_dir_load,
+                 "used": "open_clip.create_model_and_transforms('local-dir:<dir>', text_cfg=dict(text_cfg, "
+                         "hf_model_name='<dir>', hf_model_pretrained=False)): AutoConfig.from_pretrained(<dir>) "
+                         "reads config.json, AutoModel.from_config(add_pooling_layer=False), then open_clip's strict "
+                         "load_checkpoint of open_clip_model.safetensors; equal to CustomTextCLIP(**model_cfg with "
+                         "that text_cfg) + load_state_dict(strict=True)"},
+        "final_preprocess_cfg": {k: list(v) if isinstance(v, tuple) else v
+                                 for k, v in loaded.visual.preprocess_cfg.items()},
+        "val_transform": repr(preprocess),
+        "captions": XLMR_CAPTIONS,
+        "input_ids": ids.tolist(),
+        "tokenizer": {"class": "open_clip.tokenizer.HFTokenizer", "hf_class": type(t).__name__,
+                      "source": "the folder itself (local-dir), not hf_tokenizer_name",
+                      "context_length": tokenizer.context_length, "clean": "whitespace",
+                      "call": "tokenizer(texts, max_length=context_length, padding='max_length', truncation=True)",
+                      "model": "Unigram (unk_id 3, no byte fallback) converted from a SentencePiece model of "
+                               f"{XLMR_SPM_PIECES} pieces (fairseq order: <s> 0, <pad> 1, </s> 2, <unk> 3, "
+                               "sentencepiece piece i >= 3 at id i + 1, <mask> last); normalizer Precompiled "
+                               "(nmt_nfkc); pre-tokenizer WhitespaceSplit + Metaspace(prepend_scheme 'always'); "
+                               "TemplateProcessing '<s> $A </s>'; special tokens in the text are matched as "
+                               "added tokens",
+                      "strip_sep_token": False,
+                      "bos_token_id": t.bos_token_id, "eos_token_id": t.eos_token_id,
+                      "pad_token_id": t.pad_token_id, "unk_token_id": t.unk_token_id,
+                      "mask_token_id": t.mask_token_id, "vocab_size": len(t),
+                      "sentencepiece": sentencepiece.__version__},
+        "pooling": cfg["pooling"],
+        "activation": "gelu (erf) everywhere (vision blocks, XLM-R hidden_act 'gelu', the mlp projection)",
+        "layer_norm_eps": 1e-5,
+        "logit_scale": tensors["logit_scale"].item(),
+        "logit_bias": None,
+        "state_dict": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in sd.items()},
+        "files": sorted(os.listdir(d)),
+    }
+    print(f"xlmr: {type(loaded).__name__}, {len(sd)} tensors, ids {ids.tolist()}, files {record['files']}")
+    return record
+
+
 def main():
     vers = versions()
     make_captions(vers)
-    records = {"clipa": make_clipa(vers), "timm-siglip": make_timm_siglip(vers)}
+    records = {"clipa": make_clipa(vers), "timm-siglip": make_timm_siglip(vers), "xlmr": make_xlmr(vers)}
     dump_json({"versions": vers, "images": IMAGES,
                "image_open": "PIL.Image.open(tests/fixtures/<path>) passed to the val transform as it is",
                "models": records},
               os.path.join(OUT, "zoo-expected.json"), ensure_ascii=True)
     paths = [os.path.join(OUT, n) for n in ("captions.json", "captions-io.safetensors", "clipa-io.safetensors",
-                                            "timm-siglip-io.safetensors", "zoo-expected.json")]
+                                            "timm-siglip-io.safetensors", "xlmr-io.safetensors",
+                                            "zoo-expected.json")]
     paths += sorted(os.path.join(OUT, "clipa", n) for n in os.listdir(os.path.join(OUT, "clipa")))
     paths += sorted(os.path.join(OUT, "timm-siglip", n) for n in os.listdir(os.path.join(OUT, "timm-siglip")))
+    paths += sorted(os.path.join(OUT, "xlmr", n) for n in os.listdir(os.path.join(OUT, "xlmr")))
     for p in paths:
         os.chmod(p, 0o644)  # safetensors writes 0600
         assert os.path.getsize(p) < 2_000_000, p

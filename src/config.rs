@@ -193,7 +193,8 @@ pub struct ModelConfig {
     pub bert: BertOverrides,
     /// A whole architecture by open_clip's name, trained from scratch: `ViT-B-32`, `ViT-B-16`,
     /// `ViT-L-14` (and their `-quickgelu` forms, `ViT-B-32-256`), `ViT-B-16-SigLIP`,
-    /// `ViT-B-16-SigLIP2`. Its towers, image size, preprocessing, text length, loss family and
+    /// `ViT-B-16-SigLIP2`, and transformers' `siglip2-base-patch16-naflex` (SigLIP 2's NaFlex
+    /// B/16). Its towers, image size, preprocessing, text length, loss family and
     /// the family's optimizer recipe become the run's defaults (settings given explicitly win);
     /// CLIP's BPE tokenizes unless `text.tokenizer` names another. Instead of `image_tower` and
     /// `text_tower`.
@@ -810,6 +811,7 @@ impl Config {
             image,
             text: TextSpec::Bert(bert),
             text_projection_bias: m.text_projection_bias,
+            text_projection_hidden: None,
             embed_dim: m.embed_dim,
             image_projection: m.image_projection,
             text_pooling: m.text_pooling,

@@ -136,6 +136,18 @@ fn a_timm_trunk_siglip_matches_open_clip() {
     assert!((bias - want).abs() < 1e-6, "{bias} vs {want}");
 }
 
+/// LAION's multilingual form (`xlm-roberta-base-ViT-B-32` at toy size): an XLM-RoBERTa text
+/// tower (`text.transformer.*`, RoBERTa's positions from the padding id, padding found by its id
+/// and left out of attention and the mean), open_clip's MLP projection, and the folder's
+/// SentencePiece tokenizer, on captions in seven scripts.
+#[test]
+fn an_xlm_roberta_text_tower_matches_open_clip() {
+    check_against("xlmr", &json_fixture("open_clip/zoo-expected.json"));
+    let m = load_model(&fixtures().join("open_clip/xlmr"), &Device::Cpu).unwrap();
+    assert_eq!(m.spec().text_projection_hidden, Some(24));
+    assert_eq!(m.spec().text.bert().and_then(|b| b.pad_token_id), Some(1));
+}
+
 /// Awkward captions (ligatures, full-width and half-width forms, HTML entities, curly quotes,
 /// emoji, non-Latin scripts, control characters) tokenised as open_clip 3.3's SimpleTokenizer
 /// does in each of its cleaning modes, and embedded as open_clip embeds them.

@@ -81,9 +81,44 @@ impl Bert {
 
     /// Final hidden states `[batch, len, hidden]` for token ids and a 0/1 attention mask (both
     /// `[batch, len]`, u32).
+    /// The mask attention and the mean use: the tokenizer's, or RoBERTa's (every token that is not
+    /// the padding id).
+    fn effective_mask(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        match self.config.pad_token_id {
+            Some(pad) => ids.ne(pad)?.to_dtype(DType::U32),
+            None => Ok(mask.clone()),
+        }
+    }
+
+    /// Position ids `[b, L]`: 0, 1, … (BERT), or RoBERTa's, counted over the tokens that are not
+    /// padding from the padding id + 1, each padding token at the padding id.
+    fn positions(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (b, l) = ids.dims2()?;
+        match self.config.pad_token_id {
+            None => Tensor::arange(0u32, l as u32, ids.device())?.unsqueeze(0)?.broadcast_as((b, l))?.contiguous(),
+            Some(pad) => {
+                let rows: Vec<Vec<u32>> = mask.to_vec2()?;
+                let pos: Vec<u32> = rows
+                    .iter()
+                    .flat_map(|r| {
+                        let mut count = 0;
+                        r.iter()
+                            .map(|&m| {
+                                count += m;
+                                count * m + pad
+                            })
+                            .collect::<Vec<u32>>()
+                    })
+                    .collect();
+                Tensor::from_vec(pos, (b, l), ids.device())
+            }
+        }
+    }
+
     pub fn hidden_states(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let (_b, l) = ids.dims2()?;
-        let positions = Tensor::arange(0u32, l as u32, ids.device())?;
+        let mask = &self.effective_mask(ids, mask)?;
+        let positions = self.positions(ids, mask)?;
         let types = Tensor::zeros(l, DType::U32, ids.device())?;
         let x =
             self.word.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?.broadcast_add(&self.token_type.forward(&types)?)?;
@@ -107,6 +142,7 @@ impl Bert {
 
     pub fn pooled(&self, ids: &Tensor, mask: &Tensor, pooling: TextPooling) -> Result<Tensor> {
         let h = self.hidden_states(ids, mask)?;
+        let mask = &self.effective_mask(ids, mask)?;
         match pooling {
             TextPooling::Cls => h.narrow(1, 0, 1)?.squeeze(1),
             TextPooling::Pooler => match &self.pooler {

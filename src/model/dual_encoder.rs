@@ -32,6 +32,10 @@ pub struct ModelSpec {
     /// tower ends in its own head and has no projection.
     #[serde(default = "yes")]
     pub text_projection_bias: bool,
+    /// Two bias-free linear layers through this width with an exact GELU between them instead of
+    /// one (open_clip's `hf_proj_type = "mlp"` after a Hugging Face text tower).
+    #[serde(default)]
+    pub text_projection_hidden: Option<usize>,
     pub text_pooling: TextPooling,
     pub temperature: TemperatureKind,
     /// σ at initialisation (ALIGN 1.0; CLIP 0.07, i.e. logit scale ln(1/0.07)).
@@ -239,12 +243,28 @@ pub enum ImageGraph {
     None,
 }
 
+/// The text side's projection to the shared space.
+enum TextProjection {
+    Linear(Linear),
+    /// `linear → GELU → linear`, open_clip's `mlp` projection.
+    Mlp(Linear, Linear),
+}
+
+impl TextProjection {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            TextProjection::Linear(p) => p.forward(x),
+            TextProjection::Mlp(a, b) => b.forward(&a.forward(x)?.gelu_erf()?),
+        }
+    }
+}
+
 pub struct DualEncoder {
     pub image: ImageTower,
     pub text: TextTower,
     visual_projection: Option<Linear>,
     /// None for SigLIP, whose text head is its projection.
-    text_projection: Option<Linear>,
+    text_projection: Option<TextProjection>,
     /// σ (ALIGN) or s = ln(logit scale) (CLIP); a 0-d variable.
     temperature: Tensor,
     /// The sigmoid loss's b (0-d), when the model has one.
@@ -279,7 +299,22 @@ impl DualEncoder {
                 candle_core::bail!("SigLIP's text head gives {} wide embeddings, not embed_dim {}", c.projection, spec.embed_dim)
             }
             TextSpec::Siglip(_) => None,
-            t => Some(linear(t.width(), spec.embed_dim, spec.text_projection_bias, LINEAR_DEFAULT, vb.pp("text_projection"))?),
+            t => Some(match spec.text_projection_hidden {
+                None => TextProjection::Linear(linear(
+                    t.width(),
+                    spec.embed_dim,
+                    spec.text_projection_bias,
+                    LINEAR_DEFAULT,
+                    vb.pp("text_projection"),
+                )?),
+                Some(h) => {
+                    let p = vb.pp("text_projection");
+                    TextProjection::Mlp(
+                        linear(t.width(), h, false, LINEAR_DEFAULT, p.pp("0"))?,
+                        linear(h, spec.embed_dim, false, LINEAR_DEFAULT, p.pp("2"))?,
+                    )
+                }
+            }),
         };
         let temperature = match spec.temperature {
             TemperatureKind::Align => vb.get_with_hints((), "temperature", Init::Const(spec.temperature_init))?,
@@ -428,7 +463,11 @@ impl DualEncoder {
         };
         let width = self.spec.image.width() as f64;
         let e = self.spec.embed_dim as f64;
-        let text_projection = if self.text_projection.is_some() { 2.0 * self.spec.text.width() as f64 * e } else { 0.0 };
+        let text_projection = match (&self.text_projection, self.spec.text_projection_hidden) {
+            (None, _) => 0.0,
+            (Some(_), None) => 2.0 * self.spec.text.width() as f64 * e,
+            (Some(_), Some(h)) => 2.0 * self.spec.text.width() as f64 * h as f64 + 2.0 * h as f64 * e,
+        };
         let projections = text_projection + if self.visual_projection.is_some() { 2.0 * width * e } else { 0.0 };
         image + text + projections
     }
@@ -468,8 +507,10 @@ pub(crate) mod tests {
                 max_position: 16,
                 type_vocab: 2,
                 layer_norm_eps: 1e-12,
+                pad_token_id: None,
             }),
             text_projection_bias: true,
+            text_projection_hidden: None,
             embed_dim: 8,
             image_projection: true,
             text_pooling: TextPooling::Cls,
@@ -613,6 +654,7 @@ pub(crate) mod tests {
                 image,
                 text: TextSpec::Bert(BertConfig::preset(text, 30522).unwrap()),
                 text_projection_bias: true,
+                text_projection_hidden: None,
                 embed_dim: 640,
                 image_projection: true,
                 text_pooling: TextPooling::Cls,

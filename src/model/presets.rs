@@ -206,6 +206,12 @@ pub struct BertConfig {
     pub max_position: usize,
     pub type_vocab: usize,
     pub layer_norm_eps: f64,
+    /// RoBERTa's embeddings (XLM-RoBERTa, open_clip's multilingual text towers): positions count
+    /// from this padding id + 1 over the tokens that are not padding, every padding token at the
+    /// padding id's position, and any token of this id is padding, hidden from attention and the
+    /// mean. Absent: BERT's positions 0, 1, … and the tokenizer's mask.
+    #[serde(default)]
+    pub pad_token_id: Option<u32>,
 }
 
 impl BertConfig {
@@ -229,6 +235,7 @@ impl BertConfig {
             max_position: 512,
             type_vocab: 2,
             layer_norm_eps: 1e-12,
+            pad_token_id: None,
         })
     }
 

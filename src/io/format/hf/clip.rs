@@ -74,6 +74,7 @@ pub fn clip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
         embed_dim,
         image_projection: true,
         text_projection_bias: false,
+        text_projection_hidden: None,
         text_pooling: TextPooling::Cls,
         temperature: TemperatureKind::Clip,
         temperature_init,
@@ -86,7 +87,12 @@ pub fn clip_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     let (ImageSpec::Clip(v), TextSpec::Clip(t)) = (&spec.image, &spec.text) else {
         return Err("CLIPModel has CLIP's vision and text towers; this model does not".into());
     };
-    if !spec.image_projection || spec.text_projection_bias || spec.temperature != TemperatureKind::Clip || spec.logit_bias.is_some() {
+    if !spec.image_projection
+        || spec.text_projection_bias
+        || spec.text_projection_hidden.is_some()
+        || spec.temperature != TemperatureKind::Clip
+        || spec.logit_bias.is_some()
+    {
         return Err("CLIPModel projects both towers without a bias and scales by exp(logit_scale): this model differs".into());
     }
     if !v.is_transformers_clip() {

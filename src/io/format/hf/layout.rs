@@ -39,7 +39,26 @@ pub fn bert_from_hf(c: &Value) -> Result<BertConfig, String> {
         max_position: check_key(b.max_position_embeddings, ctx, "max_position_embeddings")?,
         type_vocab: check_key(b.type_vocab_size, ctx, "type_vocab_size")?,
         layer_norm_eps: check_eps(b.layer_norm_eps, &format!("{ctx}.layer_norm_eps"))?,
+        pad_token_id: None,
     })
+}
+
+/// An `XLMRobertaConfig` (or `RobertaConfig`): BERT's sizes with RoBERTa's positions, counted
+/// from its `pad_token_id` (transformers' default 1).
+pub fn roberta_from_hf(c: &Value) -> Result<BertConfig, String> {
+    let mut b = bert_from_hf(c)?;
+    let pad = match c.get("pad_token_id") {
+        None | Some(Value::Null) => 1,
+        Some(v) => v
+            .as_u64()
+            .filter(|&p| (p as usize) < b.vocab_size)
+            .ok_or_else(|| format!("config.pad_token_id {v} is not an id of the vocabulary"))?,
+    };
+    b.pad_token_id = Some(pad as u32);
+    if b.max_position <= pad as usize + 1 {
+        return Err(format!("config.max_position_embeddings {} leaves no position after the padding id {pad}", b.max_position));
+    }
+    Ok(b)
 }
 
 pub fn bert_to_hf(b: &BertConfig) -> Value {
@@ -147,6 +166,7 @@ pub fn align_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
         image: ImageSpec::EfficientNet(vision),
         text: TextSpec::Bert(text),
         text_projection_bias: true,
+        text_projection_hidden: None,
         embed_dim,
         image_projection: false,
         text_pooling: TextPooling::Cls,
@@ -157,6 +177,17 @@ pub fn align_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
 }
 
 /// The `AlignConfig` JSON of a model, if it has ALIGN's architecture.
+/// A BERT text tower with BERT's positions and one linear projection, what transformers' BERT
+/// classes hold (not open_clip's XLM-RoBERTa towers and their MLP projection).
+pub fn plain_bert_text(spec: &ModelSpec, class: &str) -> Result<(), String> {
+    if spec.text.bert().is_some_and(|b| b.pad_token_id.is_some()) || spec.text_projection_hidden.is_some() {
+        return Err(format!(
+            "{class} holds BERT with BERT's positions and a linear projection; this text tower is RoBERTa's or projects through an MLP"
+        ));
+    }
+    Ok(())
+}
+
 pub fn align_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     let ImageSpec::EfficientNet(vision) = &spec.image else {
         return Err("only EfficientNet image towers have a Hugging Face AlignModel layout".into());
@@ -168,6 +199,7 @@ pub fn align_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     {
         return Err("AlignModel has no image projection or logit bias, pools [CLS] and divides by a temperature: this model differs".into());
     }
+    plain_bert_text(spec, "AlignModel")?;
     Ok(json!({
         "architectures": ["AlignModel"],
         "model_type": "align",
@@ -191,6 +223,7 @@ mod tests {
             image: ImageSpec::EfficientNet(e),
             text: TextSpec::Bert(BertConfig::preset("bert-base", 30522).unwrap()),
             text_projection_bias: true,
+            text_projection_hidden: None,
             embed_dim: 640,
             image_projection: false,
             text_pooling: TextPooling::Cls,

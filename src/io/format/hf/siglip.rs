@@ -87,6 +87,7 @@ pub fn siglip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
         text: TextSpec::Siglip(text),
         image_projection: false,
         text_projection_bias: false,
+        text_projection_hidden: None,
         text_pooling: TextPooling::Cls,
         temperature: TemperatureKind::Clip,
         // SigLIP's initial scale and bias; the checkpoint's values replace them.

@@ -132,6 +132,7 @@ fn spec(config: &Value, max_patches: usize, masked: bool) -> std::result::Result
         text: TextSpec::Siglip(text),
         image_projection: false,
         text_projection_bias: false,
+        text_projection_hidden: None,
         text_pooling: TextPooling::Cls,
         temperature: TemperatureKind::Clip,
         temperature_init: 0.1,
@@ -176,12 +177,26 @@ fn export(m: &ModelFiles, out: &Path) -> Result<()> {
     let masked = matches!(&m.spec.text, TextSpec::Siglip(t) if t.masked);
     let names = if masked { json!(["input_ids", "attention_mask"]) } else { json!(["input_ids"]) };
     let side = if m.tokenizer.pads_left() { "left" } else { "right" };
+    // Siglip2Processor's tokenizer class defaults to Gemma's special tokens, which another
+    // vocabulary (CLIP's BPE of a model trained here) lacks: name the vocabulary's own.
+    let inner = m.tokenizer.inner();
+    let first = |names: &[&str]| names.iter().find(|t| inner.token_to_id(t).is_some()).map(|t| t.to_string());
+    let unk = serde_json::to_value(inner.get_model())
+        .ok()
+        .and_then(|v| v.get("unk_token").and_then(Value::as_str).map(str::to_string))
+        .or_else(|| first(&["<unk>"]))
+        .unwrap_or_else(|| pad.clone());
+    let eos = first(&["<eos>", "</s>", crate::data::clip_bpe::END]).unwrap_or_else(|| pad.clone());
+    let bos = first(&["<bos>", "<s>", crate::data::clip_bpe::START]);
+    let mut extra = json!({"model_input_names": names, "padding_side": side, "mask_token": first(&["<mask>"])});
+    extra["bos_token"] = bos.map_or(Value::Null, Value::from);
+    let specials = [("pad_token", pad.as_str()), ("unk_token", unk.as_str()), ("eos_token", eos.as_str())];
     HfDir {
         config,
         tensors,
         tokenizer_class: "GemmaTokenizer",
-        specials: &[("pad_token", pad.as_str())],
-        tokenizer_extra: json!({"model_input_names": names, "padding_side": side}),
+        specials: &specials,
+        tokenizer_extra: extra,
         image_processor: "SiglipImageProcessor",
         processor: "Siglip2Processor",
     }

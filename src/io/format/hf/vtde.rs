@@ -94,6 +94,7 @@ pub fn vtde_spec_from_hf(c: &Value) -> Result<ModelSpec, String> {
         embed_dim,
         image_projection: true,
         text_projection_bias: false,
+        text_projection_hidden: None,
         text_pooling: TextPooling::Pooler,
         temperature: TemperatureKind::Clip,
         temperature_init,
@@ -124,6 +125,7 @@ pub fn vtde_spec_to_hf(spec: &ModelSpec) -> Result<Value, String> {
     {
         return Err("VisionTextDualEncoderModel embeds each side by its pooler and projects without a bias: train with model.vit.pool = \"pooler\", model.text_pooling = \"pooler\", model.text_projection_bias = false, model.image_projection = true and model.temperature = \"clip\" to export as one".into());
     }
+    super::layout::plain_bert_text(spec, "VisionTextDualEncoderModel")?;
     let mut text = bert_to_hf(t);
     text["model_type"] = "bert".into();
     Ok(json!({

@@ -173,6 +173,10 @@ pub struct TextCfg {
     #[serde(flatten)]
     pub block: BlockOptions,
     pub hf_model_name: Option<String>,
+    /// After a Hugging Face text tower: `mlp` (open_clip's default) or `linear`.
+    pub hf_proj_type: String,
+    /// How a Hugging Face text tower's states become one: `mean_pooler` (open_clip's default).
+    pub hf_pooler_type: String,
 }
 
 impl Default for TextCfg {
@@ -196,6 +200,8 @@ impl Default for TextCfg {
             norm_kwargs: NormKwargs::default(),
             block: BlockOptions::default(),
             hf_model_name: None,
+            hf_proj_type: "mlp".into(),
+            hf_pooler_type: "mean_pooler".into(),
         }
     }
 }

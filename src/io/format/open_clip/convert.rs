@@ -24,6 +24,8 @@ pub enum TextKind {
     Clip,
     ClipBiased,
     LastToken,
+    /// A Hugging Face encoder (`text.transformer.*`) and its projection (`text.proj.*`).
+    Hf,
 }
 
 /// What `model_cfg` says beyond the sizes.
@@ -39,16 +41,38 @@ pub struct OpenClipModel {
 
 /// `model_cfg` as align's model sizes.
 pub fn model_from(cfg: &Value) -> Result<OpenClipModel, ConfigError> {
-    model_with_shapes(cfg, None)
+    model_in(cfg, &Folder::default())
 }
 
-/// `model_cfg` as align's model sizes; `shapes` are the weights' tensor shapes, which size a
-/// timm trunk whose name timm's SigLIP family does not have.
-pub fn model_with_shapes(cfg: &Value, shapes: Option<&Shapes>) -> Result<OpenClipModel, ConfigError> {
+/// What a folder holds besides `open_clip_config.json` that sizes a tower.
+#[derive(Default)]
+pub struct Folder<'a> {
+    /// The weights' tensor shapes, which size a timm trunk whose name timm's SigLIP family does
+    /// not have.
+    pub shapes: Option<&'a Shapes>,
+    /// A Hugging Face text tower's `config.json`.
+    pub hf_text_config: Option<&'a Value>,
+}
+
+/// `model_cfg` as align's model sizes, with what the folder holds.
+pub fn model_in(cfg: &Value, folder: &Folder) -> Result<OpenClipModel, ConfigError> {
     if !cfg.is_object() {
         return Err(ConfigError::Invalid("open_clip_config.json has no model_cfg object".into()));
     }
-    OpenClipModel::read(read::<ModelCfg>(cfg, "model_cfg")?, shapes)
+    OpenClipModel::read(read::<ModelCfg>(cfg, "model_cfg")?, folder)
+}
+
+/// A Hugging Face text tower (`text_cfg.hf_model_name`) and its projection's hidden width.
+fn hf_text_tower(t: &TextCfg, name: &str, folder: &Folder, embed_dim: usize) -> Result<(TextSpec, Option<usize>), ConfigError> {
+    if t.hf_pooler_type != "mean_pooler" {
+        return Err(ConfigError::Unsupported {
+            key: "text_cfg.hf_pooler_type".into(),
+            what: format!("{:?} (align pools a Hugging Face text tower by the mean, \"mean_pooler\")", t.hf_pooler_type),
+        });
+    }
+    let bert = super::hf_text::encoder(name, folder.hf_text_config)?;
+    let hidden = super::hf_text::projection(&t.hf_proj_type, bert.hidden, embed_dim)?;
+    Ok((TextSpec::Bert(bert), hidden))
 }
 
 /// Whether reading `model_cfg` needs the weights' shapes: a timm trunk not named by timm's
@@ -214,11 +238,6 @@ fn vision_tower(v: &VisionCfg, quick_gelu: bool) -> Result<ClipVisionConfig, Con
 
 fn text_tower(t: &TextCfg, quick_gelu: bool, embed_dim: usize, custom_text: bool) -> Result<(TextSpec, TextKind), ConfigError> {
     let ctx = "text_cfg";
-    if t.hf_model_name.is_some() {
-        return Err(ConfigError::Invalid(
-            "text_cfg.hf_model_name: the text tower is a Hugging Face model, which align does not read in open_clip's format".into(),
-        ));
-    }
     unsupported(layer_scale(t.ls_init_value), "text_cfg.ls_init_value", "layer scale")?;
     unsupported(t.embed_cls, "text_cfg.embed_cls", "a class token")?;
     unsupported(t.output_tokens, "text_cfg.output_tokens", "token outputs")?;
@@ -266,16 +285,25 @@ fn text_tower(t: &TextCfg, quick_gelu: bool, embed_dim: usize, custom_text: bool
 }
 
 impl OpenClipModel {
-    fn read(cfg: ModelCfg, shapes: Option<&Shapes>) -> Result<Self, ConfigError> {
+    fn read(cfg: ModelCfg, folder: &Folder) -> Result<Self, ConfigError> {
         let v = cfg.vision_cfg.as_ref().ok_or(ConfigError::Invalid("model_cfg has no vision_cfg".into()))?;
         let t = cfg.text_cfg.as_ref().ok_or(ConfigError::Invalid("model_cfg has no text_cfg".into()))?;
         unsupported(cfg.multimodal_cfg.is_some(), "model_cfg.multimodal_cfg", "CoCa's captioning decoder")?;
         let embed_dim = size(cfg.embed_dim, "model_cfg", "embed_dim")?;
         let (image, image_projection) = match &v.timm_model_name {
-            Some(name) => timm_tower(v, name, shapes, embed_dim)?,
+            Some(name) => timm_tower(v, name, folder.shapes, embed_dim)?,
             None => (ImageSpec::Clip(vision_tower(v, cfg.quick_gelu)?), true),
         };
-        let (text, text_kind) = text_tower(t, cfg.quick_gelu, embed_dim, cfg.custom_text)?;
+        let (text, text_kind, text_projection_hidden) = match t.hf_model_name.as_deref().filter(|n| !n.is_empty()) {
+            Some(name) => {
+                let (text, hidden) = hf_text_tower(t, name, folder, embed_dim)?;
+                (text, TextKind::Hf, hidden)
+            }
+            None => {
+                let (text, kind) = text_tower(t, cfg.quick_gelu, embed_dim, cfg.custom_text)?;
+                (text, kind, None)
+            }
+        };
         if !cfg.init_logit_scale.is_finite() || cfg.init_logit_bias.is_some_and(|b| !b.is_finite()) {
             return Err(ConfigError::Invalid("model_cfg.init_logit_scale and init_logit_bias must be finite numbers".into()));
         }
@@ -287,12 +315,14 @@ impl OpenClipModel {
                 embed_dim,
                 image_projection,
                 text_projection_bias: text_kind == TextKind::ClipBiased,
-                text_pooling: TextPooling::Cls,
+                text_projection_hidden,
+                text_pooling: if text_kind == TextKind::Hf { TextPooling::Mean } else { TextPooling::Cls },
                 temperature: TemperatureKind::Clip,
                 temperature_init: (-cfg.init_logit_scale).exp(),
                 logit_bias: cfg.init_logit_bias,
             },
-            custom_text: cfg.custom_text,
+            // open_clip builds every Hugging Face text tower as a CustomTextCLIP's.
+            custom_text: cfg.custom_text || text_kind == TextKind::Hf,
             text_kind,
         })
     }
@@ -469,7 +499,7 @@ mod tests {
             ("vision_cfg", json!({"ls_init_value": 1e-4}), "ls_init_value"),
             ("vision_cfg", json!({"layers": [3, 4, 6, 3]}), "ModifiedResNet"),
             ("text_cfg", json!({"pool_type": "none"}), "pool_type \"none\""),
-            ("text_cfg", json!({"hf_model_name": "xlm-roberta-base"}), "hf_model_name"),
+            ("text_cfg", json!({"hf_model_name": "bert-base-uncased"}), "hf_model_name"),
         ];
         for (section, extra, want) in cases {
             let mut c = base();

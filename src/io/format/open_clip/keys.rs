@@ -72,8 +72,12 @@ pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKi
             None => bail!("open_clip weights have no {from}"),
         }
     }
-    for (from, to) in TEXT_PLAIN {
-        out.insert(to.to_string(), take(&mut sd, &format!("{text_prefix}{from}"))?);
+    if text == TextKind::Hf {
+        hf_text_to_align(&mut sd, &mut out)?;
+    } else {
+        for (from, to) in TEXT_PLAIN {
+            out.insert(to.to_string(), take(&mut sd, &format!("{text_prefix}{from}"))?);
+        }
     }
     if !timm_trunk {
         out.insert("visual_projection.weight".into(), take(&mut sd, "visual.proj")?.t()?.contiguous()?);
@@ -86,6 +90,7 @@ pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKi
             out.insert("text_projection.weight".into(), take(&mut sd, &format!("{text_prefix}text_projection.weight"))?);
             out.insert("text_projection.bias".into(), take(&mut sd, &format!("{text_prefix}text_projection.bias"))?);
         }
+        TextKind::Hf => {}
         TextKind::LastToken => {
             out.insert("text_model.head.weight".into(), take(&mut sd, &format!("{text_prefix}text_projection.weight"))?);
             out.insert("text_model.head.bias".into(), take(&mut sd, &format!("{text_prefix}text_projection.bias"))?);
@@ -121,6 +126,30 @@ pub fn to_align(mut sd: HashMap<String, Tensor>, text_prefix: &str, text: TextKi
         bail!("open_clip weights hold {} tensors align's model does not have: {:?}", left.len(), left.iter().take(10).collect::<Vec<_>>());
     }
     Ok(out)
+}
+
+/// A Hugging Face text tower (`text.transformer.*`, transformers' own names, which align's BERT
+/// shares) and its projection (`text.proj.*`, open_clip's `Sequential` indices) under align's
+/// names. The encoder's pooler, which the mean pooling never uses, and the position-id buffer
+/// older transformers saved are left out.
+fn hf_text_to_align(sd: &mut HashMap<String, Tensor>, out: &mut HashMap<String, Tensor>) -> Result<()> {
+    let keys: Vec<String> = sd.keys().filter(|k| k.starts_with("text.")).cloned().collect();
+    for k in keys {
+        let t = sd.remove(&k).expect("listed above");
+        if let Some(rest) = k.strip_prefix("text.transformer.") {
+            if !(rest.starts_with("pooler.") || rest.ends_with("position_ids")) {
+                out.insert(format!("text_model.{rest}"), t);
+            }
+        } else if let Some(rest) = k.strip_prefix("text.proj.") {
+            out.insert(format!("text_projection.{rest}"), t);
+        } else {
+            bail!("open_clip weights hold {k}, which a Hugging Face text tower does not have");
+        }
+    }
+    if !out.keys().any(|k| k.starts_with("text_projection.")) {
+        bail!("open_clip weights have no text.proj: the Hugging Face text tower's projection");
+    }
+    Ok(())
 }
 
 /// align's weights of a native CLIP model under open_clip's names and layouts.

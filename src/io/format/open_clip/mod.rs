@@ -20,6 +20,7 @@
 
 pub mod config;
 pub mod convert;
+pub mod hf_text;
 pub mod keys;
 pub mod presets;
 pub mod timm;
@@ -31,7 +32,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value};
 
-use self::convert::{model_to, model_with_shapes, preprocess_from, preprocess_to, OpenClipModel};
+use self::convert::{model_in, model_to, preprocess_from, preprocess_to, OpenClipModel};
 use super::hf::files::read_json;
 use super::{loss_of, Format, HubFetch, ModelFiles, Usage};
 use crate::data::clip_bpe::{self, Clean};
@@ -71,7 +72,11 @@ fn model(dir: &Path) -> Result<OpenClipModel> {
         cfg["quick_gelu"] = Value::Bool(true);
     }
     let shapes = if convert::needs_shapes(&cfg) { Some(raw_shapes(dir)?) } else { None };
-    let m = model_with_shapes(&cfg, shapes.as_ref()).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    // A Hugging Face text tower's config.json, when the folder holds it.
+    let hf_text_config =
+        cfg.pointer("/text_cfg/hf_model_name").and_then(Value::as_str).and_then(|_| read_json(&folder(dir).join("config.json")).ok());
+    let found = convert::Folder { shapes: shapes.as_ref(), hf_text_config: hf_text_config.as_ref() };
+    let m = model_in(&cfg, &found).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     crate::io::limits::check_spec(&m.spec).with_context(|| path.display().to_string())?;
     Ok(m)
 }
@@ -199,7 +204,7 @@ impl Format for OpenClip {
         let dir = folder(dir);
         let path = dir.join(CONFIG);
         let text_cfg = config(dir)?.pointer("/model_cfg/text_cfg").cloned().unwrap_or(json!({}));
-        let max_len = max_len.unwrap_or_else(|| spec.text.max_position());
+        let max_len = max_len.unwrap_or_else(|| context_length(&text_cfg, spec));
         let kwargs = text_cfg.get("tokenizer_kwargs").cloned().unwrap_or(json!({}));
         let hf = text_cfg.get("hf_tokenizer_name").and_then(Value::as_str).filter(|s| !s.is_empty());
         // open_clip's own tokenizer cleans as "lower" by default, a Hugging Face one as "whitespace".
@@ -249,9 +254,10 @@ impl Format for OpenClip {
 
     fn usage(&self, dir: &Path, spec: &ModelSpec) -> Result<Usage> {
         let c = config(dir)?;
+        let text_cfg = c.pointer("/model_cfg/text_cfg").cloned().unwrap_or(json!({}));
         let image = preprocess_from(c.get("preprocess_cfg"), spec.image.image_size())
             .map_err(|e| anyhow!("{}: {e}", folder(dir).join(CONFIG).display()))?;
-        Ok(Usage { image, text_len: spec.text.max_position(), loss: loss_of(spec) })
+        Ok(Usage { image, text_len: context_length(&text_cfg, spec), loss: loss_of(spec) })
     }
 
     fn writes(&self) -> bool {
@@ -339,4 +345,16 @@ fn strip_sep(inner: &mut tokenizers::Tokenizer, sep: &str) -> Result<()> {
     let post: tokenizers::PostProcessorWrapper = serde_json::from_value(p)?;
     inner.with_post_processor(Some(post));
     Ok(())
+}
+
+/// The length open_clip tokenizes to: `text_cfg.context_length` (77 unless set), at most the
+/// text tower's positions (a Hugging Face tower has more than it is given).
+fn context_length(text_cfg: &Value, spec: &ModelSpec) -> usize {
+    let positions = spec.text.max_position();
+    match spec.text {
+        crate::model::dual_encoder::TextSpec::Bert(_) => {
+            text_cfg.get("context_length").and_then(Value::as_u64).map_or(77, |n| n as usize).min(positions)
+        }
+        _ => positions,
+    }
 }

@@ -1,7 +1,8 @@
-//! open_clip's standard architectures by name (`model.architecture`), for training from
-//! scratch: their `model_cfg` as open_clip's own `model_configs/*.json` give them, read as any
-//! open_clip folder's config is, with the preprocessing open_clip uses for their family. A model
-//! trained from one is written back in open_clip's format (CLIP's) or as a `SiglipModel`.
+//! Standard architectures by name (`model.architecture`), for training from scratch: open_clip's,
+//! their `model_cfg` as its own `model_configs/*.json` give them, read as any open_clip folder's
+//! config is, with the preprocessing open_clip uses for their family; and SigLIP 2's NaFlex B/16
+//! as transformers' `google/siglip2-base-patch16-naflex` configures it. A model trained from one
+//! is written back in open_clip's format (CLIP's), as a `SiglipModel` or as a `Siglip2Model`.
 
 use serde_json::{json, Value};
 
@@ -48,8 +49,52 @@ fn siglip(trunk: &str, image: usize, embed_dim: usize, text: [usize; 4], tanh: b
 }
 
 /// The names, as open_clip spells them.
-pub const NAMES: [&str; 8] =
-    ["ViT-B-32", "ViT-B-32-256", "ViT-B-16", "ViT-L-14", "ViT-B-32-quickgelu", "ViT-B-16-quickgelu", "ViT-B-16-SigLIP", "ViT-B-16-SigLIP2"];
+pub const NAMES: [&str; 9] = [
+    "ViT-B-32",
+    "ViT-B-32-256",
+    "ViT-B-16",
+    "ViT-L-14",
+    "ViT-B-32-quickgelu",
+    "ViT-B-16-quickgelu",
+    "ViT-B-16-SigLIP",
+    "ViT-B-16-SigLIP2",
+    "siglip2-base-patch16-naflex",
+];
+
+/// SigLIP 2's NaFlex B/16: transformers' `Siglip2Config` of `google/siglip2-base-patch16-naflex`
+/// (a 16×16 position grid, up to 256 patches of 16 px), its processor's preprocessing.
+fn naflex_b16() -> anyhow::Result<Architecture> {
+    use crate::data::transform::{ImageConfig, Interpolation, Naflex};
+    use crate::model::dual_encoder::{ImageSpec, TextSpec};
+    use crate::model::naflex::NaflexVisionConfig;
+    use crate::model::prenorm::{Act, EncoderConfig};
+    use crate::model::siglip::SiglipTextConfig;
+    let encoder = EncoderConfig { width: 768, layers: 12, heads: 12, mlp_dim: 3072, layer_norm_eps: 1e-6, act: Act::GeluTanh };
+    let spec = ModelSpec {
+        image: ImageSpec::Naflex(NaflexVisionConfig { patch_size: 16, position_grid: 16, max_patches: 256, encoder: encoder.clone() }),
+        text: TextSpec::Siglip(SiglipTextConfig { vocab_size: 256_000, max_position: 64, encoder, projection: 768, masked: false }),
+        embed_dim: 768,
+        image_projection: false,
+        text_projection_bias: false,
+        text_projection_hidden: None,
+        text_pooling: crate::model::presets::TextPooling::Cls,
+        temperature: crate::model::presets::TemperatureKind::Clip,
+        temperature_init: 0.1,
+        logit_bias: Some(-10.0),
+    };
+    let naflex = Naflex { patch_size: 16, max_num_patches: 256 };
+    let image = ImageConfig {
+        image_size: 256,
+        resize: 256,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+        interpolation: Interpolation::Bilinear,
+        naflex: Some(naflex),
+        ..ImageConfig::default()
+    };
+    let usage = Usage { image, text_len: 64, loss: loss_of(&spec) };
+    Ok(Architecture { name: "siglip2-base-patch16-naflex", family: Family::Siglip, spec, usage })
+}
 
 /// `model_cfg` of a named architecture.
 fn model_cfg(name: &str) -> Option<(Value, Family)> {
@@ -72,6 +117,9 @@ fn model_cfg(name: &str) -> Option<(Value, Family)> {
 
 /// The architecture `name` is, or an error listing those there are.
 pub fn architecture(name: &str) -> anyhow::Result<Architecture> {
+    if name == "siglip2-base-patch16-naflex" {
+        return naflex_b16();
+    }
     let known = NAMES.iter().find(|n| **n == name);
     let (Some(name), Some((cfg, family))) = (known, model_cfg(name)) else {
         anyhow::bail!("model.architecture {name:?} is not one of {NAMES:?}");
@@ -110,5 +158,8 @@ mod tests {
         assert!(matches!((&s.spec.image, &s.spec.text), (ImageSpec::Siglip(_), TextSpec::Siglip(_))));
         assert_eq!((s.spec.logit_bias, s.usage.text_len, s.usage.loss), (Some(-10.0), 64, crate::config::LossKind::Sigmoid));
         assert!(architecture("ViT-H-14").unwrap_err().to_string().contains("ViT-B-32"));
+        let n = architecture("siglip2-base-patch16-naflex").unwrap();
+        assert!(matches!(&n.spec.image, ImageSpec::Naflex(v) if v.max_patches == 256 && v.position_grid == 16));
+        assert_eq!(n.usage.image.naflex.map(|x| x.max_num_patches), Some(256));
     }
 }
