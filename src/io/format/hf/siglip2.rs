@@ -191,6 +191,11 @@ fn export(m: &ModelFiles, out: &Path) -> Result<()> {
     let mut extra = json!({"model_input_names": names, "padding_side": side, "mask_token": first(&["<mask>"])});
     extra["bos_token"] = bos.map_or(Value::Null, Value::from);
     let specials = [("pad_token", pad.as_str()), ("unk_token", unk.as_str()), ("eos_token", eos.as_str())];
+    if inner.token_to_id("▁").is_none() && inner.token_to_id("<eos>").is_none() {
+        crate::util::log::warn(
+            "transformers' Siglip2Processor rebuilds every tokenizer as Gemma's (SentencePiece-style BPE), so this vocabulary's texts tokenize differently there; load the exported tokenizer.json with PreTrainedTokenizerFast for align's ids",
+        );
+    }
     HfDir {
         config,
         tensors,
