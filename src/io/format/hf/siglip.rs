@@ -2,9 +2,11 @@
 //! weights (the scale and bias stored as `[1]` tensors), the SentencePiece tokenizer and the image
 //! processor.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use anyhow::Result;
+use candle_core::Tensor;
 use serde_json::Value;
 
 use super::clip::tower_processor;
@@ -18,6 +20,7 @@ use crate::io::format::config_error::ConfigError;
 use crate::io::format::{ModelFiles, Usage};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
 use crate::model::presets::{TemperatureKind, TextPooling};
+use crate::model::siglip::SiglipTextConfig;
 
 /// The Hugging Face `SiglipModel` format.
 pub struct HfSiglip;
@@ -75,15 +78,19 @@ pub fn tokenizer_returns_mask(dir: &Path) -> bool {
 /// A `SiglipConfig` JSON as align's model sizes.
 pub fn siglip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
     let (text, vision) = siglip_towers(c)?;
-    if vision.encoder.width != text.projection {
-        return Err(ConfigError::Invalid(format!(
-            "the image embedding is {} wide and the text embedding {}: they must match",
-            vision.encoder.width, text.projection
-        )));
+    let width = vision.encoder.width;
+    joint_spec(ImageSpec::Siglip(vision), width, text).map_err(ConfigError::Invalid)
+}
+
+/// SigLIP's (and SigLIP 2's) joint model: no image projection, the text head as the projection,
+/// a log-parameterised scale and a bias; the two towers' outputs must be as wide.
+pub(super) fn joint_spec(image: ImageSpec, image_width: usize, text: SiglipTextConfig) -> Result<ModelSpec, String> {
+    if image_width != text.projection {
+        return Err(format!("the image embedding is {image_width} wide and the text embedding {}: they must match", text.projection));
     }
     Ok(ModelSpec {
         embed_dim: text.projection,
-        image: ImageSpec::Siglip(vision),
+        image,
         text: TextSpec::Siglip(text),
         image_projection: false,
         text_projection_bias: false,
@@ -94,6 +101,18 @@ pub fn siglip_spec_from_hf(c: &Value) -> Result<ModelSpec, ConfigError> {
         temperature_init: 0.1,
         logit_bias: Some(-10.0),
     })
+}
+
+/// The weights with the scale and bias as the `[1]` tensors `SiglipModel` and `Siglip2Model` keep.
+pub(super) fn with_vector_scales(tensors: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let mut tensors = tensors.clone();
+    for name in ["logit_scale", "logit_bias"] {
+        if let Some(t) = tensors.get(name) {
+            let one = t.reshape(1)?;
+            tensors.insert(name.to_string(), one);
+        }
+    }
+    Ok(tensors)
 }
 
 /// A `SiglipConfig` JSON for a model with SigLIP's towers, scale and bias.
@@ -128,14 +147,7 @@ fn export_hf_siglip(m: &ModelFiles, out: &Path) -> Result<()> {
         config["text_config"]["pad_token_id"] = end.into();
     }
     config["text_config"]["bos_token_id"] = Value::Null;
-    let mut tensors = m.tensors.clone();
-    // SiglipModel keeps its scale and bias as [1] tensors.
-    for name in ["logit_scale", "logit_bias"] {
-        if let Some(t) = tensors.get(name) {
-            let one = t.reshape(1)?;
-            tensors.insert(name.to_string(), one);
-        }
-    }
+    let tensors = with_vector_scales(&m.tensors)?;
     let end = crate::data::tokenizer::SENTENCE_END;
     let masked = matches!(&m.spec.text, TextSpec::Siglip(t) if t.masked);
     let mut tokenizer_extra = if masked {

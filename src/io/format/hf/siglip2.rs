@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 use super::files::{model_max_length, read_json, HfDir};
 use super::model_dir::HfLayout;
-use super::siglip::tokenizer_returns_mask;
+use super::siglip::{joint_spec, tokenizer_returns_mask, with_vector_scales};
 use super::tower_config::siglip2_towers;
 use super::towers::{tokenizer, tower_to_hf};
 use crate::config::LossKind;
@@ -18,7 +18,7 @@ use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::{ImageConfig, Interpolation, Naflex};
 use crate::io::format::{ModelFiles, Usage};
 use crate::model::dual_encoder::{ImageSpec, ModelSpec, TextSpec};
-use crate::model::presets::{TemperatureKind, TextPooling};
+use crate::model::presets::TemperatureKind;
 
 /// The Hugging Face `Siglip2Model` format.
 pub struct HfSiglip2;
@@ -119,25 +119,9 @@ impl HfLayout for HfSiglip2 {
 
 fn spec(config: &Value, max_patches: usize, masked: bool) -> std::result::Result<ModelSpec, String> {
     let (mut text, vision) = siglip2_towers(config, max_patches).map_err(|e| e.to_string())?;
-    if vision.encoder.width != text.projection {
-        return Err(format!(
-            "the image embedding is {} wide and the text embedding {}: they must match",
-            vision.encoder.width, text.projection
-        ));
-    }
     text.masked = masked;
-    Ok(ModelSpec {
-        embed_dim: text.projection,
-        image: ImageSpec::Naflex(vision),
-        text: TextSpec::Siglip(text),
-        image_projection: false,
-        text_projection_bias: false,
-        text_projection_hidden: None,
-        text_pooling: TextPooling::Cls,
-        temperature: TemperatureKind::Clip,
-        temperature_init: 0.1,
-        logit_bias: Some(-10.0),
-    })
+    let width = vision.encoder.width;
+    joint_spec(ImageSpec::Naflex(vision), width, text)
 }
 
 fn config_of(spec: &ModelSpec) -> std::result::Result<Value, String> {
@@ -167,13 +151,7 @@ fn export(m: &ModelFiles, out: &Path) -> Result<()> {
     let ImageSpec::Naflex(v) = &m.spec.image else { unreachable!("config_of checked the tower") };
     let pad = m.tokenizer.inner().id_to_token(m.tokenizer.pad_id()).unwrap_or_default();
     config["text_config"]["pad_token_id"] = m.tokenizer.pad_id().into();
-    let mut tensors = m.tensors.clone();
-    for name in ["logit_scale", "logit_bias"] {
-        if let Some(t) = tensors.get(name) {
-            let one = t.reshape(1)?;
-            tensors.insert(name.to_string(), one);
-        }
-    }
+    let tensors = with_vector_scales(&m.tensors)?;
     let masked = matches!(&m.spec.text, TextSpec::Siglip(t) if t.masked);
     let names = if masked { json!(["input_ids", "attention_mask"]) } else { json!(["input_ids"]) };
     let side = if m.tokenizer.pads_left() { "left" } else { "right" };
