@@ -107,6 +107,17 @@ pub struct DataConfig {
     /// Seconds a `pipe:` shard may send nothing before it is abandoned (a warning names it, and it
     /// counts as a skipped shard).
     pub stall_timeout_s: f64,
+    /// NaFlex token-budget batches (timm's `--naflex-train-seq-lens`): for a SigLIP 2 NaFlex
+    /// tower, each batch draws one of these sequence lengths (patches per image, uniformly),
+    /// resizes its images to at most that many patches, and holds
+    /// `micro · max(naflex_seq_lens) / length` images rounded down to `naflex_batch_divisor`, so
+    /// that every batch carries about the same patches (micro: this rank's share of
+    /// `train.batch_size`, the batch at the longest length). Empty: every batch is
+    /// `train.batch_size` images at `data.image.naflex.max_num_patches`.
+    pub naflex_seq_lens: Vec<usize>,
+    /// Token-budget batch sizes above the longest length's are rounded down to a multiple of
+    /// this (timm's `batch_divisor`).
+    pub naflex_batch_divisor: usize,
     /// Decoding and augmentation. The defaults (`data::transform::ImageConfig`) are ALIGN §5's:
     /// a square resize, a random crop with horizontal flip for training, the central crop for
     /// evaluation, at the same size for every EfficientNet variant.
@@ -125,6 +136,8 @@ impl Default for DataConfig {
             prefetch: 2,
             worker_nice: 10,
             stall_timeout_s: 300.0,
+            naflex_seq_lens: Vec::new(),
+            naflex_batch_divisor: 8,
             image: ImageConfig::default(),
         }
     }
@@ -694,6 +707,13 @@ impl Config {
     /// The data's sources and loaders, the objective and the embedding, the text length and the
     /// evaluation batch.
     fn check_data_and_objective(&self) -> Result<()> {
+        if self.data.naflex_seq_lens.contains(&0) || self.data.naflex_batch_divisor == 0 {
+            bail!(
+                "data.naflex_seq_lens {:?} and data.naflex_batch_divisor {} must be positive",
+                self.data.naflex_seq_lens,
+                self.data.naflex_batch_divisor
+            );
+        }
         let factors = &self.data.upsampling_factors;
         if !factors.is_empty() {
             if !self.data.resampled {

@@ -83,3 +83,92 @@ fn a_siglip2_naflex_start_fine_tunes_on_mixed_aspect_shards() {
     let back = load_model(&out, &Device::Cpu).unwrap();
     assert_eq!((back.spec(), &back.usage.image.naflex), (m.spec(), &m.usage.image.naflex));
 }
+
+fn weights_bits(checkpoint: &Path, file: &str) -> Vec<(String, Vec<u32>)> {
+    let mut all: Vec<(String, Vec<u32>)> = read_tensors(&checkpoint.join(file), &Device::Cpu)
+        .unwrap()
+        .into_iter()
+        .map(|(k, t)| {
+            (
+                k,
+                t.flatten_all()
+                    .unwrap()
+                    .to_dtype(candle_core::DType::F32)
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect(),
+            )
+        })
+        .collect();
+    all.sort();
+    all
+}
+
+/// Token-budget batches (timm's NaFlex loader) on two thread ranks with patch dropout: each
+/// batch draws 16, 36 or 64 patches per image and holds 8, 3 or 2 images per rank to match, the
+/// global batch changes from step to step, and a run resumed from any of its steps ends bit for
+/// bit where the uninterrupted run ends.
+#[test]
+fn token_budget_batches_train_on_two_ranks_and_resume_from_every_step() {
+    const STEPS: u64 = 6;
+    let dir = tempfile::tempdir().unwrap();
+    let data = mixed_aspect_shards(&dir.path().join("data"));
+    let start = fixtures().join("siglip2/naflex");
+    let cfg = |name: &str| {
+        let o = vec![
+            format!("data.train={data}"),
+            format!("run.out_dir={}", dir.path().join("runs").display()),
+            format!("run.name={name}"),
+            format!("model.init={}", start.display()),
+            "data.workers=1".into(),
+            "data.naflex_seq_lens=[16, 36, 64]".into(),
+            "data.naflex_batch_divisor=1".into(),
+            "model.vit.patch_dropout=0.25".into(),
+            "train.batch_size=4".into(),
+            format!("train.steps={STEPS}"),
+            "train.warmup_steps=0".into(),
+            "train.lr=1e-3".into(),
+            "train.checkpoint_every=1".into(),
+            "train.keep_last=100".into(),
+        ];
+        Config::from_str_with_overrides("", "naflex", &o).unwrap()
+    };
+    let opts = |resume_from: Option<PathBuf>| align::train::trainer::TrainOptions {
+        nproc: 2,
+        resume: resume_from.is_some(),
+        resume_from,
+        ..common::cpu_options()
+    };
+    let straight = cfg("straight");
+    let s = train(&straight, &opts(None)).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(s.steps, STEPS);
+    let seen: Vec<u64> =
+        (0..=STEPS)
+            .map(|k| {
+                if k == 0 {
+                    0
+                } else {
+                    align::io::run_dir::read_state(&straight.run_dir().join(format!("step-{k}"))).unwrap().samples_seen
+                }
+            })
+            .collect();
+    let batches: Vec<u64> = seen.windows(2).map(|w| w[1] - w[0]).collect();
+    assert!(batches.iter().all(|b| [4, 6, 16].contains(b)), "global batches of 2 ranks × 2, 3 or 8 images: {batches:?}");
+    assert!(batches.iter().collect::<std::collections::HashSet<_>>().len() > 1, "the length changes between steps: {batches:?}");
+    for k in 1..STEPS {
+        let branch = cfg(&format!("from-{k}"));
+        let b =
+            train(&branch, &opts(Some(straight.run_dir().join(format!("step-{k}"))))).unwrap_or_else(|e| panic!("from step {k}: {e:#}"));
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            assert!(weights_bits(&s.checkpoint, file) == weights_bits(&b.checkpoint, file), "from step {k}: {file} differs");
+        }
+    }
+    // Other lengths would give other batches: a resume under them is refused, naming the field.
+    let mut other = cfg("other-lengths");
+    other.data.naflex_seq_lens = vec![16, 64];
+    let e = format!("{:#}", train(&other, &opts(Some(straight.run_dir().join("step-3")))).unwrap_err());
+    assert!(e.contains("data.naflex_seq_lens"), "{e}");
+}

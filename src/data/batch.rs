@@ -117,6 +117,19 @@ impl BatchBuilder {
         self.batch.size == self.batch_size
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.batch.size == 0
+    }
+
+    /// The next batch's size and image layout (a token-budget batch's); only between batches.
+    pub fn reshape(&mut self, batch_size: usize, image: ImageLayout) {
+        debug_assert!(self.is_empty(), "a batch is reshaped only before its first row");
+        if (batch_size, image) != (self.batch_size, self.batch.image) {
+            self.batch_size = batch_size;
+            self.batch = Batch::with_capacity(batch_size, image, self.batch.max_len);
+        }
+    }
+
     /// The batch so far, and an empty one in its place.
     pub fn take(&mut self) -> Batch {
         let fresh = Batch::with_capacity(self.batch_size, self.batch.image, self.batch.max_len);

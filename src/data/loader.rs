@@ -37,6 +37,7 @@ use super::sample;
 use super::shuffle::ShuffleBuffer;
 use super::skips::SkipCounts;
 use super::tar_read::{read_shard, RawSample, ShardEvent};
+use super::token_budget::TokenBudget;
 use super::tokenizer::TextTokenizer;
 use super::transform::{decode, decode_min_side, train_transform, ImageConfig};
 use crate::util::log;
@@ -60,6 +61,10 @@ pub struct WorkerState {
     /// still reports what it produced; None in a state saved before this was recorded.
     #[serde(default)]
     pub epoch_samples: Option<u64>,
+    /// Batches this worker has formed, all epochs (a token-budget batch's length is drawn from
+    /// it).
+    #[serde(default)]
+    pub batches: u64,
     /// Samples emitted into batches, all epochs, by the `::` source of `data.train` they came
     /// from (index: source).
     #[serde(default)]
@@ -140,6 +145,9 @@ pub struct LoaderSettings {
     pub prefetch: usize,
     /// Scheduling priority the workers give up (`util::threads::lower_priority`).
     pub nice: i32,
+    /// NaFlex token-budget batches: each batch's sequence length drawn, its size scaled to it
+    /// (`batch_size` is then the batch at the longest length).
+    pub token_budget: Option<TokenBudget>,
 }
 
 enum Msg {
@@ -196,6 +204,9 @@ impl TrainLoader {
         if placement.workers == 0 || settings.batch_size == 0 {
             bail!("workers and batch size must be positive");
         }
+        if settings.token_budget.is_some() && settings.image.naflex.is_none() {
+            bail!("token-budget batches hold NaFlex images, and this model's image tower takes fixed-size images (data.image.naflex is not set)");
+        }
         if !plan.resampled && plan.min_shards_per_rank(placement.world_size) == 0 {
             bail!(
                 "{} shards cannot be split over {} ranks: every rank needs at least one (use resampled mode or more shards)",
@@ -229,6 +240,7 @@ impl TrainLoader {
                 state: pos.workers[w].clone(),
                 buffer: ShuffleBuffer::new(settings.shuffle_buffer),
                 batch: BatchBuilder::new(settings.batch_size, super::batch::ImageLayout::of(&settings.image), tokenizer.max_len()),
+                batch_image: settings.image.clone(),
                 cache: None,
             };
             let (rx, handle) = super::reader_thread::spawn(&format!("loader-{w}"), settings.prefetch, move |tx| worker.run(tx))?;
@@ -380,6 +392,8 @@ struct Worker {
     state: WorkerState,
     buffer: ShuffleBuffer<RawSample>,
     batch: BatchBuilder,
+    /// The image settings of the batch being formed (a token-budget batch's patch budget).
+    batch_image: ImageConfig,
     cache: Option<(u64, Vec<usize>)>,
 }
 
@@ -464,7 +478,10 @@ impl Worker {
 
     fn process(&mut self, cursor: usize, index: u64, s: RawSample, tx: &SyncSender<Msg>) -> Result<(), Closed> {
         let mut rng = Rng::derived(self.settings.seed, &[AUGMENT, self.at.global_worker(), self.state.epoch, cursor as u64, index]);
-        let cfg = &self.settings.image;
+        if self.batch.is_empty() {
+            self.begin_batch();
+        }
+        let cfg = &self.batch_image;
         let outcome = (|| -> Result<(), sample::Rejected> {
             let caps = sample::captions(&s)?;
             let label = sample::label(&s)?;
@@ -490,11 +507,25 @@ impl Worker {
         }
         self.state.source_samples[source] += 1;
         if self.batch.is_full() {
+            self.state.batches += 1;
             let mut snapshot = self.state.clone();
             snapshot.buffer = self.buffer.positions();
             tx.send(Msg::Batch(Box::new(self.batch.take()), Box::new(snapshot))).map_err(|_| Closed)?;
         }
         Ok(())
+    }
+
+    /// Draws a token-budget batch's length and sizes the batch for it; nothing without a budget.
+    /// Drawn again, identically, when the batch's first sample is rejected.
+    fn begin_batch(&mut self) {
+        let Some(budget) = &self.settings.token_budget else { return };
+        let seq_len = budget.draw(self.settings.seed, self.at.worker, self.state.batches);
+        let mut image = self.settings.image.clone();
+        if let Some(n) = image.naflex.as_mut() {
+            n.max_num_patches = seq_len;
+        }
+        self.batch.reshape(budget.batch_size(seq_len), super::batch::ImageLayout::of(&image));
+        self.batch_image = image;
     }
 
     /// Refills the shuffle buffer of a restored state by re-reading the shards its samples came
@@ -590,6 +621,7 @@ mod tests {
             seed: 11,
             prefetch: 2,
             nice: 0,
+            token_budget: None,
         }
     }
 
@@ -630,9 +662,21 @@ mod tests {
         assert_eq!(sorted, want);
     }
 
+    /// NaFlex images of 2-pixel patches in token-budget batches: 4 images at 16 patches, 7 at 9,
+    /// 16 at 4.
+    fn budget_settings() -> LoaderSettings {
+        let naflex = crate::data::transform::Naflex { patch_size: 2, max_num_patches: 16 };
+        LoaderSettings {
+            image: ImageConfig { image_size: 2, resize: 2, naflex: Some(naflex), ..Default::default() },
+            token_budget: Some(TokenBudget::new(&[4, 9, 16], 1, 4)),
+            ..settings(4, 6)
+        }
+    }
+
     /// Every step is a possible checkpoint: a loader restored from the position after any batch
     /// (epoch ends included) continues with exactly the batches of the uninterrupted one, for one
-    /// and two ranks, one and two workers, in epoch, resampled and weighted resampled modes.
+    /// and two ranks, one and two workers, in epoch, resampled and weighted resampled modes, and
+    /// with token-budget batches.
     #[test]
     fn a_position_saved_after_any_batch_continues_with_exactly_the_same_batches() {
         let dir = tempfile::tempdir().unwrap();
@@ -640,7 +684,15 @@ mod tests {
         // on every rank, and partial batches carry samples across epoch ends.
         let shards = make_shards(dir.path(), 5, 7);
         let batches = 25;
-        for (resampled, weights) in [(false, vec![]), (true, vec![]), (true, vec![3.0, 1.0, 1.0, 0.5, 0.5])] {
+        let budget = budget_settings();
+        for (resampled, weights, settings) in [
+            (false, vec![], settings(4, 6)),
+            (true, vec![], settings(4, 6)),
+            (true, vec![3.0, 1.0, 1.0, 0.5, 0.5], settings(4, 6)),
+            (false, vec![], budget.clone()),
+            (true, vec![], budget),
+        ] {
+            let budget = settings.token_budget.is_some();
             for world_size in [1, 2] {
                 for workers in [1, 2] {
                     let plan = ShardPlan {
@@ -653,8 +705,9 @@ mod tests {
                     };
                     for rank in 0..world_size {
                         let at = Placement { rank, world_size, worker: 0, workers };
-                        let start =
-                            |from: Option<LoaderPosition>| TrainLoader::start(plan.clone(), at, settings(4, 6), tokenizer(), from).unwrap();
+                        let start = |from: Option<LoaderPosition>| {
+                            TrainLoader::start(plan.clone(), at, settings.clone(), tokenizer(), from).unwrap()
+                        };
                         let mut full = start(None);
                         let mut reference = Vec::new();
                         let mut positions = Vec::new();
@@ -663,6 +716,18 @@ mod tests {
                             positions.push(serde_json::to_string(full.position()).unwrap());
                         }
                         assert!(resampled || full.position().epoch >= 2, "the reference run must cross two epoch ends");
+                        if budget {
+                            let sizes: HashSet<usize> = reference.iter().map(|b| b.size).collect();
+                            assert_eq!(sizes, HashSet::from([4, 7, 16]), "every length is drawn");
+                            for b in &reference {
+                                // Each image a row of its batch's length: 12 numbers a patch, then the grid.
+                                let patches = (b.image.numel - 2) / 12;
+                                assert_eq!(
+                                    (b.size, b.images.len()),
+                                    ([(4, 16), (9, 7), (16, 4)].iter().find(|p| p.0 == patches).unwrap().1, b.size * b.image.numel)
+                                );
+                            }
+                        }
                         for stop in 1..batches {
                             let saved: LoaderPosition = serde_json::from_str(&positions[stop - 1]).unwrap();
                             let mut resumed = start(Some(saved));
@@ -672,8 +737,9 @@ mod tests {
                                         "resampled={resampled} ranks={world_size} rank={rank} workers={workers} stop={stop} batch={k}: {e}"
                                     )
                                 });
-                                let at =
-                                    format!("resampled={resampled} ranks={world_size} rank={rank} workers={workers} stop={stop} batch={k}");
+                                let at = format!(
+                                    "resampled={resampled} budget={budget} ranks={world_size} rank={rank} workers={workers} stop={stop} batch={k}"
+                                );
                                 assert_eq!(got.keys, want.keys, "{at}");
                                 assert!(got.images == want.images && got.ids == want.ids, "{at}");
                                 assert_eq!(serde_json::to_string(resumed.position()).unwrap(), positions[k], "{at}");

@@ -20,6 +20,7 @@ pub mod stats;
 pub mod synth;
 pub mod tar_read;
 pub mod text_clean;
+pub mod token_budget;
 pub mod tokenizer;
 pub mod transform;
 pub mod wordpiece;

@@ -189,7 +189,7 @@ impl ImageTower {
             ImageTower::EfficientNet(e) => e.pooled(images, ctx),
             ImageTower::Clip(c) => c.pooled(images),
             ImageTower::Siglip(s) => s.pooled(images),
-            ImageTower::Naflex(n) => n.pooled(images),
+            ImageTower::Naflex(n) => n.pooled(images, ctx),
         }
     }
 }
@@ -448,9 +448,11 @@ impl DualEncoder {
                 2.0 * patches * 3.0 * p * p * d + c.encoder.flops(patches) + head
             }
             ImageTower::Naflex(v) => {
-                // The full patch budget: the padding is computed too.
+                // The full patch budget: the padding is computed too (at most the kept patches
+                // under patch dropout).
                 let c = &v.config;
-                let (patches, d) = (c.max_patches as f64, c.encoder.width as f64);
+                let patches = if c.patch_dropout > 0.0 { c.kept(c.max_patches) } else { c.max_patches };
+                let (patches, d) = (patches as f64, c.encoder.width as f64);
                 let head = 4.0 * patches * d * d + 4.0 * patches * d + 4.0 * d * c.encoder.mlp_dim as f64;
                 2.0 * patches * c.patch_dim() as f64 * d + c.encoder.flops(patches) + head
             }

@@ -58,7 +58,8 @@ pub struct VitOverrides {
     /// ε of every LayerNorm.
     pub layer_norm_eps: Option<f64>,
     /// FLIP's patch dropout: the fraction of patch tokens each training image drops (0.5 keeps
-    /// half; the class token always stays). Evaluation sees every token.
+    /// half; the class token always stays). Evaluation sees every token. Also applies to a
+    /// SigLIP 2 NaFlex tower, where each image drops that fraction of its own patches.
     pub patch_dropout: Option<f64>,
 }
 

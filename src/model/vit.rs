@@ -172,7 +172,7 @@ pub(crate) fn patchify(x: &Tensor, p: usize) -> Result<Tensor> {
 }
 
 /// Tags patch dropout's draws apart from the other streams a step's seed feeds.
-const PATCH_DROPOUT_STREAM: u64 = 0x5041_5443_4844_524f;
+pub(crate) const PATCH_DROPOUT_STREAM: u64 = 0x5041_5443_4844_524f;
 
 #[cfg(test)]
 mod tests {

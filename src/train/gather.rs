@@ -43,8 +43,54 @@ pub fn gradient_scale(opts: GatherOptions, world: usize) -> f64 {
     }
 }
 
+/// Every rank's row count, in rank order (ranks may hold different batches: token-budget batches
+/// whose workers fell out of step, the last batch of a run).
+pub fn row_counts(rows: usize, group: &Arc<dyn Collective>) -> Result<Vec<usize>> {
+    if group.world_size() == 1 {
+        return Ok(vec![rows]);
+    }
+    let all = group.all_gather_bytes(&(rows as u64).to_le_bytes()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    all.iter()
+        .map(|b| {
+            let b: [u8; 8] = b
+                .get(..8)
+                .and_then(|b| b.try_into().ok())
+                .ok_or_else(|| candle_core::Error::Msg("a rank sent a malformed row count".into()))?;
+            Ok(u64::from_le_bytes(b) as usize)
+        })
+        .collect()
+}
+
+/// Rows before rank `rank`'s in the global batch.
+pub fn row_offset(counts: &[usize], rank: usize) -> usize {
+    counts[..rank].iter().sum()
+}
+
 struct AllGather {
     group: Arc<dyn Collective>,
+    counts: Vec<usize>,
+}
+
+/// The collective's all-gather of `local`, for unequal row counts too: every rank sends its rows
+/// padded to the longest (an all-gather moves equal blocks), and the padding is cut out.
+fn gather_rows(local: &Tensor, counts: &[usize], group: &Arc<dyn Collective>) -> Result<Tensor> {
+    let err = |e: crate::train::collective::CollectiveError| candle_core::Error::Msg(e.to_string());
+    let longest = counts.iter().copied().max().unwrap_or(0);
+    if counts.iter().all(|&c| c == longest) {
+        return group.all_gather(local).map_err(err);
+    }
+    let rows = local.dim(0)?;
+    let padded = if rows < longest {
+        let mut dims = local.dims().to_vec();
+        dims[0] = longest - rows;
+        Tensor::cat(&[local, &Tensor::zeros(dims, local.dtype(), local.device())?], 0)?
+    } else {
+        local.clone()
+    };
+    let all = group.all_gather(&padded).map_err(err)?;
+    let parts: Vec<Tensor> =
+        counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(r, &c)| all.narrow(0, r * longest, c)).collect::<Result<_>>()?;
+    Tensor::cat(&parts, 0)
 }
 
 fn storage_tensor(s: &CpuStorage, l: &Layout) -> Result<Tensor> {
@@ -67,7 +113,7 @@ impl CustomOp1 for AllGather {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let local = storage_tensor(s, l)?;
-        let all = self.group.all_gather(&local).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let all = gather_rows(&local, &self.counts, &self.group)?;
         let shape = all.shape().clone();
         let storage = match all.dtype() {
             candle_core::DType::F32 => CpuStorage::F32(all.flatten_all()?.to_vec1()?),
@@ -81,7 +127,7 @@ impl CustomOp1 for AllGather {
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let local = Tensor::from((candle_core::Storage::Cuda(s.try_clone(l)?), l.shape().clone()));
-        let all = self.group.all_gather(&local).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let all = gather_rows(&local, &self.counts, &self.group)?;
         let all = all.to_device(&local.device().clone())?.contiguous()?;
         let shape = all.shape().clone();
         let (storage, layout) = all.storage_and_layout();
@@ -92,25 +138,26 @@ impl CustomOp1 for AllGather {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        // Every rank's gradient has the global batch's shape: sum them, keep this rank's rows.
         let summed = self.group.all_reduce_sum(&grad.contiguous()?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let rows = arg.dim(0)?;
-        Ok(Some(summed.narrow(0, self.group.rank() * rows, rows)?))
+        let rank = self.group.rank();
+        Ok(Some(summed.narrow(0, row_offset(&self.counts, rank), arg.dim(0)?)?))
     }
 }
 
-/// All-gathers `local` (`[rows, dim]`, equal rows on every rank) along dimension 0.
-pub fn gather(local: &Tensor, group: &Arc<dyn Collective>, with_grad: bool) -> Result<Tensor> {
+/// All-gathers `local` (`[rows, dim]`, `counts[r]` rows on rank r) along dimension 0.
+pub fn gather(local: &Tensor, counts: &[usize], group: &Arc<dyn Collective>, with_grad: bool) -> Result<Tensor> {
     if group.world_size() == 1 {
         return Ok(local.clone());
     }
     let local = local.contiguous()?;
     if with_grad {
-        return local.apply_op1(AllGather { group: group.clone() });
+        return local.apply_op1(AllGather { group: group.clone(), counts: counts.to_vec() });
     }
-    let all = group.all_gather(&local.detach()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let all = gather_rows(&local.detach(), counts, group)?;
     // Splice this rank's own rows (with their gradient) back into the constant gathered rows.
     let rows = local.dim(0)?;
-    let start = group.rank() * rows;
+    let start = row_offset(counts, group.rank());
     let mut parts = Vec::new();
     if start > 0 {
         parts.push(all.narrow(0, 0, start)?);
@@ -125,6 +172,9 @@ pub fn gather(local: &Tensor, group: &Arc<dyn Collective>, with_grad: bool) -> R
 
 /// The contrastive loss of the global batch as seen from this rank. With `local_loss` the value is
 /// this rank's share (the mean over ranks is the global loss); without it, the global loss itself.
+/// A rank's share of a batch split unequally is its rows' mean loss weighed by its part of the
+/// batch (`rows · world / global rows`), so that the mean over ranks and the averaged gradient
+/// are still the global batch's.
 pub fn distributed_loss(
     img: &Tensor,
     txt: &Tensor,
@@ -134,11 +184,18 @@ pub fn distributed_loss(
     opts: GatherOptions,
 ) -> Result<LossParts> {
     let _profile = crate::util::profile::region("loss");
-    let all_img = gather(img, group, opts.gather_with_grad)?;
-    let all_txt = gather(txt, group, opts.gather_with_grad)?;
+    let counts = row_counts(img.dim(0)?, group)?;
+    let all_img = gather(img, &counts, group, opts.gather_with_grad)?;
+    let all_txt = gather(txt, &counts, group, opts.gather_with_grad)?;
     if opts.local_loss {
-        let offset = group.rank() * img.dim(0)?;
-        contrastive_loss(img, txt, &all_img, &all_txt, offset, logit_scale, smoothing)
+        let offset = row_offset(&counts, group.rank());
+        let parts = contrastive_loss(img, txt, &all_img, &all_txt, offset, logit_scale, smoothing)?;
+        let global: usize = counts.iter().sum();
+        let weight = (img.dim(0)? * counts.len()) as f64 / global as f64;
+        if weight == 1.0 {
+            return Ok(parts);
+        }
+        Ok(LossParts { total: (parts.total * weight)?, i2t: (parts.i2t * weight)?, t2i: (parts.t2i * weight)? })
     } else {
         contrastive_loss(&all_img, &all_txt, &all_img, &all_txt, 0, logit_scale, smoothing)
     }
@@ -217,6 +274,56 @@ pub(crate) mod tests {
                                 assert!((x - y).abs() < 1e-10 * y.abs().max(1.0), "W={world} {opts:?}: gradient {x} vs {y}");
                             }
                         }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ranks holding different batches (3 + 1 rows, 1 + 3 + 2, 2 + 2 + 1 + 4): the loss and
+    /// the scaled gradients are still those of one batch of all the rows, for every option that
+    /// is exact with equal batches.
+    #[test]
+    fn unequal_batches_give_the_loss_and_gradients_of_one_batch() {
+        let dim = 5;
+        for counts in [vec![3usize, 1], vec![1, 3, 2], vec![2, 2, 1, 4]] {
+            let total: usize = counts.iter().sum();
+            let (img, txt) = (normalised(total, dim, 3), normalised(total, dim, 4));
+            let dev = Device::Cpu;
+            let (iv, tv) = (Var::new(img.clone(), &dev).unwrap(), Var::new(txt.clone(), &dev).unwrap());
+            let scale = Tensor::new(3.0f64, &dev).unwrap();
+            let whole = contrastive_loss(iv.as_tensor(), tv.as_tensor(), iv.as_tensor(), tv.as_tensor(), 0, &scale, 0.1).unwrap();
+            let g = whole.total.backward().unwrap();
+            let want_loss = whole.total.to_scalar::<f64>().unwrap();
+            let want: Vec<f64> = [g.get(iv.as_tensor()).unwrap(), g.get(tv.as_tensor()).unwrap()]
+                .iter()
+                .flat_map(|t| t.flatten_all().unwrap().to_vec1::<f64>().unwrap())
+                .collect();
+            for opts in [
+                GatherOptions { gather_with_grad: true, local_loss: true },
+                GatherOptions { gather_with_grad: true, local_loss: false },
+                GatherOptions { gather_with_grad: false, local_loss: false },
+            ] {
+                let results = on_thread_ranks(counts.len(), |r, group| {
+                    let dev = Device::Cpu;
+                    let (from, n) = (row_offset(&counts, r), counts[r]);
+                    let iv = Var::new(img[from..from + n].to_vec(), &dev).unwrap();
+                    let tv = Var::new(txt[from..from + n].to_vec(), &dev).unwrap();
+                    let scale = Tensor::new(3.0f64, &dev).unwrap();
+                    let parts = distributed_loss(iv.as_tensor(), tv.as_tensor(), &scale, 0.1, &group, opts).unwrap();
+                    let loss = group.all_reduce_mean(&parts.total).unwrap().to_scalar::<f64>().unwrap();
+                    let grads = parts.total.backward().unwrap();
+                    let f = gradient_scale(opts, group.world_size());
+                    let all = |v: &Var| {
+                        let g = (grads.get(v.as_tensor()).unwrap() * f).unwrap();
+                        gather(&g, &counts, &group, false).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
+                    };
+                    (loss, [all(&iv), all(&tv)].concat())
+                });
+                for (loss, got) in results {
+                    assert!((loss - want_loss).abs() < 1e-12 * want_loss.abs().max(1.0), "{counts:?} {opts:?}: loss {loss} vs {want_loss}");
+                    for (x, y) in got.iter().zip(&want) {
+                        assert!((x - y).abs() < 1e-10 * y.abs().max(1.0), "{counts:?} {opts:?}: gradient {x} vs {y}");
                     }
                 }
             }

@@ -29,13 +29,22 @@ pub fn count_samples(spec_text: &str, quiet: bool) -> Result<u64> {
     Ok(n)
 }
 
-/// Replaces `train.epochs` or `train.samples` by the steps they imply at `train.batch_size`.
-pub fn resolve(cfg: &mut Config, quiet: bool) -> Result<()> {
+/// Replaces `train.epochs` or `train.samples` by the steps they imply at `train.batch_size` (with
+/// token-budget batches, at their mean over the lengths on `world` ranks).
+pub fn resolve(cfg: &mut Config, world: usize, quiet: bool) -> Result<()> {
     let t = &cfg.train;
     if t.epochs == 0.0 && t.samples == 0 {
         return Ok(());
     }
-    let batch = t.batch_size as u64;
+    let ranks = (world.max(1) * t.accum_steps.max(1)) as f64;
+    let batch = match crate::data::token_budget::TokenBudget::of(
+        &cfg.data.naflex_seq_lens,
+        cfg.data.naflex_batch_divisor,
+        (t.batch_size as f64 / ranks) as usize,
+    ) {
+        Some(b) => b.mean_batch() * ranks,
+        None => t.batch_size as f64,
+    };
     let (samples, how) = if t.samples > 0 {
         (t.samples as f64, format!("train.samples = {}", t.samples))
     } else {
@@ -48,9 +57,10 @@ pub fn resolve(cfg: &mut Config, quiet: bool) -> Result<()> {
         };
         (t.epochs * per_epoch as f64, format!("train.epochs = {} of {per_epoch} samples", t.epochs))
     };
-    let steps = ((samples / batch as f64).ceil() as u64).max(1);
+    let steps = ((samples / batch).ceil() as u64).max(1);
     if !quiet {
-        log::info(format!("{how} at a global batch of {batch} pairs: train.steps = {steps}"));
+        let mean = if cfg.data.naflex_seq_lens.is_empty() { "" } else { "token-budget batches of a mean " };
+        log::info(format!("{how} at a global batch of {mean}{batch} pairs: train.steps = {steps}"));
     }
     cfg.train.steps = steps;
     cfg.train.epochs = 0.0;
@@ -69,15 +79,25 @@ mod tests {
     #[test]
     fn epochs_and_samples_become_steps() {
         let mut c = cfg(&["train.batch_size=1024", "train.epochs=2.5", "train.samples_per_epoch=10000"]).unwrap();
-        resolve(&mut c, true).unwrap();
+        resolve(&mut c, 1, true).unwrap();
         // 25,000 pairs at 1,024 a step: 24.4, so 25 steps.
         assert_eq!((c.train.steps, c.train.epochs, c.train.samples), (25, 0.0, 0));
         let mut c = cfg(&["train.batch_size=1000", "train.samples=128000000"]).unwrap();
-        resolve(&mut c, true).unwrap();
+        resolve(&mut c, 1, true).unwrap();
         assert_eq!(c.train.steps, 128_000);
         let mut c = cfg(&["train.steps=7"]).unwrap();
-        resolve(&mut c, true).unwrap();
+        resolve(&mut c, 1, true).unwrap();
         assert_eq!(c.train.steps, 7);
+    }
+
+    /// Token-budget batches: 2 ranks × 8 images at the longest of [16, 64] patches, 32 at 16
+    /// patches, a mean global batch of 2 · (32 + 8) / 2 = 40 pairs; 1,000 pairs take 25 steps.
+    #[test]
+    fn token_budget_epochs_count_at_the_mean_batch() {
+        let mut c =
+            cfg(&["train.batch_size=16", "train.samples=1000", "data.naflex_seq_lens=[16, 64]", "data.naflex_batch_divisor=1"]).unwrap();
+        resolve(&mut c, 2, true).unwrap();
+        assert_eq!(c.train.steps, 25);
     }
 
     #[test]
@@ -87,7 +107,7 @@ mod tests {
         let data = crate::data::synth::write_synth(dir.path(), &spec).unwrap();
         assert_eq!(count_samples(&data.train, true).unwrap(), 30);
         let mut c = cfg(&[&format!("data.train={}", data.train), "train.batch_size=8", "train.epochs=2"]).unwrap();
-        resolve(&mut c, true).unwrap();
+        resolve(&mut c, 1, true).unwrap();
         assert_eq!(c.train.steps, 8, "60 pairs at 8 a step");
     }
 

@@ -12,15 +12,18 @@
 //!
 //! The loss and its gradients are computed together, in one pass around the ring, outside
 //! candle's graph; a surrogate whose gradient is exactly those gradients joins them to the graph
-//! (as the GradCache step does). Rank r's value is the loss of its own images; their mean over
-//! ranks is the global loss, and the trainer's gradient all-reduce (scaled by 1/world, as for the
-//! local softmax loss) gives the single-device gradient.
+//! (as the GradCache step does). Rank r's value is the loss of its own images over the mean rows
+//! per rank (`N / world`, its own `n` when ranks hold equal batches); their mean over ranks is the
+//! global loss, and the trainer's gradient all-reduce (scaled by 1/world, as for the local
+//! softmax loss) gives the single-device gradient. Ranks may hold different batches: the ring's
+//! blocks travel padded to the largest, and each rank scores only a block's real rows.
 
 use std::sync::Arc;
 
 use candle_core::{DType, Result, Tensor};
 
 use super::collective::Collective;
+use super::gather::{gather, row_counts, row_offset};
 use super::loss::LossParts;
 pub use crate::config::Exchange;
 
@@ -40,9 +43,9 @@ fn signs(n: usize, m: usize, diagonal: Option<usize>, like: &Tensor) -> Result<T
 }
 
 /// The terms of one block, `x` (`n × d`) against `y` (`m × d`), positives as [`signs`] places
-/// them, all 0-d or matrices on the device: the summed loss, dL/dlogits (divided by the local
-/// batch `n_local`), and the block's parts of dL/dt and dL/db.
-fn block(x: &Tensor, y: &Tensor, t: f64, b: f64, diagonal: Option<usize>, n_local: usize) -> Result<[Tensor; 4]> {
+/// them, all 0-d or matrices on the device: the summed loss, dL/dlogits (divided by the mean
+/// rows per rank `per_rank`), and the block's parts of dL/dt and dL/db.
+fn block(x: &Tensor, y: &Tensor, t: f64, b: f64, diagonal: Option<usize>, per_rank: f64) -> Result<[Tensor; 4]> {
     let dots = x.matmul(&y.t()?)?;
     let (n, m) = dots.dims2()?;
     let z = signs(n, m, diagonal, &dots)?;
@@ -50,14 +53,14 @@ fn block(x: &Tensor, y: &Tensor, t: f64, b: f64, diagonal: Option<usize>, n_loca
     let u = (&z * dots.affine(t, b)?)?.neg()?;
     let loss = (u.relu()? + (u.abs()?.neg()?.exp()? + 1.0)?.log()?)?.to_dtype(DType::F64)?.sum_all()?;
     // dℓ/dlogit = −z·σ(u).
-    let g = ((z.neg()? * candle_nn::ops::sigmoid(&u)?)? / n_local as f64)?;
+    let g = ((z.neg()? * candle_nn::ops::sigmoid(&u)?)? / per_rank)?;
     let d_t = (&g * &dots)?.to_dtype(DType::F64)?.sum_all()?;
     let d_b = g.to_dtype(DType::F64)?.sum_all()?;
     Ok([loss, g, d_t, d_b])
 }
 
 /// The sigmoid loss of this rank's pairs. `img`, `txt`: this rank's L2-normalised embeddings
-/// (`n × d`, equal `n` on every rank); `logit_scale`: t (0-d), `logit_bias`: b (0-d), both joined
+/// (`n × d`, `n` the rank's own); `logit_scale`: t (0-d), `logit_bias`: b (0-d), both joined
 /// to their parameters in the graph. Computed in f32 (f64 when the embeddings are f64).
 pub fn sigmoid_loss(
     img: &Tensor,
@@ -74,6 +77,17 @@ pub fn sigmoid_loss(
     let t = logit_scale.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let b = logit_bias.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     let (n, d, world, rank) = (x.dim(0)?, x.dim(1)?, group.world_size(), group.rank());
+    let counts = row_counts(n, group)?;
+    let per_rank = counts.iter().sum::<usize>() as f64 / world as f64;
+    let longest = counts.iter().copied().max().unwrap_or(n);
+    // A block padded with zero rows to the longest, so that every rank sends equal blocks.
+    let pad = |t: Tensor| -> Result<Tensor> {
+        let rows = t.dim(0)?;
+        if rows == longest {
+            return Ok(t);
+        }
+        Tensor::cat(&[&t, &Tensor::zeros((longest - rows, t.dim(1)?), t.dtype(), t.device())?], 0)
+    };
     let zero = Tensor::zeros((), DType::F64, x.device())?;
     let (mut loss, mut d_t, mut d_b) = (zero.clone(), zero.clone(), zero);
     let mut add = |[l, g, dt, db]: [Tensor; 4]| -> Result<Tensor> {
@@ -85,33 +99,36 @@ pub fn sigmoid_loss(
     let (d_x, d_y) = match exchange {
         Exchange::Shift => {
             // The block and the gradient gathered for it so far travel together, side by side.
-            let mut travelling = Tensor::cat(&[&own, &own.zeros_like()?], 1)?;
+            let mut travelling = pad(Tensor::cat(&[&own, &own.zeros_like()?], 1)?)?;
             let mut d_x = x.zeros_like()?;
             for k in 0..world {
                 if k > 0 {
                     travelling = group.shift(&travelling)?;
                 }
-                let y = travelling.narrow(1, 0, d)?;
-                let g = add(block(&x, &y, t, b, (k == 0).then_some(0), n)?)?;
+                // At step k the block is rank (r − k)'s.
+                let m = counts[(rank + world - k) % world];
+                let y = travelling.narrow(0, 0, m)?.narrow(1, 0, d)?;
+                let g = add(block(&x, &y, t, b, (k == 0).then_some(0), per_rank)?)?;
                 d_x = (d_x + (g.matmul(&y)? * t)?)?;
-                let d_y = (travelling.narrow(1, d, d)? + (g.t()?.matmul(&x)? * t)?)?;
-                travelling = Tensor::cat(&[&y, &d_y], 1)?;
+                let d_y = (travelling.narrow(0, 0, m)?.narrow(1, d, d)? + (g.t()?.matmul(&x)? * t)?)?;
+                travelling = pad(Tensor::cat(&[&y, &d_y], 1)?)?;
             }
             // After world − 1 steps rank r holds rank r+1's block: one more step takes each
             // block's gradient home.
             let d_y = travelling.narrow(1, d, d)?;
             let d_y = if world > 1 { group.shift(&d_y.contiguous()?)? } else { d_y };
-            (d_x, d_y)
+            (d_x, d_y.narrow(0, 0, n)?)
         }
         Exchange::Gather => {
-            let all = group.all_gather(&own)?;
-            let g = add(block(&x, &all, t, b, Some(rank * n), n)?)?;
+            let all = gather(&own, &counts, group, false)?;
+            let offset = row_offset(&counts, rank);
+            let g = add(block(&x, &all, t, b, Some(offset), per_rank)?)?;
             // Every rank's gradient for every text, summed, then this rank's rows.
             let d_all = group.all_reduce_sum(&(g.t()?.matmul(&x)? * t)?)?;
-            ((g.matmul(&all)? * t)?, d_all.narrow(0, rank * n, n)?)
+            ((g.matmul(&all)? * t)?, d_all.narrow(0, offset, n)?)
         }
     };
-    let value = (loss / n as f64)?.to_dtype(dtype)?;
+    let value = (loss / per_rank)?.to_dtype(dtype)?;
     // Σ ⟨param, its gradient⟩: differentiating it yields exactly the gradients computed above.
     let surrogate = ((img.to_dtype(dtype)? * d_x)?.sum_all()? + (txt.to_dtype(dtype)? * d_y)?.sum_all()?)?;
     let surrogate = (surrogate + logit_scale.to_dtype(dtype)?.mul(&d_t.to_dtype(dtype)?)?)?;
@@ -220,34 +237,40 @@ mod tests {
         assert!((gb - want_b).abs() < 1e-7, "bias: {gb} vs {want_b}");
     }
 
-    /// 2, 3 and 4 ranks, each exchange: the mean of the ranks' losses is the single-device loss of
-    /// the whole batch, and the ranks' summed gradients scaled by 1/world its gradients.
+    /// 2, 3 and 4 ranks, each exchange, equal batches and unequal ones: the mean of the ranks'
+    /// losses is the single-device loss of the whole batch, and the ranks' summed gradients
+    /// scaled by 1/world its gradients.
     #[test]
     fn ranks_give_the_single_device_loss_and_gradients() {
-        let b = 3;
-        for world in [2usize, 3, 4] {
-            let (img, txt) = (normalised(world * b, 6, 10 + world as u64), normalised(world * b, 6, 20 + world as u64));
+        let splits = [vec![3, 3], vec![3, 3, 3], vec![3, 3, 3, 3], vec![4, 1], vec![1, 3, 2], vec![2, 5, 1, 3]];
+        for (case, counts) in splits.iter().enumerate() {
+            let (world, total) = (counts.len(), counts.iter().sum::<usize>());
+            let (img, txt) = (normalised(total, 6, 10 + case as u64), normalised(total, 6, 20 + case as u64));
             let (want, want_gi, want_gt, want_gs, want_gb) = single(&inputs(&img, &txt, 1.7, -3.0));
             for exchange in [Exchange::Shift, Exchange::Gather] {
                 let results = on_thread_ranks(world, |r, group| {
-                    let v = inputs(&img[r * b..(r + 1) * b], &txt[r * b..(r + 1) * b], 1.7, -3.0);
+                    let (from, n) = (row_offset(counts, r), counts[r]);
+                    let v = inputs(&img[from..from + n], &txt[from..from + n], 1.7, -3.0);
                     let scale = v.s.as_tensor().exp().unwrap();
                     let parts = sigmoid_loss(v.img.as_tensor(), v.txt.as_tensor(), &scale, v.b.as_tensor(), &group, exchange).unwrap();
                     let loss = group.all_reduce_mean(&parts.total).unwrap().to_scalar::<f64>().unwrap();
                     let g = parts.total.backward().unwrap();
                     let f = 1.0 / world as f64;
-                    let rows = |x: &Var| group.all_gather(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_vec2::<f64>().unwrap();
+                    let rows = |x: &Var| {
+                        let t = (g.get(x.as_tensor()).unwrap() * f).unwrap();
+                        gather(&t, counts, &group, false).unwrap().to_vec2::<f64>().unwrap()
+                    };
                     let sum =
                         |x: &Var| group.all_reduce_sum(&(g.get(x.as_tensor()).unwrap() * f).unwrap()).unwrap().to_scalar::<f64>().unwrap();
                     (loss, rows(&v.img), rows(&v.txt), sum(&v.s), sum(&v.b))
                 });
                 for (loss, gi, gt, gs, gb) in results {
                     let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs().max(1.0);
-                    assert!(close(loss, want), "W={world} {exchange:?}: loss {loss} vs {want}");
-                    assert!(close(gs, want_gs) && close(gb, want_gb), "W={world} {exchange:?}: {gs} {gb} vs {want_gs} {want_gb}");
+                    assert!(close(loss, want), "{counts:?} {exchange:?}: loss {loss} vs {want}");
+                    assert!(close(gs, want_gs) && close(gb, want_gb), "{counts:?} {exchange:?}: {gs} {gb} vs {want_gs} {want_gb}");
                     for (got, want) in [(gi, &want_gi), (gt, &want_gt)] {
                         for (x, y) in got.iter().flatten().zip(want.iter().flatten()) {
-                            assert!(close(*x, *y), "W={world} {exchange:?}: gradient {x} vs {y}");
+                            assert!(close(*x, *y), "{counts:?} {exchange:?}: gradient {x} vs {y}");
                         }
                     }
                 }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor, Var};
 
 use super::collective::Collective;
-use super::gather::{distributed_loss, gradient_scale, GatherOptions};
+use super::gather::{distributed_loss, gradient_scale, row_counts, row_offset, GatherOptions};
 use super::loss::LossParts;
 use super::optim::{Grads, Optimizer};
 use super::sigmoid_loss::{sigmoid_loss, Exchange};
@@ -39,6 +39,8 @@ pub struct StepOutput {
     pub t2i: f64,
     /// All-reduced and scaled: the gradient of the global batch's loss.
     pub grads: Grads,
+    /// Pairs in the global batch (ranks may hold different batches).
+    pub pairs: u64,
 }
 
 /// The loss a step differentiates, with its distribution settings.
@@ -156,9 +158,10 @@ pub fn compute(
     // Rows are numbered as in the global batch (rank-major, then micro-batch), so an image keeps
     // the same patches however the batch is split.
     let sizes: Vec<usize> = micro.iter().map(|m| m.images.dim(0)).collect::<Result<_>>()?;
-    let local_rows: usize = sizes.iter().sum();
+    let counts = row_counts(sizes.iter().sum(), group)?;
+    let pairs = counts.iter().sum::<usize>() as u64;
     let first_rows: Vec<u64> =
-        sizes.iter().scan((group.rank() * local_rows) as u64, |row, &n| Some(std::mem::replace(row, *row + n as u64))).collect();
+        sizes.iter().scan(row_offset(&counts, group.rank()) as u64, |row, &n| Some(std::mem::replace(row, *row + n as u64))).collect();
     let masking_seed = derive_seed(seed, &[PATCH_DROPOUT_STREAM]);
     let ctx = |k: usize| Ctx {
         masking: patch_dropout.then_some(Masking { seed: masking_seed, first_row: first_rows[k] }),
@@ -172,7 +175,7 @@ pub fn compute(
         let [loss, i2t, t2i] = global_values(&parts, group, loss_kind)?;
         let grads = backward(model, opt, &parts.total)?;
         let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
-        return Ok(StepOutput { loss, i2t, t2i, grads });
+        return Ok(StepOutput { loss, i2t, t2i, grads, pairs });
     }
 
     // 1. Embeddings of every micro-batch, no graph kept.
@@ -190,8 +193,10 @@ pub fn compute(
     let [loss, i2t, t2i] = global_values(&parts, group, loss_kind)?;
     let loss_grads = crate::util::profile::timed("backward", || parts.total.backward())?;
     let mut grads = opt.gather(&loss_grads);
-    let d_img = loss_grads.get(img_all.as_tensor()).cloned();
-    let d_txt = loss_grads.get(txt_all.as_tensor()).cloned();
+    // Detached: a gradient tensor keeps the graph it was computed through (the gathered
+    // embeddings included), which the micro-batches' backward passes must not walk again.
+    let d_img = loss_grads.get(img_all.as_tensor()).map(|d| d.detach());
+    let d_txt = loss_grads.get(txt_all.as_tensor()).map(|d| d.detach());
     // 3. Each micro-batch again, with gradient, pulled by its cached embedding gradient.
     let mut row = 0;
     for (k, m) in micro.iter().enumerate() {
@@ -209,7 +214,7 @@ pub fn compute(
         row += n;
     }
     let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
-    Ok(StepOutput { loss, i2t, t2i, grads })
+    Ok(StepOutput { loss, i2t, t2i, grads, pairs })
 }
 
 #[cfg(test)]
@@ -342,6 +347,39 @@ mod tests {
         assert_eq!(unmasked.loss, plain.loss, "without masking the rate does not matter");
         assert_ne!(masked.loss, unmasked.loss);
         assert_ne!(masked.loss, other_step.loss);
+    }
+
+    /// Ranks holding different batches, split into micro-batches of different sizes (as
+    /// token-budget batches can leave them), with patch dropout: each loss still gives the loss
+    /// and parameter gradients of one device holding every sample, and the step counts them all.
+    #[test]
+    fn unequal_batches_over_ranks_give_the_gradient_of_one_big_batch() {
+        let splits: [&[usize]; 3] = [&[3, 1], &[2], &[1, 2, 2]];
+        let single: Arc<dyn Collective> = Arc::new(SingleProcess);
+        let local_softmax =
+            StepLoss::Softmax { opts: GatherOptions { gather_with_grad: true, local_loss: true }, smoothing: 0.1, mean: true };
+        for loss in [local_softmax, SOFTMAX, SIGMOID, StepLoss::Sigmoid { exchange: Exchange::Gather }] {
+            let (model, opt) = model_dropping(1, loss, 0.5);
+            let want = compute(&model, &opt, &[batch(11, 0)], &single, loss, 9, true).unwrap();
+            let results = on_thread_ranks(splits.len(), |r, group| {
+                let (model, opt) = model_dropping(1, loss, 0.5);
+                let mut from: usize = splits[..r].iter().flat_map(|s| s.iter()).sum();
+                let micro: Vec<MicroBatch> = splits[r]
+                    .iter()
+                    .map(|&n| {
+                        from += n;
+                        batch(n, from - n)
+                    })
+                    .collect();
+                let out = compute(&model, &opt, &micro, &group, loss, 9, true).unwrap();
+                (out.loss, out.grads, out.pairs)
+            });
+            for (got, grads, pairs) in results {
+                assert_eq!(pairs, 11);
+                assert!((got - want.loss).abs() < 1e-5 * want.loss, "{loss:?}: {got} vs {}", want.loss);
+                assert_grads_close(&grads, &want.grads, &format!("unequal ranks, {loss:?}"));
+            }
+        }
     }
 
     #[test]

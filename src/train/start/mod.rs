@@ -347,8 +347,12 @@ pub fn run_settings(spec: &mut ModelSpec, cfg: &Config) -> Result<()> {
     if let Some(rate) = cfg.model.vit.patch_dropout {
         match &mut spec.image {
             ImageSpec::Vit(v) => v.patch_dropout = rate,
+            ImageSpec::Naflex(v) if (0.0..1.0).contains(&rate) => v.patch_dropout = rate,
+            ImageSpec::Naflex(_) => bail!("model.vit.patch_dropout {rate} is not in [0, 1): it is the fraction of patches dropped"),
             _ if rate == 0.0 => {}
-            _ => bail!("model.vit.patch_dropout drops the patch tokens of align's ViT tower, which this model's image tower is not"),
+            _ => bail!(
+                "model.vit.patch_dropout drops the patch tokens of align's ViT tower or of a SigLIP 2 NaFlex tower, which this model's image tower is not"
+            ),
         }
     }
     if let ImageSpec::Vit(v) = &spec.image {

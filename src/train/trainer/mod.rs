@@ -78,7 +78,9 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
     for line in &adopted.kept {
         log::warn(format!("keeping {line}"));
     }
-    super::length::resolve(&mut cfg, opts.quiet)?;
+    let env = DistEnv::from_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
+    let world = if env.world_size > 1 { env.world_size } else { opts.nproc.max(1) };
+    super::length::resolve(&mut cfg, world, opts.quiet)?;
     cfg.validate()?;
     crate::data::pipe_source::set_stall_timeout(std::time::Duration::from_secs_f64(cfg.data.stall_timeout_s));
     let cfg = &cfg;
@@ -86,7 +88,6 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainSummary> {
     if !opts.quiet {
         log::info(format!("{threads} compute threads; {} loader workers at nice +{}", cfg.data.workers, cfg.data.worker_nice));
     }
-    let env = DistEnv::from_env(|k| std::env::var(k).ok()).map_err(anyhow::Error::msg)?;
     let start = &start;
     if env.world_size > 1 {
         return train_process_rank(cfg, start, opts, &env);

@@ -14,6 +14,7 @@ use crate::config::{value_at, Config};
 use crate::data::distribute::{Placement, ShardPlan};
 use crate::data::loader::{LoaderSettings, TrainLoader};
 use crate::data::spec;
+use crate::data::token_budget::TokenBudget;
 use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
 use crate::io::run_dir::{self, TrainState, EMA_FILE, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE};
 use crate::io::run_lock::RunLock;
@@ -113,12 +114,19 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, group: &d
     if !opts.quiet {
         // open_clip's --batch-size is per GPU; align's train.batch_size is the whole step's.
         let (world, accum) = (group.world_size(), cfg.train.accum_steps);
+        let micro = cfg.train.batch_size / (world * accum);
         log::info(format!(
-            "{} steps of a global batch of {} pairs: {world} rank(s) × {accum} micro-batch(es) × {} pairs",
-            cfg.train.steps,
-            cfg.train.batch_size,
-            cfg.train.batch_size / (world * accum)
+            "{} steps of a global batch of {} pairs: {world} rank(s) × {accum} micro-batch(es) × {micro} pairs",
+            cfg.train.steps, cfg.train.batch_size,
         ));
+        if let Some(b) = TokenBudget::of(&cfg.data.naflex_seq_lens, cfg.data.naflex_batch_divisor, micro) {
+            let sizes: Vec<String> = b.seq_lens.iter().map(|&s| format!("{} × {s}", b.batch_size(s))).collect();
+            log::info(format!(
+                "token-budget batches (images × patches per micro-batch, one drawn per batch): {}; the batch above is the one at {} patches",
+                sizes.join(", "),
+                b.longest()
+            ));
+        }
         log::info(format!("loss: {}", describe_loss(cfg)));
     }
     Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, ema, loader, device, _lock: lock })
@@ -233,8 +241,18 @@ fn chosen_checkpoint(path: &Path, run_dir: &Path) -> Result<PathBuf> {
 /// What a resume must keep: the data and its order, the length, the model, and the objective and
 /// optimizer (whose moments the checkpoint holds; a start's family recipe is one of these, so a
 /// run begun under another recipe is not silently continued under this one).
-const RESUME_FIELDS: [&str; 8] =
-    ["run.seed", "train.batch_size", "train.steps", "data.train", "data.upsampling_factors", "model", "loss", "optimizer"];
+const RESUME_FIELDS: [&str; 10] = [
+    "run.seed",
+    "train.batch_size",
+    "train.steps",
+    "data.train",
+    "data.upsampling_factors",
+    "data.naflex_seq_lens",
+    "data.naflex_batch_divisor",
+    "model",
+    "loss",
+    "optimizer",
+];
 
 /// What `cfg` changes of the config the checkpoint at `dir` was trained with: an error naming
 /// every change not allowed, else the allowed ones.
@@ -415,6 +433,7 @@ fn start_loader(cfg: &Config, group: &dyn Collective, tokenizer: Arc<TextTokeniz
         seed: cfg.run.seed,
         prefetch: cfg.data.prefetch,
         nice: cfg.data.worker_nice,
+        token_budget: TokenBudget::of(&cfg.data.naflex_seq_lens, cfg.data.naflex_batch_divisor, micro),
     };
     let placement = Placement { rank, world_size: world, worker: 0, workers: cfg.data.workers };
     TrainLoader::start(plan, placement, settings, tokenizer, start.loaders.get(rank).cloned())

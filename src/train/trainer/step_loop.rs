@@ -121,7 +121,6 @@ fn one_step(
         micro_batches.push(batch_tensors(batch, &run.device)?);
     }
     end.data_wait += waited;
-    let local: u64 = micro_batches.iter().map(|m| m.images.dim(0).unwrap_or(0) as u64).sum();
     let seed = derive_seed(cfg.run.seed, &[0x5354_4550, at.step]);
     // Mixed precision: a bf16 view of the f32 variables, rebuilt after every update.
     let view;
@@ -143,14 +142,13 @@ fn one_step(
     if !stats.grad_norm.is_finite() {
         bail!("non-finite gradient norm at step {}; stopping without saving", at.step + 1);
     }
-    let world = group.world_size() as u64;
     at.step += 1;
     if let Some(ema) = &mut run.ema {
         ema.update(&run.varmap, at.step)?;
     }
-    at.samples_seen += local * world;
+    at.samples_seen += out.pairs;
     at.last_loss = Some(out.loss);
-    log.count(local * world, waited);
+    log.count(out.pairs, waited);
     log.bar.set_position(at.step);
     Ok(StepDone { out, grad_norm: stats.grad_norm })
 }

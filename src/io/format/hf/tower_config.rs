@@ -409,6 +409,7 @@ pub fn siglip2_towers(c: &Value, max_patches: usize) -> Result<(SiglipTextConfig
         position_grid: grid,
         max_patches: size(max_patches, "preprocessor_config", "max_num_patches")?,
         encoder,
+        patch_dropout: 0.0,
     };
     Ok((text, vision))
 }

@@ -71,7 +71,13 @@ fn naflex_b16() -> anyhow::Result<Architecture> {
     use crate::model::siglip::SiglipTextConfig;
     let encoder = EncoderConfig { width: 768, layers: 12, heads: 12, mlp_dim: 3072, layer_norm_eps: 1e-6, act: Act::GeluTanh };
     let spec = ModelSpec {
-        image: ImageSpec::Naflex(NaflexVisionConfig { patch_size: 16, position_grid: 16, max_patches: 256, encoder: encoder.clone() }),
+        image: ImageSpec::Naflex(NaflexVisionConfig {
+            patch_size: 16,
+            position_grid: 16,
+            max_patches: 256,
+            encoder: encoder.clone(),
+            patch_dropout: 0.0,
+        }),
         text: TextSpec::Siglip(SiglipTextConfig { vocab_size: 256_000, max_position: 64, encoder, projection: 768, masked: false }),
         embed_dim: 768,
         image_projection: false,
