@@ -34,6 +34,8 @@ pub struct Config {
     pub train: TrainConfig,
     /// The evaluations run during and after training.
     pub eval: EvalConfig,
+    /// Distillation from a teacher, online or from its stored embeddings.
+    pub distill: DistillConfig,
     /// Which fields the file and the `--set` overrides named (not part of the config itself).
     #[serde(skip)]
     pub explicit: Explicit,
@@ -303,6 +305,63 @@ pub enum Exchange {
     Shift,
     /// All texts gathered on every rank: logits memory `n × N`.
     Gather,
+}
+
+/// The distillation loss's form (`train::distill_loss`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillLoss {
+    /// The cross-entropy between the teacher's and the student's distributions (open_clip's
+    /// `DistillClipLoss`).
+    #[default]
+    CrossEntropy,
+    /// The Kullback-Leibler divergence from the teacher's (MobileCLIP): the same gradient, 0 when
+    /// the student matches the teacher.
+    Kl,
+}
+
+/// A teacher the student learns from (`train::distill_loss`), as open_clip's `--distill-model`
+/// and MobileCLIP's reinforced datasets use one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct DistillConfig {
+    /// The teacher: any checkpoint align reads (a run, a Hugging Face or open_clip folder),
+    /// run forward-only and frozen beside the student. It sees each sample through its own
+    /// evaluation preprocessing and tokenizer (a separate, deterministic view: the one `align data
+    /// score` embeds). Empty: no online teacher.
+    pub teacher: PathBuf,
+    /// Stored teacher embeddings instead: the folder `align data score --embeddings` wrote
+    /// (DataCompDR-style), one file per shard, matched to each sample by key and caption.
+    pub embeddings: PathBuf,
+    /// Weight of the distillation loss beside the contrastive one.
+    pub weight: f64,
+    /// Keep the contrastive loss (false: the student learns from the teacher alone).
+    pub contrastive: bool,
+    /// `cross_entropy` (open_clip's `DistillClipLoss`) or `kl` (MobileCLIP).
+    pub loss: DistillLoss,
+    /// The online teacher's matrix products: `f32`, or `bf16` (bfloat16 operands, f32 sums, as
+    /// `--precision bf16` runs the forward-only commands; CPUs with AVX-512 BF16).
+    pub precision: Precision,
+}
+
+impl Default for DistillConfig {
+    fn default() -> Self {
+        DistillConfig {
+            teacher: PathBuf::new(),
+            embeddings: PathBuf::new(),
+            weight: 1.0,
+            contrastive: true,
+            loss: DistillLoss::CrossEntropy,
+            precision: Precision::F32,
+        }
+    }
+}
+
+impl DistillConfig {
+    /// Whether the run distils from a teacher.
+    pub fn active(&self) -> bool {
+        !self.teacher.as_os_str().is_empty() || !self.embeddings.as_os_str().is_empty()
+    }
 }
 
 /// How the softmax loss's two directions make one loss (`loss.directions`).
@@ -707,6 +766,16 @@ impl Config {
     /// The data's sources and loaders, the objective and the embedding, the text length and the
     /// evaluation batch.
     fn check_data_and_objective(&self) -> Result<()> {
+        let d = &self.distill;
+        if !d.teacher.as_os_str().is_empty() && !d.embeddings.as_os_str().is_empty() {
+            bail!("set one of distill.teacher (a teacher run beside the student) and distill.embeddings (its stored embeddings), not both");
+        }
+        if !(d.weight >= 0.0 && d.weight.is_finite()) {
+            bail!("distill.weight must be a non-negative number, got {}", d.weight);
+        }
+        if !d.contrastive && !d.active() {
+            bail!("distill.contrastive = false leaves no loss: it needs distill.teacher or distill.embeddings");
+        }
         if self.data.naflex_seq_lens.contains(&0) || self.data.naflex_batch_divisor == 0 {
             bail!(
                 "data.naflex_seq_lens {:?} and data.naflex_batch_divisor {} must be positive",

@@ -36,6 +36,15 @@ impl ImageLayout {
     }
 }
 
+/// A batch's distillation teacher rows (`data::teacher_feed`), row for row with the batch.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TeacherRows {
+    /// The teacher's inputs: images as its tower takes them, token ids and masks.
+    Inputs { images: Vec<f32>, image: ImageLayout, ids: Vec<u32>, mask: Vec<u32>, max_len: usize },
+    /// The teacher's L2-normalised embeddings, `dim` numbers a row.
+    Embeddings { image: Vec<f32>, text: Vec<f32>, dim: usize },
+}
+
 /// One training batch in host memory.
 #[derive(Debug, Clone)]
 pub struct Batch {
@@ -50,6 +59,8 @@ pub struct Batch {
     pub keys: Vec<String>,
     pub captions: Vec<String>,
     pub labels: Vec<Option<i64>>,
+    /// A distillation teacher's rows (`data::teacher_feed`), row for row.
+    pub teacher: Option<TeacherRows>,
 }
 
 impl Batch {
@@ -64,6 +75,7 @@ impl Batch {
             keys: Vec::with_capacity(n),
             captions: Vec::with_capacity(n),
             labels: Vec::with_capacity(n),
+            teacher: None,
         }
     }
 

@@ -37,6 +37,7 @@ use super::sample;
 use super::shuffle::ShuffleBuffer;
 use super::skips::SkipCounts;
 use super::tar_read::{read_shard, RawSample, ShardEvent};
+use super::teacher_feed::{TeacherFeed, TeacherSide};
 use super::token_budget::TokenBudget;
 use super::tokenizer::TextTokenizer;
 use super::transform::{decode, decode_min_side, train_transform, ImageConfig};
@@ -148,6 +149,8 @@ pub struct LoaderSettings {
     /// NaFlex token-budget batches: each batch's sequence length drawn, its size scaled to it
     /// (`batch_size` is then the batch at the longest length).
     pub token_budget: Option<TokenBudget>,
+    /// A distillation teacher's rows for every sample.
+    pub teacher: Option<Arc<TeacherFeed>>,
 }
 
 enum Msg {
@@ -241,6 +244,7 @@ impl TrainLoader {
                 buffer: ShuffleBuffer::new(settings.shuffle_buffer),
                 batch: BatchBuilder::new(settings.batch_size, super::batch::ImageLayout::of(&settings.image), tokenizer.max_len()),
                 batch_image: settings.image.clone(),
+                teacher: settings.teacher.clone().map(TeacherSide::new),
                 cache: None,
             };
             let (rx, handle) = super::reader_thread::spawn(&format!("loader-{w}"), settings.prefetch, move |tx| worker.run(tx))?;
@@ -394,6 +398,7 @@ struct Worker {
     batch: BatchBuilder,
     /// The image settings of the batch being formed (a token-budget batch's patch budget).
     batch_image: ImageConfig,
+    teacher: Option<TeacherSide>,
     cache: Option<(u64, Vec<usize>)>,
 }
 
@@ -482,18 +487,29 @@ impl Worker {
             self.begin_batch();
         }
         let cfg = &self.batch_image;
+        let shard = self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache).unwrap_or(0);
         let outcome = (|| -> Result<(), sample::Rejected> {
             let caps = sample::captions(&s)?;
             let label = sample::label(&s)?;
             let bytes = sample::image_bytes(&s)?;
-            let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels, cfg.alpha)
-                .map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
+            let full = self.teacher.as_ref().is_some_and(|t| t.needs_full_image());
+            let min_side = if full { decode_min_side(cfg, false) } else { decode_min_side(cfg, true) };
+            let img =
+                decode(bytes, min_side, cfg.max_pixels, cfg.alpha).map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
             let caption = caps[rng.below(caps.len())].clone();
-            self.batch.add(&s.key, caption, label, &self.tokenizer, |row| train_transform(&img, cfg, &mut rng, row))
+            let teacher = match self.teacher.as_mut() {
+                Some(t) => Some(t.prepare(shard, &self.plan.shards[shard].to_string(), &s.key, &caption, &img)?),
+                None => None,
+            };
+            self.batch.add(&s.key, caption, label, &self.tokenizer, |row| train_transform(&img, cfg, &mut rng, row))?;
+            if let (Some(side), Some(rows)) = (self.teacher.as_mut(), teacher) {
+                side.push(rows);
+            }
+            Ok(())
         })();
         if let Err(rej) = outcome {
             self.state.skips.add(rej.reason);
-            let shard = self.plan.shards[self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache).unwrap_or(0)].clone();
+            let shard = self.plan.shards[shard].clone();
             log::warn_sample(&shard.to_string(), rej.reason, format!("shard {shard}: sample {}: {}; skipped", s.key, rej.detail));
             return Ok(());
         }
@@ -501,7 +517,7 @@ impl Worker {
         if let Some(n) = self.state.epoch_samples.as_mut() {
             *n += 1;
         }
-        let source = self.plan.source_of(self.plan.shard_at(self.state.epoch, self.at, cursor, &mut self.cache).unwrap_or(0));
+        let source = self.plan.source_of(shard);
         if self.state.source_samples.len() <= source {
             self.state.source_samples.resize(source + 1, 0);
         }
@@ -510,7 +526,9 @@ impl Worker {
             self.state.batches += 1;
             let mut snapshot = self.state.clone();
             snapshot.buffer = self.buffer.positions();
-            tx.send(Msg::Batch(Box::new(self.batch.take()), Box::new(snapshot))).map_err(|_| Closed)?;
+            let mut batch = self.batch.take();
+            batch.teacher = self.teacher.as_mut().and_then(TeacherSide::take);
+            tx.send(Msg::Batch(Box::new(batch), Box::new(snapshot))).map_err(|_| Closed)?;
         }
         Ok(())
     }
@@ -622,6 +640,7 @@ mod tests {
             prefetch: 2,
             nice: 0,
             token_budget: None,
+            teacher: None,
         }
     }
 

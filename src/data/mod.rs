@@ -19,6 +19,7 @@ pub mod spec;
 pub mod stats;
 pub mod synth;
 pub mod tar_read;
+pub mod teacher_feed;
 pub mod text_clean;
 pub mod token_budget;
 pub mod tokenizer;

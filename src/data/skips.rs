@@ -25,6 +25,10 @@ pub mod reason {
     pub const TRUNCATED_SHARD: &str = "truncated_shard";
     /// A shard that could not be opened at all (missing file, failing `pipe:` command).
     pub const UNREADABLE_SHARD: &str = "unreadable_shard";
+    /// Distillation from stored embeddings: none was stored for the sample's key.
+    pub const NO_TEACHER_EMBEDDING: &str = "no_teacher_embedding";
+    /// Distillation from stored embeddings: the key's were computed on another caption.
+    pub const TEACHER_OTHER_CAPTION: &str = "teacher_other_caption";
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -54,11 +54,14 @@ pub struct ScoreReport {
     pub out: PathBuf,
 }
 
-/// Whether `path` already holds the scores of `shard` by this scorer (with embeddings, when
-/// they are asked for).
+/// Whether `path` already holds the scores of `shard` by this scorer (with embeddings and the
+/// scorer's logit scale, when embeddings are asked for: what a distillation run needs).
 fn done(path: &Path, shard: &str, scorer: &Scorer, embeddings: bool) -> bool {
-    scores::read_meta(path)
-        .is_ok_and(|s| s.meta("shard") == Some(shard) && Scorer::of(&s) == *scorer && (!embeddings || s.meta("embeddings") == Some("true")))
+    scores::read_meta(path).is_ok_and(|s| {
+        s.meta("shard") == Some(shard)
+            && Scorer::of(&s) == *scorer
+            && (!embeddings || (s.meta("embeddings") == Some("true") && s.meta("logit_scale").is_some()))
+    })
 }
 
 /// The name of the lock file that keeps two scorers out of one directory (hidden, as pandas and
@@ -111,6 +114,11 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
     let mut names: std::collections::HashMap<PathBuf, String> = std::collections::HashMap::new();
     let bar = Progress::bar(shards.len() as u64, "scoring shards", o.quiet);
     let dim = m.spec().embed_dim;
+    // The scorer's own logit scale (and bias), so that its embeddings can teach: a distillation
+    // run scales the teacher's similarities by them.
+    let scalar = |t: candle_core::Tensor| -> Result<f64> { Ok(t.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?) };
+    let logit_scale = scalar(m.model.logit_scale()?)?;
+    let logit_bias = m.model.logit_bias()?.map(scalar).transpose()?;
     for shard in shards {
         let name = shard.to_string();
         let path = scores::score_path(&o.out, &name);
@@ -157,9 +165,13 @@ pub fn score_shards(m: &LoadedModel, shards: &[ShardSource], o: &ScoreOptions, d
             ("model".into(), o.model.clone()),
             ("precision".into(), m.precision.name().into()),
             ("embeddings".into(), o.embeddings.to_string()),
+            ("logit_scale".into(), logit_scale.to_string()),
             ("samples".into(), s.keys.len().to_string()),
             ("skipped".into(), e.skipped.summary()),
         ];
+        if let Some(b) = logit_bias {
+            s.meta.push(("logit_bias".into(), b.to_string()));
+        }
         scores::write(&path, &s)?;
         report.samples += s.keys.len() as u64;
         report.skipped.merge(&e.skipped);

@@ -50,6 +50,9 @@ pub struct TrainState {
     /// Wall-clock seconds of training so far, over all resumptions.
     pub seconds: f64,
     pub last_loss: Option<f64>,
+    /// The distillation teacher the run learns from (its identity), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher: Option<String>,
 }
 
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -304,7 +307,7 @@ mod tests {
     /// stopped at `crash` if given.
     fn save_step(run: &Path, step: u64, version: f32, crash: Option<&str>) -> Result<PathBuf> {
         let tok = tokenizer();
-        let state = TrainState { step, samples_seen: step * 4, loaders: Vec::new(), seconds: 0.0, last_loss: None };
+        let state = TrainState { step, samples_seen: step * 4, loaders: Vec::new(), seconds: 0.0, last_loss: None, teacher: None };
         let mut weights = HashMap::new();
         weights.insert("w".to_string(), Tensor::new(&[step as f32, version], &Device::Cpu).unwrap());
         let c = CheckpointContents {

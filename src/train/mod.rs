@@ -2,6 +2,7 @@
 //! and schedules, the moving average, and the run itself (`trainer`).
 
 pub mod collective;
+pub mod distill_loss;
 pub mod ema;
 pub mod gather;
 pub mod length;

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::{DType, Result, Tensor, Var};
 
 use super::collective::Collective;
+use super::distill_loss::{distill_loss, DistillLoss, TeacherLogits};
 use super::gather::{distributed_loss, gradient_scale, row_counts, row_offset, GatherOptions};
 use super::loss::LossParts;
 use super::optim::{Grads, Optimizer};
@@ -30,6 +31,47 @@ pub struct MicroBatch {
     pub images: Tensor,
     pub ids: Tensor,
     pub mask: Tensor,
+    /// A distillation teacher's rows for the same samples.
+    pub teacher: Option<TeacherMicro>,
+}
+
+/// A micro-batch's teacher side: its inputs for an online teacher, or its stored embeddings.
+pub enum TeacherMicro {
+    Inputs { images: Tensor, ids: Tensor, mask: Tensor },
+    Embeddings { image: Tensor, text: Tensor },
+}
+
+/// Distillation in a step (`train::distill_loss`): the online teacher (None when the batches
+/// bring stored embeddings), its logit scale and bias, and how its loss joins the contrastive one.
+pub struct Distill<'a> {
+    pub teacher: Option<&'a DualEncoder>,
+    pub logits: TeacherLogits,
+    pub weight: f64,
+    pub contrastive: bool,
+    pub kind: DistillLoss,
+    /// The online teacher's large products in bf16.
+    pub bf16: bool,
+}
+
+impl Distill<'_> {
+    /// The teacher's embeddings of a micro-batch's samples, constants of the student's graph.
+    fn embeddings(&self, m: &MicroBatch) -> Result<(Tensor, Tensor)> {
+        match (&m.teacher, self.teacher) {
+            (Some(TeacherMicro::Inputs { images, ids, mask }), Some(t)) => {
+                let _profile = crate::util::profile::region("forward/teacher");
+                let embed = || -> Result<(Tensor, Tensor)> {
+                    Ok((t.image_embeddings(images, &Ctx::EVAL)?.detach(), t.text_embeddings(ids, mask)?.detach()))
+                };
+                if self.bf16 {
+                    crate::ops::kernels::bf16_gemm::with_forward_bf16(embed)
+                } else {
+                    embed()
+                }
+            }
+            (Some(TeacherMicro::Embeddings { image, text }), _) => Ok((image.clone(), text.clone())),
+            _ => candle_core::bail!("a distillation step's batch came without its teacher's rows"),
+        }
+    }
 }
 
 pub struct StepOutput {
@@ -41,6 +83,8 @@ pub struct StepOutput {
     pub grads: Grads,
     /// Pairs in the global batch (ranks may hold different batches).
     pub pairs: u64,
+    /// The distillation loss of the global batch (unweighted), when the step distils.
+    pub distill: Option<f64>,
 }
 
 /// The loss a step differentiates, with its distribution settings.
@@ -105,6 +149,48 @@ fn global_values(parts: &LossParts, group: &Arc<dyn Collective>, loss: StepLoss)
     Ok([v[0], v[1], v[2]])
 }
 
+/// What a step differentiates: the contrastive loss (unless distillation alone is asked for) plus
+/// the weighted distillation loss against the teacher's embeddings `teacher`; and the values it
+/// reports (loss, its halves, the distillation loss), identical on every rank.
+fn objective(
+    model: &DualEncoder,
+    img: &Tensor,
+    txt: &Tensor,
+    teacher: Option<(&Tensor, &Tensor)>,
+    group: &Arc<dyn Collective>,
+    loss_kind: StepLoss,
+    distill: Option<&Distill>,
+) -> Result<(Tensor, [f64; 3], Option<f64>)> {
+    let mut total = None;
+    let mut values = [0.0; 3];
+    if distill.is_none_or(|d| d.contrastive) {
+        let parts = loss_kind.loss(model, img, txt, group)?;
+        values = global_values(&parts, group, loss_kind)?;
+        total = Some(parts.total);
+    }
+    let mut distilled = None;
+    if let (Some(d), Some((t_img, t_txt))) = (distill, teacher) {
+        let bias = match loss_kind {
+            StepLoss::Sigmoid { .. } => model.logit_bias()?,
+            StepLoss::Softmax { .. } => None,
+        };
+        let share = distill_loss(img, txt, t_img, t_txt, &model.logit_scale()?, bias.as_ref(), d.logits, d.kind, group)?;
+        let value = group.all_reduce_mean(&share.to_dtype(DType::F64)?.detach())?.to_scalar::<f64>()?;
+        distilled = Some(value);
+        values[0] += d.weight * value;
+        // The share's gradients averaged over ranks are exact; the step scales the summed
+        // gradients by the contrastive loss's factor instead.
+        let world = group.world_size();
+        let part = (share * (d.weight / (world as f64 * loss_kind.gradient_scale(world))))?;
+        total = Some(match total {
+            Some(t) => (&t + part.to_dtype(t.dtype())?)?,
+            None => part,
+        });
+    }
+    let total = total.ok_or_else(|| candle_core::Error::Msg("a step with neither a contrastive nor a distillation loss".into()))?;
+    Ok((total, values, distilled))
+}
+
 /// The parameter gradients of one backward pass: the loss's own store plus those of the blocks
 /// that activation checkpointing recomputed during it.
 pub fn backward(model: &DualEncoder, opt: &Optimizer, loss: &Tensor) -> Result<Grads> {
@@ -154,6 +240,21 @@ pub fn compute(
     seed: u64,
     patch_dropout: bool,
 ) -> Result<StepOutput> {
+    compute_with(model, opt, micro, group, loss_kind, seed, patch_dropout, None)
+}
+
+/// [`compute`], distilling from a teacher when `distill` says so.
+#[allow(clippy::too_many_arguments)]
+pub fn compute_with(
+    model: &DualEncoder,
+    opt: &Optimizer,
+    micro: &[MicroBatch],
+    group: &Arc<dyn Collective>,
+    loss_kind: StepLoss,
+    seed: u64,
+    patch_dropout: bool,
+    distill: Option<&Distill>,
+) -> Result<StepOutput> {
     let scale = loss_kind.gradient_scale(group.world_size());
     // Rows are numbered as in the global batch (rank-major, then micro-batch), so an image keeps
     // the same patches however the batch is split.
@@ -169,13 +270,14 @@ pub fn compute(
     };
     if micro.len() == 1 {
         let m = &micro[0];
+        let teacher = distill.map(|d| d.embeddings(m)).transpose()?;
         let img = model.image_embeddings(&m.images, &ctx(0))?;
         let txt = model.text_embeddings(&m.ids, &m.mask)?;
-        let parts = loss_kind.loss(model, &img, &txt, group)?;
-        let [loss, i2t, t2i] = global_values(&parts, group, loss_kind)?;
-        let grads = backward(model, opt, &parts.total)?;
+        let (total, [loss, i2t, t2i], distilled) =
+            objective(model, &img, &txt, teacher.as_ref().map(|(a, b)| (a, b)), group, loss_kind, distill)?;
+        let grads = backward(model, opt, &total)?;
         let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
-        return Ok(StepOutput { loss, i2t, t2i, grads, pairs });
+        return Ok(StepOutput { loss, i2t, t2i, grads, pairs, distill: distilled });
     }
 
     // 1. Embeddings of every micro-batch, no graph kept.
@@ -189,9 +291,17 @@ pub fn compute(
     // 2. The loss over the accumulated (and gathered) batch, differentiated to the embeddings.
     let img_all = Var::from_tensor(&Tensor::cat(&imgs, 0)?)?;
     let txt_all = Var::from_tensor(&Tensor::cat(&txts, 0)?)?;
-    let parts = loss_kind.loss(model, img_all.as_tensor(), txt_all.as_tensor(), group)?;
-    let [loss, i2t, t2i] = global_values(&parts, group, loss_kind)?;
-    let loss_grads = crate::util::profile::timed("backward", || parts.total.backward())?;
+    let teacher = match distill {
+        Some(d) => {
+            let (ti, tt): (Vec<Tensor>, Vec<Tensor>) =
+                micro.iter().map(|m| d.embeddings(m)).collect::<Result<Vec<_>>>()?.into_iter().unzip();
+            Some((Tensor::cat(&ti, 0)?, Tensor::cat(&tt, 0)?))
+        }
+        None => None,
+    };
+    let (total, [loss, i2t, t2i], distilled) =
+        objective(model, img_all.as_tensor(), txt_all.as_tensor(), teacher.as_ref().map(|(a, b)| (a, b)), group, loss_kind, distill)?;
+    let loss_grads = crate::util::profile::timed("backward", || total.backward())?;
     let mut grads = opt.gather(&loss_grads);
     // Detached: a gradient tensor keeps the graph it was computed through (the gathered
     // embeddings included), which the micro-batches' backward passes must not walk again.
@@ -214,7 +324,7 @@ pub fn compute(
         row += n;
     }
     let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
-    Ok(StepOutput { loss, i2t, t2i, grads, pairs })
+    Ok(StepOutput { loss, i2t, t2i, grads, pairs, distill: distilled })
 }
 
 #[cfg(test)]
@@ -258,12 +368,17 @@ mod tests {
         let images = Tensor::from_vec(all[offset * 192..].to_vec(), (n, 3, 8, 8), &dev).unwrap();
         let ids: Vec<u32> =
             (0..n).flat_map(|i| [2u32, 5 + ((offset + i) * 7 % 20) as u32, 6 + ((offset + i) * 3 % 19) as u32, 3]).collect();
-        MicroBatch { images, ids: Tensor::from_vec(ids, (n, 4), &dev).unwrap(), mask: Tensor::ones((n, 4), DType::U32, &dev).unwrap() }
+        MicroBatch {
+            images,
+            ids: Tensor::from_vec(ids, (n, 4), &dev).unwrap(),
+            mask: Tensor::ones((n, 4), DType::U32, &dev).unwrap(),
+            teacher: None,
+        }
     }
 
     fn concat(parts: &[MicroBatch]) -> MicroBatch {
         let cat = |f: &dyn Fn(&MicroBatch) -> Tensor| Tensor::cat(&parts.iter().map(f).collect::<Vec<_>>(), 0).unwrap();
-        MicroBatch { images: cat(&|m| m.images.clone()), ids: cat(&|m| m.ids.clone()), mask: cat(&|m| m.mask.clone()) }
+        MicroBatch { images: cat(&|m| m.images.clone()), ids: cat(&|m| m.ids.clone()), mask: cat(&|m| m.mask.clone()), teacher: None }
     }
 
     fn assert_grads_close(a: &Grads, b: &Grads, what: &str) {
@@ -378,6 +493,69 @@ mod tests {
                 assert_eq!(pairs, 11);
                 assert!((got - want.loss).abs() < 1e-5 * want.loss, "{loss:?}: {got} vs {}", want.loss);
                 assert_grads_close(&grads, &want.grads, &format!("unequal ranks, {loss:?}"));
+            }
+        }
+    }
+
+    /// Stored teacher embeddings for the samples `offset..offset + n` of [`batch`].
+    fn with_teacher(mut m: MicroBatch, offset: usize) -> MicroBatch {
+        let n = m.images.dim(0).unwrap();
+        let all = |seed| {
+            crate::train::gather::tests::normalised(offset + n, 6, seed)[offset..].iter().flatten().map(|&v| v as f32).collect::<Vec<f32>>()
+        };
+        let t = |v: Vec<f32>| Tensor::from_vec(v, (n, 6), &Device::Cpu).unwrap();
+        m.teacher = Some(TeacherMicro::Embeddings { image: t(all(41)), text: t(all(42)) });
+        m
+    }
+
+    /// Distillation beside either loss, and alone: ranks (equal and unequal batches) and
+    /// accumulated micro-batches give the loss, the distillation loss and the parameter
+    /// gradients of one device holding every sample.
+    #[test]
+    fn distillation_over_ranks_and_micro_batches_gives_the_gradient_of_one_big_batch() {
+        let single: Arc<dyn Collective> = Arc::new(SingleProcess);
+        let splits: [&[&[usize]]; 3] = [&[&[2, 2], &[2, 2]], &[&[1, 3], &[2], &[3]], &[&[4]]];
+        for (loss, bias) in [(SOFTMAX, None), (SIGMOID, Some(-4.0))] {
+            for contrastive in [true, false] {
+                let distill = Distill {
+                    teacher: None,
+                    logits: TeacherLogits { scale: 15.0, bias },
+                    weight: 0.7,
+                    contrastive,
+                    kind: DistillLoss::CrossEntropy,
+                    bf16: false,
+                };
+                for ranks in splits {
+                    let total: usize = ranks.iter().flat_map(|r| r.iter()).sum();
+                    let (model, opt) = model_for(1, loss);
+                    let want =
+                        compute_with(&model, &opt, &[with_teacher(batch(total, 0), 0)], &single, loss, 9, true, Some(&distill)).unwrap();
+                    let results = on_thread_ranks(ranks.len(), |r, group| {
+                        let (model, opt) = model_for(1, loss);
+                        let mut from: usize = ranks[..r].iter().flat_map(|s| s.iter()).sum();
+                        let micro: Vec<MicroBatch> = ranks[r]
+                            .iter()
+                            .map(|&n| {
+                                from += n;
+                                with_teacher(batch(n, from - n), from - n)
+                            })
+                            .collect();
+                        let out = compute_with(&model, &opt, &micro, &group, loss, 9, true, Some(&distill)).unwrap();
+                        (out.loss, out.distill.unwrap(), out.grads)
+                    });
+                    let what = format!("{loss:?} contrastive={contrastive} {ranks:?}");
+                    for (got, d, grads) in results {
+                        assert!((got - want.loss).abs() < 1e-5 * want.loss.abs(), "{what}: {got} vs {}", want.loss);
+                        assert!((d - want.distill.unwrap()).abs() < 1e-5 * d.abs(), "{what}: distillation {d} vs {:?}", want.distill);
+                        assert_grads_close(&grads, &want.grads, &what);
+                    }
+                    if !contrastive {
+                        assert!(
+                            (want.loss - 0.7 * want.distill.unwrap()).abs() < 1e-12,
+                            "{what}: the loss is the weighted distillation loss"
+                        );
+                    }
+                }
             }
         }
     }

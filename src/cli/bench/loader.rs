@@ -72,6 +72,7 @@ pub fn loader(a: &LoaderArgs) -> Result<()> {
         // Nothing competes with the loader here: its raw throughput is what is measured.
         nice: 0,
         token_budget: align::data::token_budget::TokenBudget::of(&cfg.data.naflex_seq_lens, cfg.data.naflex_batch_divisor, a.batch),
+        teacher: None,
     };
     let mut loader = TrainLoader::start(plan, Placement::single(a.workers), settings, tok, None)?;
     for _ in 0..a.workers {

@@ -50,9 +50,26 @@ pub struct ModelArgs {
     /// utilisation (e.g. 989 for an H100 SXM in bf16).
     #[arg(long)]
     pub peak_tflops: Option<f64>,
+    /// A distillation teacher (any checkpoint align reads): also time what it adds to a step,
+    /// online (its forward pass on the batch at its own image size and text length) against
+    /// stored embeddings (the distillation loss alone).
+    #[arg(long)]
+    pub teacher: Option<std::path::PathBuf>,
     /// Print the result as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// What a distillation teacher adds to a step.
+#[derive(Serialize)]
+struct TeacherBench {
+    teacher: String,
+    /// The teacher's forward pass on the batch (images and captions): an online teacher's cost.
+    forward_ms: f64,
+    /// The distillation loss and its backward pass: all that stored embeddings cost.
+    loss_ms: f64,
+    online_step_ms: f64,
+    stored_step_ms: f64,
 }
 
 #[derive(Serialize)]
@@ -80,6 +97,8 @@ struct ModelBench {
     /// 3 × forward FLOPs × samples/s.
     model_tflops_per_s: f64,
     mfu: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    distillation: Option<TeacherBench>,
 }
 
 /// GPU memory in use on the device (total − free), in MiB.
@@ -112,8 +131,68 @@ pub fn model(a: &ModelArgs) -> Result<()> {
     }
     let mut bench = Bench::new(a)?;
     let (times, peak_gpu) = bench.run(a)?;
-    let r = bench.result(a, times, peak_gpu);
+    let mut r = bench.result(a, times, peak_gpu);
+    if let Some(path) = &a.teacher {
+        r.distillation = Some(teacher_cost(&bench, a, path, r.step_ms)?);
+    }
     report(a, &r)
+}
+
+/// Times a teacher's forward pass on a batch of `a.batch` random images and captions at its own
+/// sizes, and the distillation loss of the student's embeddings against its embeddings.
+fn teacher_cost(bench: &Bench, a: &ModelArgs, path: &std::path::Path, step_ms: f64) -> Result<TeacherBench> {
+    use align::train::distill_loss::{distill_loss, DistillLoss, TeacherLogits};
+    use candle_core::Tensor;
+    let t = align::io::load::load_model(path, &bench.device)?;
+    let layout = align::data::batch::ImageLayout::of(&t.usage.image);
+    let images = Tensor::randn(0f32, 1.0, layout.numel * a.batch, &bench.device)?;
+    let images = layout.tensor(images.to_vec1::<f32>()?, a.batch, &bench.device)?;
+    let len = t.tokenizer.max_len();
+    let ids: Vec<u32> = (0..a.batch * len).map(|i| 5 + (i as u32 * 7919) % (t.tokenizer.vocab_size() as u32 - 5)).collect();
+    let ids = Tensor::from_vec(ids, (a.batch, len), &bench.device)?;
+    let mask = Tensor::ones((a.batch, len), candle_core::DType::U32, &bench.device)?;
+    let group: std::sync::Arc<dyn align::train::collective::Collective> = std::sync::Arc::new(align::train::collective::SingleProcess);
+    let logits = TeacherLogits { scale: 100.0, bias: None };
+    let (mut forward, mut loss) = (0.0, 0.0);
+    for rep in 0..a.warmup + a.steps {
+        bench.device.synchronize()?;
+        let t0 = Instant::now();
+        let ti = t.model.image_embeddings(&images, &align::model::Ctx::EVAL)?.detach();
+        let tt = t.model.text_embeddings(&ids, &mask)?.detach();
+        bench.device.synchronize()?;
+        let t1 = Instant::now();
+        // The student's embeddings as leaves: the loss and its gradient, nothing of the towers.
+        let img = candle_core::Var::from_tensor(&bench.model.image_embeddings(&bench.images, &align::model::Ctx::EVAL)?.detach())?;
+        let txt = candle_core::Var::from_tensor(&bench.model.text_embeddings(&bench.ids, &bench.mask)?.detach())?;
+        bench.device.synchronize()?;
+        let t2 = Instant::now();
+        let l = distill_loss(
+            img.as_tensor(),
+            txt.as_tensor(),
+            &ti,
+            &tt,
+            &bench.model.logit_scale()?,
+            None,
+            logits,
+            DistillLoss::CrossEntropy,
+            &group,
+        )?;
+        l.backward()?;
+        bench.device.synchronize()?;
+        if rep >= a.warmup {
+            forward += (t1 - t0).as_secs_f64();
+            loss += t2.elapsed().as_secs_f64();
+        }
+    }
+    let n = a.steps.max(1) as f64;
+    let (forward_ms, loss_ms) = (1000.0 * forward / n, 1000.0 * loss / n);
+    Ok(TeacherBench {
+        teacher: t.dir.display().to_string(),
+        forward_ms,
+        loss_ms,
+        online_step_ms: step_ms + forward_ms + loss_ms,
+        stored_step_ms: step_ms + loss_ms,
+    })
 }
 
 /// The model, its optimizer and one synthetic batch.
@@ -267,6 +346,7 @@ impl Bench {
             forward_gflops_per_sample: flops / 1e9,
             model_tflops_per_s,
             mfu: a.peak_tflops.map(|p| model_tflops_per_s / p),
+            distillation: None,
         }
     }
 }
@@ -307,6 +387,19 @@ fn report(a: &ModelArgs, r: &ModelBench) -> Result<()> {
     t.row("model TFLOP/s", format!("{:.3}", r.model_tflops_per_s));
     if let Some(m) = r.mfu {
         t.row("MFU", format!("{:.1}%", 100.0 * m));
+    }
+    if let Some(d) = &r.distillation {
+        t.row("teacher", d.teacher.clone())
+            .row("  its forward pass (online)", format!("{:.1} ms", d.forward_ms))
+            .row("  distillation loss", format!("{:.2} ms", d.loss_ms))
+            .row(
+                "  step, online teacher",
+                format!("{:.1} ms ({:.2} samples/s)", d.online_step_ms, a.batch as f64 * 1000.0 / d.online_step_ms),
+            )
+            .row(
+                "  step, stored embeddings",
+                format!("{:.1} ms ({:.2} samples/s)", d.stored_step_ms, a.batch as f64 * 1000.0 / d.stored_step_ms),
+            );
     }
     t.print();
     Ok(())

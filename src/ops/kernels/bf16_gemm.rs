@@ -59,8 +59,22 @@ fn min_macs() -> usize {
     *MIN.get_or_init(|| std::env::var("ALIGN_BF16_MIN_MACS").ok().and_then(|v| v.parse().ok()).unwrap_or(MIN_MACS))
 }
 
+thread_local! {
+    static SCOPED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the large f32 products this thread starts in bf16 (where [`available`]), the
+/// rest of the process unchanged: a training run's forward-only teacher beside its f32
+/// student. Products that ops hand to other threads inside `f` stay f32.
+pub fn with_forward_bf16<R>(f: impl FnOnce() -> R) -> R {
+    let before = SCOPED.with(|s| s.replace(available()));
+    let out = f();
+    SCOPED.with(|s| s.set(before));
+    out
+}
+
 pub(crate) fn wanted(d: Dims) -> bool {
-    FORWARD_BF16.load(Ordering::Relaxed) && d.m.saturating_mul(d.n).saturating_mul(d.k) >= min_macs()
+    (FORWARD_BF16.load(Ordering::Relaxed) || SCOPED.with(|s| s.get())) && d.m.saturating_mul(d.n).saturating_mul(d.k) >= min_macs()
 }
 
 /// `x` rounded to the nearest bfloat16 (ties to even), as its 16 bits; NaN stays NaN.

@@ -35,6 +35,7 @@ pub(super) fn save(cfg: &Config, group: &dyn Collective, run: &Run, at: &Positio
         loaders,
         seconds: run.start.seconds + at.seconds,
         last_loss: at.last_loss,
+        teacher: run.teacher.as_ref().map(|t| t.identity.clone()),
     };
     let contents = CheckpointContents {
         weights: var_tensors(&run.varmap),

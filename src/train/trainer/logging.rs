@@ -38,6 +38,8 @@ pub(super) struct StepFigures {
     pub samples_seen: u64,
     pub skipped: u64,
     pub elapsed_s: f64,
+    /// The distillation teacher's logit scale, when the run distils.
+    pub teacher_scale: Option<f64>,
 }
 
 impl RunLog {
@@ -117,6 +119,10 @@ impl RunLog {
                 r["loss_t2i"] = out.t2i.into();
                 r["temperature"] = f.temperature.into();
             }
+        }
+        if let Some(d) = out.distill {
+            r["distill_loss"] = d.into();
+            r["teacher_logit_scale"] = f.teacher_scale.into();
         }
         self.record(r)
     }

@@ -17,6 +17,7 @@ mod logging;
 mod setup;
 mod step_loop;
 mod summary;
+mod teacher;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_nn::{VarBuilder, VarMap};
 
+use super::teacher::Teacher;
 use super::TrainOptions;
 use crate::config::{value_at, Config};
 use crate::data::distribute::{Placement, ShardPlan};
@@ -44,6 +45,8 @@ pub(super) struct Run {
     pub ema: Option<WeightEma>,
     pub loader: TrainLoader,
     pub device: Device,
+    /// The distillation teacher, when the run has one.
+    pub teacher: Option<Teacher>,
     /// Rank 0's hold on the run directory, for the whole run.
     _lock: Option<RunLock>,
 }
@@ -110,7 +113,20 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, group: &d
         Some(s) if group.rank() == 0 => Some(start_ema(&varmap, s, resumed_from.as_deref(), &device, opts)?),
         _ => None,
     };
-    let loader = start_loader(cfg, group, tokenizer.clone(), &start)?;
+    let teacher = Teacher::of(cfg, &device, opts.quiet || group.rank() != 0)?;
+    if let Some(dir) = &resumed_from {
+        let now = teacher.as_ref().map(|t| t.identity.clone());
+        if start.teacher != now && !opts.allow_change.iter().any(|a| a == "distill") {
+            let name = |t: &Option<String>| t.clone().unwrap_or_else(|| "no teacher".into());
+            bail!(
+                "{} was trained distilling from {}, and this run distils from {}: a resume keeps its teacher (--allow-change distill continues anyway)",
+                dir.display(),
+                name(&start.teacher),
+                name(&now)
+            );
+        }
+    }
+    let loader = start_loader(cfg, group, tokenizer.clone(), &start, teacher.as_ref().map(|t| t.feed.clone()))?;
     if !opts.quiet {
         // open_clip's --batch-size is per GPU; align's train.batch_size is the whole step's.
         let (world, accum) = (group.world_size(), cfg.train.accum_steps);
@@ -129,7 +145,7 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, group: &d
         }
         log::info(format!("loss: {}", describe_loss(cfg)));
     }
-    Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, ema, loader, device, _lock: lock })
+    Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, ema, loader, device, teacher, _lock: lock })
 }
 
 /// The objective in the words of the family it comes from, so that a logged value can be
@@ -182,7 +198,7 @@ pub(super) fn resume_checkpoint(opts: &TrainOptions, run_dir: &Path) -> Result<O
 /// The state a run resumes at (zero for a fresh run), written by as many ranks as this run has.
 fn resume_state(resumed_from: Option<&Path>, world: usize) -> Result<TrainState> {
     let Some(dir) = resumed_from else {
-        return Ok(TrainState { step: 0, samples_seen: 0, loaders: Vec::new(), seconds: 0.0, last_loss: None });
+        return Ok(TrainState { step: 0, samples_seen: 0, loaders: Vec::new(), seconds: 0.0, last_loss: None, teacher: None });
     };
     let start = run_dir::read_state(dir)?;
     if start.loaders.len() != world {
@@ -241,7 +257,7 @@ fn chosen_checkpoint(path: &Path, run_dir: &Path) -> Result<PathBuf> {
 /// What a resume must keep: the data and its order, the length, the model, and the objective and
 /// optimizer (whose moments the checkpoint holds; a start's family recipe is one of these, so a
 /// run begun under another recipe is not silently continued under this one).
-const RESUME_FIELDS: [&str; 10] = [
+const RESUME_FIELDS: [&str; 11] = [
     "run.seed",
     "train.batch_size",
     "train.steps",
@@ -252,6 +268,7 @@ const RESUME_FIELDS: [&str; 10] = [
     "model",
     "loss",
     "optimizer",
+    "distill",
 ];
 
 /// What `cfg` changes of the config the checkpoint at `dir` was trained with: an error naming
@@ -404,7 +421,13 @@ fn broadcast_weights(varmap: &VarMap, group: &dyn Collective) -> Result<()> {
 }
 
 /// This rank's loader: its share of the shards, at the position the checkpoint saved.
-fn start_loader(cfg: &Config, group: &dyn Collective, tokenizer: Arc<TextTokenizer>, start: &TrainState) -> Result<TrainLoader> {
+fn start_loader(
+    cfg: &Config,
+    group: &dyn Collective,
+    tokenizer: Arc<TextTokenizer>,
+    start: &TrainState,
+    teacher: Option<Arc<crate::data::teacher_feed::TeacherFeed>>,
+) -> Result<TrainLoader> {
     let (rank, world) = (group.rank(), group.world_size());
     let micro = cfg.train.batch_size / (world * cfg.train.accum_steps);
     if micro == 0 || !cfg.train.batch_size.is_multiple_of(world * cfg.train.accum_steps) {
@@ -434,6 +457,7 @@ fn start_loader(cfg: &Config, group: &dyn Collective, tokenizer: Arc<TextTokeniz
         prefetch: cfg.data.prefetch,
         nice: cfg.data.worker_nice,
         token_budget: TokenBudget::of(&cfg.data.naflex_seq_lens, cfg.data.naflex_batch_divisor, micro),
+        teacher,
     };
     let placement = Placement { rank, world_size: world, worker: 0, workers: cfg.data.workers };
     TrainLoader::start(plan, placement, settings, tokenizer, start.loaders.get(rank).cloned())

@@ -14,11 +14,12 @@ use super::logging::{RunLog, StepFigures};
 use super::setup::{self, Run};
 use super::{evaluation, TrainOptions};
 use crate::config::{Config, Precision};
+use crate::data::batch::TeacherRows;
 use crate::data::loader::Batch;
 use crate::eval::periodic::EvalResults;
 use crate::train::collective::Collective;
 use crate::train::schedule::lr_at;
-use crate::train::step::{self, MicroBatch};
+use crate::train::step::{self, MicroBatch, TeacherMicro};
 use crate::util::log;
 use crate::util::rng::derive_seed;
 
@@ -132,7 +133,17 @@ fn one_step(
         }
     };
     let masked = at.step < cfg.train.steps - cfg.train.unmasked_tuning_steps;
-    let out = step::compute(compute_model, &run.opt, &micro_batches, group, step::StepLoss::from_config(cfg), seed, masked)?;
+    let distill = run.teacher.as_ref().map(|t| t.step(cfg));
+    let out = step::compute_with(
+        compute_model,
+        &run.opt,
+        &micro_batches,
+        group,
+        step::StepLoss::from_config(cfg),
+        seed,
+        masked,
+        distill.as_ref(),
+    )?;
     drop(micro_batches);
     if !out.loss.is_finite() {
         let keep = end.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
@@ -163,6 +174,7 @@ fn log_step(run: &Run, log: &mut RunLog, at: &Position, done: &StepDone, lr: f64
         samples_seen: at.samples_seen,
         skipped: run.loader.skips().total(),
         elapsed_s,
+        teacher_scale: run.teacher.as_ref().map(|t| t.logits.scale),
     };
     log.log_step(&done.out, &figures)
 }
@@ -171,7 +183,19 @@ fn batch_tensors(b: Batch, device: &candle_core::Device) -> Result<MicroBatch> {
     let images = b.image.tensor(b.images, b.size, device)?;
     let ids = Tensor::from_vec(b.ids, (b.size, b.max_len), device)?;
     let mask = Tensor::from_vec(b.mask, (b.size, b.max_len), device)?;
-    Ok(MicroBatch { images, ids, mask })
+    let teacher = match b.teacher {
+        None => None,
+        Some(TeacherRows::Inputs { images, image, ids, mask, max_len }) => Some(TeacherMicro::Inputs {
+            images: image.tensor(images, b.size, device)?,
+            ids: Tensor::from_vec(ids, (b.size, max_len), device)?,
+            mask: Tensor::from_vec(mask, (b.size, max_len), device)?,
+        }),
+        Some(TeacherRows::Embeddings { image, text, dim }) => Some(TeacherMicro::Embeddings {
+            image: Tensor::from_vec(image, (b.size, dim), device)?,
+            text: Tensor::from_vec(text, (b.size, dim), device)?,
+        }),
+    };
+    Ok(MicroBatch { images, ids, mask, teacher })
 }
 
 /// The stop signal, if one arrived. Ranks agree, so every rank leaves the loop at the same step

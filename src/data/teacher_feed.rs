@@ -1,0 +1,175 @@
+//! What the training loader hands a distillation teacher with each sample, in the batch's row
+//! order: the sample through the teacher's own evaluation preprocessing and tokenizer (an online
+//! teacher), or the teacher's stored embeddings of it (the score files `align data score
+//! --embeddings` writes, one per shard, read a shard at a time by the worker reading it).
+//!
+//! A stored embedding is used only for the key and caption it was computed on; a sample without
+//! one is skipped and counted (`no_teacher_embedding`, `teacher_other_caption`), never trained
+//! against another sample's teacher.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use image::RgbImage;
+
+use super::batch::{ImageLayout, TeacherRows};
+use super::curate::scores;
+use super::sample::Rejected;
+use super::skips::reason;
+use super::tokenizer::TextTokenizer;
+use super::transform::{eval_transform, ImageConfig};
+use crate::util::log;
+
+/// Where a batch's teacher rows come from.
+#[derive(Clone)]
+pub enum TeacherFeed {
+    /// An online teacher: its preprocessing and tokenizer.
+    Online { image: ImageConfig, tokenizer: Arc<TextTokenizer> },
+    /// Stored embeddings: a folder of score files with embeddings.
+    Stored { dir: PathBuf },
+}
+
+impl std::fmt::Debug for TeacherFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TeacherFeed::Online { image, tokenizer } => write!(f, "online teacher ({image:?}, {} tokens)", tokenizer.max_len()),
+            TeacherFeed::Stored { dir } => write!(f, "stored embeddings in {}", dir.display()),
+        }
+    }
+}
+
+impl TeacherRows {
+    fn empty(feed: &TeacherFeed, dim: usize) -> Self {
+        match feed {
+            TeacherFeed::Online { image, tokenizer } => TeacherRows::Inputs {
+                images: Vec::new(),
+                image: ImageLayout::of(image),
+                ids: Vec::new(),
+                mask: Vec::new(),
+                max_len: tokenizer.max_len(),
+            },
+            TeacherFeed::Stored { .. } => TeacherRows::Embeddings { image: Vec::new(), text: Vec::new(), dim },
+        }
+    }
+}
+
+/// One stored shard's embeddings by key.
+struct StoredShard {
+    shard: usize,
+    by_key: HashMap<String, usize>,
+    captions: Vec<u64>,
+    image: Vec<f32>,
+    text: Vec<f32>,
+    dim: usize,
+}
+
+/// One sample's teacher rows, prepared before the sample enters the batch, so that a sample
+/// the teacher cannot take leaves the batch as it was.
+pub struct TeacherSample {
+    image: Vec<f32>,
+    ids: Vec<u32>,
+    mask: Vec<u32>,
+    text: Vec<f32>,
+}
+
+/// A loader worker's side of the feed.
+pub struct TeacherSide {
+    feed: Arc<TeacherFeed>,
+    stored: Option<StoredShard>,
+    rows: Option<TeacherRows>,
+}
+
+impl TeacherSide {
+    pub fn new(feed: Arc<TeacherFeed>) -> Self {
+        TeacherSide { feed, stored: None, rows: None }
+    }
+
+    /// Whether the teacher needs the image decoded at full resolution (its own preprocessing,
+    /// as `align data score` reads it).
+    pub fn needs_full_image(&self) -> bool {
+        matches!(*self.feed, TeacherFeed::Online { .. })
+    }
+
+    /// The teacher's rows of a sample of shard `shard` (named `name`), or why it cannot have any.
+    pub fn prepare(&mut self, shard: usize, name: &str, key: &str, caption: &str, img: &RgbImage) -> Result<TeacherSample, Rejected> {
+        match &*self.feed {
+            TeacherFeed::Online { image, tokenizer } => {
+                let mut row = vec![0.0f32; image.numel()];
+                eval_transform(img, image, &mut row);
+                let (mut ids, mut mask) = (Vec::new(), Vec::new());
+                tokenizer
+                    .encode_into(caption, &mut ids, &mut mask)
+                    .map_err(|e| Rejected { reason: reason::CAPTION_NOT_UTF8, detail: format!("the teacher's tokenizer: {e}") })?;
+                Ok(TeacherSample { image: row, ids, mask, text: Vec::new() })
+            }
+            TeacherFeed::Stored { dir } => {
+                if self.stored.as_ref().is_none_or(|s| s.shard != shard) {
+                    self.stored = Some(load_stored(dir, shard, name));
+                }
+                let s = self.stored.as_ref().expect("loaded above");
+                let Some(&row) = s.by_key.get(key) else {
+                    return Err(Rejected {
+                        reason: reason::NO_TEACHER_EMBEDDING,
+                        detail: format!("no teacher embedding in {}", dir.display()),
+                    });
+                };
+                if s.captions[row] != scores::caption_fingerprint(caption) {
+                    return Err(Rejected {
+                        reason: reason::TEACHER_OTHER_CAPTION,
+                        detail: format!("the teacher embedded another caption for this key ({})", dir.display()),
+                    });
+                }
+                let d = s.dim;
+                Ok(TeacherSample {
+                    image: s.image[row * d..(row + 1) * d].to_vec(),
+                    text: s.text[row * d..(row + 1) * d].to_vec(),
+                    ids: Vec::new(),
+                    mask: Vec::new(),
+                })
+            }
+        }
+    }
+
+    /// Appends a prepared sample's rows (after the sample entered the batch).
+    pub fn push(&mut self, t: TeacherSample) {
+        let dim = t.image.len();
+        let rows = self.rows.get_or_insert_with(|| TeacherRows::empty(&self.feed, dim));
+        match rows {
+            TeacherRows::Inputs { images, ids, mask, .. } => {
+                images.extend_from_slice(&t.image);
+                ids.extend_from_slice(&t.ids);
+                mask.extend_from_slice(&t.mask);
+            }
+            TeacherRows::Embeddings { image, text, .. } => {
+                image.extend_from_slice(&t.image);
+                text.extend_from_slice(&t.text);
+            }
+        }
+    }
+
+    /// The rows of the batch just formed.
+    pub fn take(&mut self) -> Option<TeacherRows> {
+        self.rows.take()
+    }
+}
+
+/// Shard `shard`'s stored embeddings; none (every sample then skipped and counted) when its file
+/// is missing or unreadable, which a warning names.
+fn load_stored(dir: &std::path::Path, shard: usize, name: &str) -> StoredShard {
+    let path = scores::score_path(dir, name);
+    let mut out = StoredShard { shard, by_key: HashMap::new(), captions: Vec::new(), image: Vec::new(), text: Vec::new(), dim: 0 };
+    match scores::read(&path, true) {
+        Ok(s) => {
+            let (Some(image), Some(text)) = (s.image_embeddings, s.text_embeddings) else {
+                log::warn(format!("{}: no embeddings (score with --embeddings); the samples of {name} are skipped", path.display()));
+                return out;
+            };
+            out.by_key = s.keys.into_iter().enumerate().map(|(i, k)| (k, i)).collect();
+            out.captions = s.captions.iter().map(|c| scores::caption_fingerprint(c)).collect();
+            (out.image, out.text, out.dim) = (image, text, s.dim);
+        }
+        Err(e) => log::warn(format!("{e:#}; the samples of {name} are skipped (no teacher embeddings)")),
+    }
+    out
+}
