@@ -241,6 +241,11 @@ pub fn decode(bytes: &[u8], min_side: u32, max_pixels: u64, alpha: Alpha) -> Res
         if let Some(img) = decode_jpeg_scaled(bytes, min_side, max_pixels)? {
             return Ok(img);
         }
+        if min_side == FULL_RESOLUTION {
+            if let Some(img) = decode_jpeg_exact(bytes)? {
+                return Ok(img);
+            }
+        }
     }
     let reader = image::ImageReader::new(Cursor::new(bytes)).with_guessed_format().map_err(|e| corrupt(e.to_string()))?;
     if reader.format().is_none() {
@@ -285,6 +290,33 @@ fn check_pixels(w: u32, h: u32, max_pixels: u64) -> Result<(), DecodeError> {
         return Err(DecodeError { reason: reason::IMAGE_TOO_LARGE, detail: format!("{w}x{h} exceeds max_pixels {max_pixels}") });
     }
     Ok(())
+}
+
+/// A JPEG decoded as PIL decodes it: libjpeg-turbo's code (through mozjpeg, its fork), whose
+/// accurate integer IDCT and fancy chroma upsampling give the very pixels open_clip and
+/// transformers see (zune-jpeg's differ by up to 4 levels in a quarter of them). It is slower
+/// than zune-jpeg (no SIMD), so only the full-resolution decodes of evaluation, scoring and
+/// NaFlex take it; training crops keep the faster decoders. Ok(None) for CMYK / YCCK, which the
+/// general decoder converts as PIL does.
+fn decode_jpeg_exact(bytes: &[u8]) -> Result<Option<RgbImage>, DecodeError> {
+    let decoded = std::panic::catch_unwind(|| -> std::io::Result<Option<RgbImage>> {
+        let d = mozjpeg::Decompress::new_mem(bytes)?;
+        if matches!(d.color_space(), mozjpeg::ColorSpace::JCS_CMYK | mozjpeg::ColorSpace::JCS_YCCK) {
+            return Ok(None);
+        }
+        let (w, h) = (d.width() as u32, d.height() as u32);
+        let mut rgb = d.rgb()?;
+        let rows: Vec<[u8; 3]> = rgb.read_scanlines()?;
+        rgb.finish()?;
+        Ok(RgbImage::from_raw(w, h, rows.into_iter().flatten().collect()))
+    });
+    let corrupt = |detail: String| DecodeError { reason: reason::CORRUPT_IMAGE, detail };
+    match decoded {
+        Ok(Ok(img)) => Ok(img),
+        Ok(Err(e)) => Err(corrupt(e.to_string())),
+        // libjpeg's fatal errors unwind with their message.
+        Err(panic) => Err(corrupt(panic.downcast_ref::<String>().cloned().unwrap_or_else(|| "libjpeg failed".into()))),
+    }
 }
 
 /// Ok(None) means "let the general decoder do it" (full-scale decodes, CMYK JPEGs).
@@ -677,5 +709,37 @@ mod tests {
         let mut png = Vec::new();
         img.write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png).unwrap();
         assert_eq!(decode(&png, 10, 1 << 30, Alpha::Drop).unwrap().dimensions(), (200, 120));
+    }
+
+    /// JPEGs of every common form (4:2:0, 4:2:2, 4:4:4, progressive, restart markers, greyscale;
+    /// odd sizes) decode at full resolution to exactly the pixels PIL gives
+    /// (`scripts/make_jpeg_fixtures.py`); a corrupt one is an error naming libjpeg's complaint.
+    #[test]
+    fn full_resolution_jpegs_decode_to_pils_pixels() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/jpeg");
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "jpg") {
+                continue;
+            }
+            let img = decode(&std::fs::read(&path).unwrap(), FULL_RESOLUTION, 1 << 30, Alpha::Drop).unwrap();
+            let want = std::fs::read(path.with_extension("rgb")).unwrap();
+            let differ = img.as_raw().iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert!(
+                img.as_raw().len() == want.len() && differ == 0,
+                "{}: {differ} of {} values differ from PIL's",
+                path.display(),
+                want.len()
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 6);
+        let mut bytes = std::fs::read(dir.join("q75-420-37x23.jpg")).unwrap();
+        // A broken quantisation table reference, the file still ending as a JPEG does.
+        let sof = bytes.windows(2).position(|w| w == [0xff, 0xc0]).unwrap();
+        bytes[sof + 12] = 9;
+        let e = decode(&bytes, FULL_RESOLUTION, 1 << 30, Alpha::Drop).unwrap_err();
+        assert_eq!(e.reason, reason::CORRUPT_IMAGE, "{e:?}");
     }
 }
