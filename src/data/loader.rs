@@ -492,13 +492,11 @@ impl Worker {
             let caps = sample::captions(&s)?;
             let label = sample::label(&s)?;
             let bytes = sample::image_bytes(&s)?;
-            let full = self.teacher.as_ref().is_some_and(|t| t.needs_full_image());
-            let min_side = if full { decode_min_side(cfg, false) } else { decode_min_side(cfg, true) };
-            let img =
-                decode(bytes, min_side, cfg.max_pixels, cfg.alpha).map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
+            let img = decode(bytes, decode_min_side(cfg, true), cfg.max_pixels, cfg.alpha)
+                .map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
             let caption = caps[rng.below(caps.len())].clone();
             let teacher = match self.teacher.as_mut() {
-                Some(t) => Some(t.prepare(shard, &self.plan.shards[shard].to_string(), &s.key, &caption, &img)?),
+                Some(t) => Some(t.prepare(shard, &self.plan.shards[shard].to_string(), &s.key, &caption, bytes)?),
                 None => None,
             };
             self.batch.add(&s.key, caption, label, &self.tokenizer, |row| train_transform(&img, cfg, &mut rng, row))?;

@@ -11,14 +11,12 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use image::RgbImage;
-
 use super::batch::{ImageLayout, TeacherRows};
 use super::curate::scores;
 use super::sample::Rejected;
 use super::skips::reason;
 use super::tokenizer::TextTokenizer;
-use super::transform::{eval_transform, ImageConfig};
+use super::transform::{decode, eval_transform, ImageConfig, FULL_RESOLUTION};
 use crate::util::log;
 
 /// Where a batch's teacher rows come from.
@@ -85,18 +83,17 @@ impl TeacherSide {
         TeacherSide { feed, stored: None, rows: None }
     }
 
-    /// Whether the teacher needs the image decoded at full resolution (its own preprocessing,
-    /// as `align data score` reads it).
-    pub fn needs_full_image(&self) -> bool {
-        matches!(*self.feed, TeacherFeed::Online { .. })
-    }
-
-    /// The teacher's rows of a sample of shard `shard` (named `name`), or why it cannot have any.
-    pub fn prepare(&mut self, shard: usize, name: &str, key: &str, caption: &str, img: &RgbImage) -> Result<TeacherSample, Rejected> {
+    /// The teacher's rows of a sample of shard `shard` (named `name`) from its image file's
+    /// `bytes`, or why it cannot have any. An online teacher decodes the image itself, at full
+    /// resolution as `align data score` does, so that the student's pixels do not depend on
+    /// whether its teacher is online.
+    pub fn prepare(&mut self, shard: usize, name: &str, key: &str, caption: &str, bytes: &[u8]) -> Result<TeacherSample, Rejected> {
         match &*self.feed {
             TeacherFeed::Online { image, tokenizer } => {
+                let img = decode(bytes, FULL_RESOLUTION, image.max_pixels, image.alpha)
+                    .map_err(|e| Rejected { reason: e.reason, detail: format!("the teacher's view: {}", e.detail) })?;
                 let mut row = vec![0.0f32; image.numel()];
-                eval_transform(img, image, &mut row);
+                eval_transform(&img, image, &mut row);
                 let (mut ids, mut mask) = (Vec::new(), Vec::new());
                 tokenizer
                     .encode_into(caption, &mut ids, &mut mask)
