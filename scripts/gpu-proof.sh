@@ -19,7 +19,9 @@
 #         2. 100 training steps of the demo model from one seed, one tokenizer and the same
 #            batches on the CPU in f32 and on the GPU in f32 and bf16, with ALIGN_KERNELS=align
 #            and =candle: each GPU run's per-step loss against the CPU's (f32: within 1e-3
-#            relative at every step, ~1e-4 expected; bf16: mean within 5%, every step within 15%)
+#            relative at every step, ~1e-4 expected; bf16: mean within 5%, every step within 15%);
+#            then in f32, each against its own CPU run, the sigmoid loss with patch dropout and a
+#            moving average, and distillation from the CPU run's checkpoint with a locked tower
 #         3. align bench model for ViT-B/32 and ViT-B/16 (224 px), EfficientNet-B3 (300) and -B7
 #            (289), each with BERT-base, f32 and bf16, at the largest power-of-two batch that
 #            fits: samples/s, peak GPU memory, MFU; and the same models in PyTorch (timm +
@@ -408,15 +410,36 @@ keep_metrics() { if [ -f "$WORK/runs/$1/metrics.jsonl" ]; then cp "$WORK/runs/$1
 : >"$RAW/2-train/runs.txt"
 for precision in f32 bf16; do
     for kernels in align candle; do
-        printf '%s-%s-%s\t%s\t%s\n' "$KIND" "$precision" "$kernels" "$precision" "$kernels" >>"$RAW/2-train/runs.txt"
+        printf '%s-%s-%s\t%s\t%s\tcpu-f32\n' "$KIND" "$precision" "$kernels" "$precision" "$kernels" >>"$RAW/2-train/runs.txt"
     done
+done
+# The other paths a run takes on the device, each against its own CPU run: SigLIP's sigmoid loss
+# around the ring with patch dropout and a moving average; distillation from step 2's CPU
+# checkpoint with a locked image tower.
+VARIANTS=(sigmoid-flip-ema distill-lock)
+variant_sets() {
+    case "$1" in
+        sigmoid-flip-ema) VSETS=(--set 'model.temperature="align"' --set model.temperature_init=1.0 --set 'loss.kind="sigmoid"'
+            --set model.vit.patch_dropout=0.5 --set train.ema_decay=0.99) ;;
+        distill-lock) VSETS=(--set "distill.teacher=\"$WORK/runs/cpu-f32\"" --set model.lock_image=true
+            --set model.lock_image_unlocked_groups=1) ;;
+    esac
+}
+for v in "${VARIANTS[@]}"; do
+    printf '%s-f32-align-%s\tf32\talign\tcpu-f32-%s\n' "$KIND" "$v" "$v" >>"$RAW/2-train/runs.txt"
 done
 if [ -f "$TOK" ]; then
     run_cmd 2-train/cpu-f32 "$STEP_END" 120 "$BIN" --device cpu "${TRAIN[@]}" --set 'run.name="cpu-f32"' || true
     keep_metrics cpu-f32
-    while IFS=$'\t' read -r name precision kernels; do
+    while IFS=$'\t' read -r name precision kernels ref; do
+        VSETS=()
+        if [ "$ref" != cpu-f32 ]; then
+            variant_sets "${ref#cpu-f32-}"
+            run_cmd "2-train/$ref" "$STEP_END" 120 "$BIN" --device cpu "${TRAIN[@]}" --set "run.name=\"$ref\"" "${VSETS[@]}" || true
+            keep_metrics "$ref"
+        fi
         run_cmd "2-train/$name" "$STEP_END" 90 env ALIGN_KERNELS="$kernels" "$BIN" --device "$DEVICE" "${TRAIN[@]}" \
-            --set "run.name=\"$name\"" --set "train.precision=\"$precision\"" || true
+            --set "run.name=\"$name\"" --set "train.precision=\"$precision\"" "${VSETS[@]}" || true
         keep_metrics "$name"
     done <"$RAW/2-train/runs.txt"
 else

@@ -636,17 +636,21 @@ def report_training(raw, commands, env):
     runs = []
     for line in read_text(d / "runs.txt").splitlines():
         parts = line.split("\t")
-        if len(parts) == 3:
-            runs.append(parts)
-    ref = read_losses(d / "cpu-f32.metrics.jsonl")
+        if len(parts) in (3, 4):
+            runs.append((parts + ["cpu-f32"])[:4])
     want = step["steps"]
-    ref_problem = None
-    if not ref:
-        ref_problem = "the CPU reference run produced no losses (" + (command_note(commands.get("2-train/cpu-f32")) or "no metrics") + ")"
-    elif want and len(ref) < want:
-        ref_problem = f"the CPU reference run logged {len(ref)} of {want} steps"
-    for name, precision, kernels in runs:
-        row = {"run": name, "precision": precision, "kernels": kernels, "pass": False}
+
+    def reference(name):
+        losses = read_losses(d / f"{name}.metrics.jsonl")
+        if not losses:
+            return None, f"the CPU reference run {name} produced no losses (" + (command_note(commands.get(f"2-train/{name}")) or "no metrics") + ")"
+        if want and len(losses) < want:
+            return None, f"the CPU reference run {name} logged {len(losses)} of {want} steps"
+        return losses, None
+
+    for name, precision, kernels, ref_name in runs:
+        ref, ref_problem = reference(ref_name)
+        row = {"run": name, "precision": precision, "kernels": kernels, "reference": ref_name, "pass": False}
         losses = read_losses(d / f"{name}.metrics.jsonl")
         if ref_problem:
             row["error"] = ref_problem

@@ -69,7 +69,21 @@ fn the_gpu_proof_dry_run_passes_on_the_cpu_and_writes_its_report() {
     let steps = training["steps"].as_u64().unwrap();
     let runs = training["rows"].as_array().unwrap();
     let names: Vec<&str> = runs.iter().map(|r| r["run"].as_str().unwrap()).collect();
-    assert_eq!(names, ["cpu-f32-align", "cpu-f32-candle", "cpu-bf16-align", "cpu-bf16-candle"]);
+    assert_eq!(
+        names,
+        [
+            "cpu-f32-align",
+            "cpu-f32-candle",
+            "cpu-bf16-align",
+            "cpu-bf16-candle",
+            "cpu-f32-align-sigmoid-flip-ema",
+            "cpu-f32-align-distill-lock"
+        ]
+    );
+    // The sigmoid loss with patch dropout and a moving average, and distillation with a locked
+    // tower, each against its own CPU run.
+    let references: Vec<&str> = runs.iter().map(|r| r["reference"].as_str().unwrap()).collect();
+    assert_eq!(references, ["cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32-sigmoid-flip-ema", "cpu-f32-distill-lock"]);
     for r in runs {
         assert_eq!(r["pass"], true, "{r}");
         assert_eq!(r["steps_compared"].as_u64(), Some(steps), "{r}");
