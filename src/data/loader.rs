@@ -37,7 +37,7 @@ use super::sample;
 use super::shuffle::ShuffleBuffer;
 use super::skips::SkipCounts;
 use super::tar_read::{read_shard, RawSample, ShardEvent};
-use super::teacher_feed::{TeacherFeed, TeacherSide};
+use super::teacher_feed::{StreamAt, TeacherFeed, TeacherSide};
 use super::token_budget::TokenBudget;
 use super::tokenizer::TextTokenizer;
 use super::transform::{decode, decode_min_side, train_transform, ImageConfig};
@@ -496,7 +496,10 @@ impl Worker {
                 .map_err(|e| sample::Rejected { reason: e.reason, detail: e.detail })?;
             let caption = caps[rng.below(caps.len())].clone();
             let teacher = match self.teacher.as_mut() {
-                Some(t) => Some(t.prepare(shard, &self.plan.shards[shard].to_string(), &s.key, &caption, bytes)?),
+                Some(t) => {
+                    let at = StreamAt { epoch: self.state.epoch, cursor, oldest_live: self.buffer.oldest_cursor().unwrap_or(cursor) };
+                    Some(t.prepare(at, &self.plan.shards[shard].to_string(), &s.key, &caption, bytes)?)
+                }
                 None => None,
             };
             self.batch.add(&s.key, caption, label, &self.tokenizer, |row| train_transform(&img, cfg, &mut rng, row))?;

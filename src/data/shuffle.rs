@@ -42,6 +42,11 @@ impl<T> ShuffleBuffer<T> {
         Some(self.entries.swap_remove(k))
     }
 
+    /// The earliest shard position a buffered sample comes from.
+    pub fn oldest_cursor(&self) -> Option<usize> {
+        self.entries.iter().map(|(c, _, _)| *c).min()
+    }
+
     /// The identities `(cursor, index)` of the buffered samples, in buffer order: what a
     /// checkpoint stores.
     pub fn positions(&self) -> Vec<(usize, u64)> {

@@ -308,7 +308,8 @@ fn decode_jpeg_exact(bytes: &[u8]) -> Result<Option<RgbImage>, DecodeError> {
         let mut rgb = d.rgb()?;
         let rows: Vec<[u8; 3]> = rgb.read_scanlines()?;
         rgb.finish()?;
-        Ok(RgbImage::from_raw(w, h, rows.into_iter().flatten().collect()))
+        let img = RgbImage::from_raw(w, h, rows.into_iter().flatten().collect());
+        img.map(Some).ok_or_else(|| std::io::Error::other(format!("decoded buffer does not match {w}x{h}")))
     });
     let corrupt = |detail: String| DecodeError { reason: reason::CORRUPT_IMAGE, detail };
     match decoded {

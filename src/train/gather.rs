@@ -191,7 +191,7 @@ pub fn distributed_loss(
         let offset = row_offset(&counts, group.rank());
         let parts = contrastive_loss(img, txt, &all_img, &all_txt, offset, logit_scale, smoothing)?;
         let global: usize = counts.iter().sum();
-        let weight = (img.dim(0)? * counts.len()) as f64 / global as f64;
+        let weight = (img.dim(0)? * counts.len()) as f64 / global.max(1) as f64;
         if weight == 1.0 {
             return Ok(parts);
         }

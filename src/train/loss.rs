@@ -39,7 +39,8 @@ pub fn smoothed_cross_entropy(logits: &Tensor, offset: usize, smoothing: f64) ->
         q[r * cols + offset + r] += 1.0 - smoothing;
     }
     let q = Tensor::from_vec(q, (rows, cols), logits.device())?.to_dtype(logp.dtype())?;
-    (logp * q)?.sum_all()?.neg()? / rows as f64
+    // A rank without rows (it still joins the gathers) adds nothing.
+    (logp * q)?.sum_all()?.neg()? / rows.max(1) as f64
 }
 
 /// The contrastive loss of this rank's rows. Embeddings must be L2-normalised; `logit_scale` is

@@ -67,10 +67,15 @@ thread_local! {
 /// rest of the process unchanged: a training run's forward-only teacher beside its f32
 /// student. Products that ops hand to other threads inside `f` stay f32.
 pub fn with_forward_bf16<R>(f: impl FnOnce() -> R) -> R {
-    let before = SCOPED.with(|s| s.replace(available()));
-    let out = f();
-    SCOPED.with(|s| s.set(before));
-    out
+    // Restored on the way out however `f` ends, a panic included.
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SCOPED.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SCOPED.with(|s| s.replace(available())));
+    f()
 }
 
 pub(crate) fn wanted(d: Dims) -> bool {
