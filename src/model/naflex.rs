@@ -19,9 +19,8 @@ use super::layers::{linear, scaled_normal, LayerNorm, Linear};
 use super::pos_embed::bilinear_matrix;
 use super::prenorm::{Encoder, EncoderConfig};
 use super::siglip::PoolingHead;
-use super::vit::PATCH_DROPOUT_STREAM;
+use super::vit::kept_patches;
 use super::{Ctx, Masking};
-use crate::util::rng::Rng;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NaflexVisionConfig {
@@ -165,16 +164,8 @@ impl NaflexVision {
         let mut valid = Vec::with_capacity(grids.len());
         let mut order: Vec<u32> = Vec::with_capacity(n);
         for (i, &(h, w)) in grids.iter().enumerate() {
-            let (v, keep) = (h * w, self.config.kept(h * w));
-            let mut rng = Rng::derived(m.seed, &[PATCH_DROPOUT_STREAM, m.first_row + i as u64]);
-            order.clear();
-            order.extend(0..v as u32);
-            for k in 0..keep {
-                let j = k + rng.below(v - k);
-                order.swap(k, j);
-            }
-            let kept = &mut order[..keep];
-            kept.sort_unstable();
+            let keep = self.config.kept(h * w);
+            let kept = kept_patches(m, i, h * w, keep, &mut order);
             let base = (i * n) as u32;
             rows.extend(kept.iter().map(|&p| base + p));
             rows.extend(std::iter::repeat_n(base, width - keep));
@@ -195,6 +186,7 @@ mod tests {
     use super::*;
     use crate::model::init::SeededVars;
     use crate::model::prenorm::Act;
+    use crate::util::rng::Rng;
     use candle_core::Device;
 
     /// A 2-layer tower of 2-pixel patches over a 3×3 position grid.

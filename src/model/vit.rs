@@ -135,15 +135,7 @@ impl Vit {
         let mut positions = Vec::with_capacity(b * keep);
         let mut order: Vec<u32> = Vec::with_capacity(np);
         for i in 0..b {
-            let mut rng = Rng::derived(m.seed, &[PATCH_DROPOUT_STREAM, m.first_row + i as u64]);
-            order.clear();
-            order.extend(0..np as u32);
-            for k in 0..keep {
-                let j = k + rng.below(np - k);
-                order.swap(k, j);
-            }
-            let kept = &mut order[..keep];
-            kept.sort_unstable();
+            let kept = kept_patches(m, i, np, keep, &mut order);
             rows.extend(kept.iter().map(|&p| (i * np) as u32 + p));
             positions.extend_from_slice(kept);
         }
@@ -163,6 +155,22 @@ impl Vit {
     }
 }
 
+/// Which `keep` of its `n` patches row `i` of a batch keeps under patch dropout `m`: distinct
+/// patches drawn from the row's own stream (a partial Fisher-Yates shuffle), in ascending order.
+/// A row keeps the same patches in whatever tower, rank or micro-batch it meets.
+pub(crate) fn kept_patches(m: Masking, i: usize, n: usize, keep: usize, order: &mut Vec<u32>) -> &[u32] {
+    let mut rng = Rng::derived(m.seed, &[PATCH_DROPOUT_STREAM, m.first_row + i as u64]);
+    order.clear();
+    order.extend(0..n as u32);
+    for k in 0..keep {
+        let j = k + rng.below(n - k);
+        order.swap(k, j);
+    }
+    let kept = &mut order[..keep];
+    kept.sort_unstable();
+    kept
+}
+
 /// `[b, 3, H, W]` → `[b, patches, 3·p·p]` with each patch flattened as (channel, row, col), the
 /// order of a `p`×`p` stride-`p` convolution's weight.
 pub(crate) fn patchify(x: &Tensor, p: usize) -> Result<Tensor> {
@@ -172,7 +180,7 @@ pub(crate) fn patchify(x: &Tensor, p: usize) -> Result<Tensor> {
 }
 
 /// Tags patch dropout's draws apart from the other streams a step's seed feeds.
-pub(crate) const PATCH_DROPOUT_STREAM: u64 = 0x5041_5443_4844_524f;
+const PATCH_DROPOUT_STREAM: u64 = 0x5041_5443_4844_524f;
 
 #[cfg(test)]
 mod tests {

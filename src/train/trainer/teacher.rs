@@ -84,9 +84,8 @@ fn online(path: &Path, device: &Device) -> Result<Teacher> {
     for name in names {
         hasher.update(name.as_bytes());
         let values = m.weights[name].flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        for v in values {
-            hasher.update(&v.to_le_bytes());
-        }
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        hasher.update(&bytes);
     }
     let identity = format!("the teacher {} (weights xxh3 {:016x})", m.dir.display(), hasher.digest());
     let feed = Arc::new(TeacherFeed::Online { image: m.usage.image.clone(), tokenizer: Arc::new(m.tokenizer.clone()) });
