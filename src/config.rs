@@ -467,6 +467,9 @@ pub struct TrainConfig {
     /// Compute threads (rayon's pool, which candle's CPU kernels share); 0 = one per core. Lower
     /// it to give the loader whole cores of its own.
     pub compute_threads: usize,
+    /// What data-parallel ranks split between them instead of each keeping a whole copy (ZeRO's
+    /// stages; ignored on one rank). Each tensor's optimizer moments live on one rank only.
+    pub shard: ShardMode,
     /// The last N steps train without patch dropout (FLIP's unmasked tuning); 0 = none.
     pub unmasked_tuning_steps: u64,
     /// Decay of an exponential moving average of the weights, kept in f32 beside them and saved
@@ -481,6 +484,35 @@ pub struct TrainConfig {
     pub ema_warmup_power: f64,
     /// The periodic evaluation also evaluates the average (logged as `ema`).
     pub ema_eval: bool,
+}
+
+/// `train.shard`: ZeRO's stages 0, 1 and 2 over whole tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ShardMode {
+    /// Every rank keeps the whole optimizer state and all-reduces whole gradients (plain data
+    /// parallelism).
+    #[default]
+    None,
+    /// Each rank keeps the moments of the tensors it owns (about 1/N of them, balanced by size),
+    /// receives only their summed gradients (reduce-scatter once a step, after accumulating its
+    /// micro-batches whole), updates them and all-gathers the new weights (ZeRO stage 1).
+    Optimizer,
+    /// As `optimizer`, and each micro-batch's gradients are reduce-scattered as soon as they are
+    /// computed, so that accumulating (`train.accum_steps` > 1) keeps only this rank's part
+    /// (ZeRO stage 2); one exchange per micro-batch instead of one per step.
+    Gradients,
+}
+
+impl ShardMode {
+    /// The name the config and the checkpoint's manifest use.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShardMode::None => "none",
+            ShardMode::Optimizer => "optimizer",
+            ShardMode::Gradients => "gradients",
+        }
+    }
 }
 
 /// The towers' compute precision (`train.precision`; the forward-only commands' `--precision`).
@@ -535,6 +567,7 @@ impl Default for TrainConfig {
             precision: Precision::F32,
             grad_checkpointing: false,
             compute_threads: 0,
+            shard: ShardMode::None,
             unmasked_tuning_steps: 0,
             ema_decay: 0.0,
             ema_warmup: true,

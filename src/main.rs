@@ -180,6 +180,9 @@ enum BenchCommand {
     Loss(cli::bench::LossArgs),
     /// EfficientNet's depthwise layers: our op against candle's grouped convolution.
     Depthwise(cli::bench::DepthwiseArgs),
+    /// What each rank holds of the optimizer state and summed gradients with `train.shard`, at
+    /// several numbers of thread ranks.
+    Shard(cli::bench::ShardArgs),
     /// Every per-op kernel on the device (f32) against the CPU's f64 op, forward and backward,
     /// and the optimizer update, with time per call: the first run on a new GPU.
     Ops(cli::bench::OpsArgs),
@@ -255,6 +258,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),
         Command::Bench(BenchCommand::Loss(a)) => cli::bench::loss(&a),
+        Command::Bench(BenchCommand::Shard(a)) => cli::bench::shard(&a),
         Command::Bench(BenchCommand::Embed(a)) => cli::bench::embed(&a),
         Command::Bench(BenchCommand::Ops(a)) => cli::bench::ops(&a),
     }

@@ -353,7 +353,8 @@ fn a_two_rank_run_resumes_on_both_ranks() {
     again.nproc = 2;
     let resumed = train(&cfg2, &again).unwrap();
     assert_identical(&weights(&straight.checkpoint), &weights(&resumed.checkpoint));
-    // Resuming with another rank count is refused, naming both.
+    // Resuming on a number of ranks that cannot regroup its data streams (2 ranks × 1 worker
+    // onto 3 ranks) is refused, naming both.
     let mut wrong = opts(true, None);
     wrong.nproc = 3;
     let err = format!("{:#}", train(&cfg2, &wrong).unwrap_err());

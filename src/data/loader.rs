@@ -109,6 +109,58 @@ impl LoaderPosition {
         }
     }
 
+    /// The positions of a job of `world` ranks × `workers` loader workers, continuing the
+    /// positions `saved` of a job of another shape with the same total of workers. A worker's
+    /// shards and random streams depend only on its global index (`Placement::global_worker`), so
+    /// worker `g` of the new job takes up exactly where worker `g` of the old one stopped: every
+    /// sample of the epoch is still read once, only the grouping of samples into ranks' batches
+    /// changes. Each rank starts its round-robin at its first worker; the epoch's sample count
+    /// (kept for the error of an empty epoch) becomes unknown where some workers had already
+    /// finished it.
+    pub fn regroup(saved: &[LoaderPosition], world: usize, workers: usize) -> Result<Vec<LoaderPosition>> {
+        let old_world = saved.len();
+        let old_workers = saved.first().map_or(0, |p| p.workers.len());
+        if old_world == 0 || saved.iter().any(|p| p.workers.len() != old_workers || p.exhausted.len() != old_workers) {
+            bail!("the saved loader positions do not all have {old_workers} workers: the checkpoint's state.json is damaged");
+        }
+        let total = old_world * old_workers;
+        if world * workers != total {
+            let hint = if total.is_multiple_of(world) {
+                format!("set data.workers = {} so that each of the {total} streams continues where it stopped", total / world)
+            } else {
+                format!("{world} ranks cannot split them evenly; resume on a number of ranks that divides {total}")
+            };
+            bail!(
+                "the checkpoint's data came from {old_world} ranks × {old_workers} loader workers = {total} streams, and this run has {world} × {workers}: {hint}"
+            );
+        }
+        // Ranks may stand in different epochs (their shares of an epoch differ by a shard). The
+        // new ranks take the latest: a worker from a rank still in an earlier epoch is not
+        // exhausted, and its ends of epochs before this one are ignored as already counted, so it
+        // reads on, alone if need be, until it too ends this epoch.
+        let epoch = saved.iter().map(|p| p.epoch).max().unwrap_or(0);
+        Ok((0..world)
+            .map(|rank| {
+                let sources: Vec<(usize, usize)> = (0..workers)
+                    .map(|w| (rank + world * w) % old_world)
+                    .zip((0..workers).map(|w| (rank + world * w) / old_world))
+                    .collect();
+                let states: Vec<WorkerState> = sources.iter().map(|&(r, w)| saved[r].workers[w].clone()).collect();
+                let exhausted: Vec<bool> = sources.iter().map(|&(r, w)| saved[r].exhausted[w] && saved[r].epoch == epoch).collect();
+                let ends = exhausted.iter().filter(|&&e| e).count();
+                LoaderPosition {
+                    epoch,
+                    next_worker: 0,
+                    batches: states.iter().map(|s| s.batches).sum(),
+                    epoch_samples: if ends == 0 { Some(0) } else { None },
+                    epoch_ends: ends,
+                    exhausted,
+                    workers: states,
+                }
+            })
+            .collect())
+    }
+
     pub fn skips(&self) -> SkipCounts {
         let mut s = SkipCounts::default();
         for w in &self.workers {
@@ -773,6 +825,70 @@ mod tests {
 
     /// A position written before the epoch's counts were saved still loads and resumes; its
     /// epoch simply cannot be judged empty.
+    /// Takes `n` batches from `loader` (rank `rank` of `world`), appending each batch's keys to
+    /// the stream of the global worker that formed it.
+    fn by_stream(loader: &mut TrainLoader, rank: usize, world: usize, n: usize, streams: &mut HashMap<usize, Vec<String>>) {
+        let workers = loader.position().workers.len();
+        for _ in 0..n {
+            let keys = loader.next_batch().unwrap().keys;
+            let w = (loader.position().next_worker + workers - 1) % workers;
+            streams.entry(rank + world * w).or_default().extend(keys);
+        }
+    }
+
+    /// A job saved on 2 ranks × 2 workers and resumed on 4 × 1, then on 1 × 4 (the same four
+    /// streams), after any of its first steps: every stream goes on with exactly the samples it
+    /// would have read uninterrupted, across epoch ends; other shapes are refused.
+    #[test]
+    fn positions_regroup_onto_another_number_of_ranks_with_the_same_streams() {
+        let dir = tempfile::tempdir().unwrap();
+        // Four streams of two 5-sample shards an epoch: 10 samples a stream per epoch.
+        let plan = plan_of(make_shards(dir.path(), 8, 5), 9, true);
+        let job = |world: usize, workers: usize, batch: usize, from: Option<Vec<LoaderPosition>>| -> Vec<TrainLoader> {
+            (0..world)
+                .map(|rank| {
+                    let at = Placement { rank, world_size: world, worker: 0, workers };
+                    let pos = from.as_ref().map(|p| p[rank].clone());
+                    TrainLoader::start(plan.clone(), at, settings(batch, 3), tokenizer(), pos).unwrap()
+                })
+                .collect()
+        };
+        let mut reference = HashMap::new();
+        for (rank, l) in job(2, 2, 4, None).iter_mut().enumerate() {
+            by_stream(l, rank, 2, 30, &mut reference);
+        }
+        let mut ranks_apart = false;
+        for saved_after in 1..=8 {
+            let mut streams = HashMap::new();
+            let mut old = job(2, 2, 4, None);
+            for (rank, l) in old.iter_mut().enumerate() {
+                by_stream(l, rank, 2, saved_after, &mut streams);
+            }
+            let saved: Vec<LoaderPosition> = old.iter().map(|l| l.position().clone()).collect();
+            let four = LoaderPosition::regroup(&saved, 4, 1).unwrap();
+            let mut wide = job(4, 1, 2, Some(four));
+            for (rank, l) in wide.iter_mut().enumerate() {
+                by_stream(l, rank, 4, 10, &mut streams);
+            }
+            let saved: Vec<LoaderPosition> = wide.iter().map(|l| l.position().clone()).collect();
+            ranks_apart |= saved.iter().any(|p| p.epoch != saved[0].epoch);
+            let one = LoaderPosition::regroup(&saved, 1, 4).unwrap();
+            assert!(one[0].epoch >= 1, "the test must cross an epoch end");
+            by_stream(&mut job(1, 4, 8, Some(one))[0], 0, 1, 5, &mut streams);
+            assert_eq!(streams.len(), 4);
+            for (g, keys) in &streams {
+                let want = &reference[g];
+                assert!(keys.len() <= want.len(), "stream {g}: the reference is too short");
+                assert_eq!(keys[..], want[..keys.len()], "stream {g}, saved after {saved_after} steps");
+            }
+            let err = LoaderPosition::regroup(&saved, 3, 1).unwrap_err().to_string();
+            assert!(err.contains("4 streams") && err.contains("divides 4"), "{err}");
+            let err = LoaderPosition::regroup(&saved, 2, 1).unwrap_err().to_string();
+            assert!(err.contains("data.workers = 2"), "{err}");
+        }
+        assert!(ranks_apart, "some save must find the ranks in different epochs");
+    }
+
     #[test]
     fn a_position_without_epoch_counts_still_resumes() {
         let dir = tempfile::tempdir().unwrap();

@@ -1,5 +1,6 @@
 //! Everything align reads and writes besides data shards: tensors files, run directories
-//! (checkpoints, `latest`, pruning, resumption), the checkpoint formats (`format`: the trait,
+//! (checkpoints, `latest`, pruning, resumption; optimizer state sharded over ranks in
+//! `state_shards`), the checkpoint formats (`format`: the trait,
 //! and below it align's own, Hugging Face's in `hf/` and open_clip's in `open_clip/`), the
 //! `registry` above them (the list of formats, the location a checkpoint is resolved from, and
 //! export), the bounds sizes read from files must respect (`limits`), a forward-only model from
@@ -13,5 +14,6 @@ pub mod metrics_log;
 pub mod registry;
 pub mod run_dir;
 pub mod run_lock;
+pub mod state_shards;
 pub mod tensorboard;
 pub mod tensors;

@@ -2,7 +2,9 @@
 //!
 //! A checkpoint directory holds
 //! - `model.safetensors`: weights under Hugging Face names,
-//! - `optimizer.safetensors`: AdamW/LAMB moments (`exp_avg.NAME`, `exp_avg_sq.NAME`),
+//! - `optimizer.safetensors`: AdamW/LAMB moments (`exp_avg.NAME`, `exp_avg_sq.NAME`), or, when
+//!   ranks shard them (`train.shard`), one file a rank and `optimizer.manifest.json`
+//!   (`state_shards`),
 //! - `ema.safetensors`: the weights' moving average under the weights' names, when the run keeps
 //!   one (`train.ema_decay`),
 //! - `config.toml`: the full experiment config, `align.json`: the resolved model sizes,
@@ -10,7 +12,9 @@
 //! - `state.json`: step, samples seen, the loader position and the run's clock.
 //!
 //! ## The protocol and its invariants
-//! A save of step N writes everything into `step-N.partial/` (`state.json` last), syncs it, and
+//! A save of step N writes everything into `step-N.partial/` (`state.json` last; the ranks of a
+//! sharded optimizer each write their file there first, and rank 0 the manifest once all are
+//! written), syncs it, and
 //! moves it into place: a rename to `step-N/`, or, when `step-N/` already exists (Ctrl-C on a
 //! checkpoint step, or a run resumed from an earlier step passing N again), an atomic exchange of
 //! the two directories (`renameat2(RENAME_EXCHANGE)`) after which the old one is deleted. Then
@@ -38,7 +42,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
-use super::tensors::{save_tensors, sync_dir, write_synced};
+use super::state_shards::{self, Manifest};
+use super::tensors::{read_tensors_where, save_tensors, sync_dir, write_synced};
 use crate::data::loader::LoaderPosition;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,10 +69,17 @@ pub const CONFIG_FILE: &str = "config.toml";
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 pub const LATEST: &str = "latest";
 
+/// The optimizer's moments: whole, or already written by each rank into the partial directory
+/// (`begin_partial`, `state_shards::write_shard`) and described by a manifest.
+pub enum OptimizerState {
+    Whole(HashMap<String, Tensor>),
+    Sharded(Manifest),
+}
+
 /// Everything a checkpoint stores, as bytes or tensors ready to write.
 pub struct CheckpointContents<'a> {
     pub weights: HashMap<String, Tensor>,
-    pub optimizer: HashMap<String, Tensor>,
+    pub optimizer: OptimizerState,
     /// The weights' moving average, when the run keeps one.
     pub ema: Option<HashMap<String, Tensor>>,
     pub config_toml: String,
@@ -90,7 +102,7 @@ const CRASH_POINTS: [&str; 6] = ["written", "moved", "old-removed", "latest-writ
 fn save_with(run_dir: &Path, c: &CheckpointContents, keep_last: usize, at: &mut dyn FnMut(&str) -> Result<()>) -> Result<PathBuf> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("creating {}", run_dir.display()))?;
     let name = format!("step-{}", c.state.step);
-    let partial = run_dir.join(format!("{name}.partial"));
+    let partial = partial_dir(run_dir, c.state.step);
     let final_dir = run_dir.join(&name);
     write_partial(&partial, c)?;
     at("written")?;
@@ -112,14 +124,40 @@ fn save_with(run_dir: &Path, c: &CheckpointContents, keep_last: usize, at: &mut 
     Ok(final_dir)
 }
 
-/// Every file of a checkpoint into `partial` (emptied first), `state.json` last, all synced.
-fn write_partial(partial: &Path, c: &CheckpointContents) -> Result<()> {
+/// Where step `step`'s checkpoint is written before it is moved into place.
+pub fn partial_dir(run_dir: &Path, step: u64) -> PathBuf {
+    run_dir.join(format!("step-{step}.partial"))
+}
+
+/// An empty partial directory for step `step`, for the ranks of a sharded optimizer to write
+/// their files into before rank 0 saves the rest.
+pub fn begin_partial(run_dir: &Path, step: u64) -> Result<PathBuf> {
+    let partial = partial_dir(run_dir, step);
     if partial.exists() {
-        std::fs::remove_dir_all(partial).with_context(|| format!("removing {}", partial.display()))?;
+        std::fs::remove_dir_all(&partial).with_context(|| format!("removing {}", partial.display()))?;
     }
-    std::fs::create_dir_all(partial).with_context(|| format!("creating {}", partial.display()))?;
+    std::fs::create_dir_all(&partial).with_context(|| format!("creating {}", partial.display()))?;
+    Ok(partial)
+}
+
+/// Every file of a checkpoint into `partial` (emptied first, unless the ranks' optimizer files are
+/// in it already), `state.json` last, all synced.
+fn write_partial(partial: &Path, c: &CheckpointContents) -> Result<()> {
+    match &c.optimizer {
+        OptimizerState::Whole(_) => {
+            if partial.exists() {
+                std::fs::remove_dir_all(partial).with_context(|| format!("removing {}", partial.display()))?;
+            }
+            std::fs::create_dir_all(partial).with_context(|| format!("creating {}", partial.display()))?;
+        }
+        OptimizerState::Sharded(_) if !partial.is_dir() => bail!("{} vanished while the ranks wrote into it", partial.display()),
+        OptimizerState::Sharded(_) => {}
+    }
     save_tensors(&c.weights, &partial.join(MODEL_FILE))?;
-    save_tensors(&c.optimizer, &partial.join(OPTIMIZER_FILE))?;
+    match &c.optimizer {
+        OptimizerState::Whole(t) => save_tensors(t, &partial.join(OPTIMIZER_FILE))?,
+        OptimizerState::Sharded(m) => state_shards::write_manifest(partial, m)?,
+    }
     if let Some(ema) = &c.ema {
         save_tensors(ema, &partial.join(EMA_FILE))?;
     }
@@ -286,6 +324,16 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     }
 }
 
+/// The optimizer state tensors named in `wanted` (a rank's own, or all) from the checkpoint at
+/// `dir`, whether one file holds them or a sharded run wrote one a rank.
+pub fn read_optimizer(dir: &Path, device: &candle_core::Device, wanted: &[String]) -> Result<HashMap<String, Tensor>> {
+    if dir.join(state_shards::MANIFEST_FILE).is_file() {
+        return state_shards::read(dir, device, wanted);
+    }
+    let set: std::collections::HashSet<&str> = wanted.iter().map(String::as_str).collect();
+    read_tensors_where(&dir.join(OPTIMIZER_FILE), device, &|name| set.contains(name))
+}
+
 pub fn read_state(dir: &Path) -> Result<TrainState> {
     let p = dir.join(STATE_FILE);
     serde_json::from_str(&std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?)
@@ -303,16 +351,32 @@ mod tests {
         TextTokenizer::new(train_wordpiece(caps.iter(), 50, true, 1).unwrap(), 8).unwrap()
     }
 
-    /// Saves step `step` (the weights hold the step, so a checkpoint tells which save wrote it),
-    /// stopped at `crash` if given.
-    fn save_step(run: &Path, step: u64, version: f32, crash: Option<&str>) -> Result<PathBuf> {
+    /// Saves step `step` (the weights and the optimizer state hold the step, so a checkpoint
+    /// tells which save wrote it), stopped at `crash` if given; `sharded`, the optimizer state as
+    /// two ranks write it, the kill point `shard` falling between the ranks' files.
+    fn save_step(run: &Path, step: u64, version: f32, crash: Option<&str>, sharded: bool) -> Result<PathBuf> {
         let tok = tokenizer();
         let state = TrainState { step, samples_seen: step * 4, loaders: Vec::new(), seconds: 0.0, last_loss: None, teacher: None };
+        let tensor = |v: f32| Tensor::new(&[step as f32, v], &Device::Cpu).unwrap();
         let mut weights = HashMap::new();
-        weights.insert("w".to_string(), Tensor::new(&[step as f32, version], &Device::Cpu).unwrap());
+        weights.insert("w".to_string(), tensor(version));
+        let moments: HashMap<String, Tensor> =
+            [("exp_avg.w".to_string(), tensor(version)), ("exp_avg_sq.w".to_string(), tensor(-version))].into();
+        let optimizer = if sharded {
+            let partial = begin_partial(run, step)?;
+            let (first, second): (HashMap<_, _>, HashMap<_, _>) = moments.into_iter().partition(|(k, _)| k.starts_with("exp_avg."));
+            let a = state_shards::write_shard(&partial, 0, 2, &first)?;
+            if crash == Some("shard") {
+                bail!("killed between the ranks' files");
+            }
+            let b = state_shards::write_shard(&partial, 1, 2, &second)?;
+            OptimizerState::Sharded(Manifest::new("optimizer", vec![a, b]))
+        } else {
+            OptimizerState::Whole(moments)
+        };
         let c = CheckpointContents {
             weights,
-            optimizer: HashMap::new(),
+            optimizer,
             ema: None,
             config_toml: String::new(),
             spec_json: "{}".into(),
@@ -325,13 +389,18 @@ mod tests {
         })
     }
 
-    /// `[step, version]` of the checkpoint `latest` resolves to.
+    /// `[step, version]` of the checkpoint `latest` resolves to, its weights and optimizer state
+    /// from the same save.
     fn latest_contents(run: &Path) -> [f32; 2] {
         let dir = latest(run).unwrap().expect("a checkpoint to resume from");
         assert!(dir.join(STATE_FILE).is_file(), "{} is incomplete", dir.display());
         let w = super::super::tensors::read_tensors(&dir.join(MODEL_FILE), &Device::Cpu).unwrap()["w"].to_vec1::<f32>().unwrap();
         let state = read_state(&dir).unwrap();
         assert_eq!(state.step as f32, w[0], "state and weights from different saves");
+        let names = vec!["exp_avg.w".to_string(), "exp_avg_sq.w".to_string()];
+        let opt = read_optimizer(&dir, &Device::Cpu, &names).unwrap();
+        assert_eq!(opt["exp_avg.w"].to_vec1::<f32>().unwrap(), w, "optimizer state and weights from different saves");
+        assert_eq!(opt["exp_avg_sq.w"].to_vec1::<f32>().unwrap(), [w[0], -w[1]]);
         [w[0], w[1]]
     }
 
@@ -343,16 +412,22 @@ mod tests {
 
     #[test]
     fn a_save_killed_at_any_point_leaves_latest_on_a_complete_checkpoint() {
-        for point in CRASH_POINTS {
+        let points = CRASH_POINTS.iter().map(|p| (*p, false)).chain(std::iter::once("shard").chain(CRASH_POINTS).map(|p| (p, true)));
+        for (point, sharded) in points {
             for resave in [false, true] {
                 let dir = tempfile::tempdir().unwrap();
                 let run = dir.path();
-                save_step(run, 2, 0.0, None).unwrap();
-                save_step(run, 4, 0.0, None).unwrap();
+                // The earlier checkpoints in the other form: a run may change `train.shard`.
+                save_step(run, 2, 0.0, None, !sharded).unwrap();
+                save_step(run, 4, 0.0, None, !sharded).unwrap();
                 // A new step (6, pruning step 2) or the latest step again (4, a new version).
                 let step = if resave { 4 } else { 6 };
-                let killed = save_step(run, step, 1.0, Some(point));
-                let what = format!("killed at {point}, {}", if resave { "re-saving step 4" } else { "saving step 6" });
+                let killed = save_step(run, step, 1.0, Some(point), sharded);
+                let what = format!(
+                    "killed at {point}, {}{}",
+                    if resave { "re-saving step 4" } else { "saving step 6" },
+                    if sharded { ", sharded" } else { "" }
+                );
                 assert!(killed.is_err() || point == "pruning", "{what}: the save did not stop");
                 let [got, version] = latest_contents(run);
                 assert!(got == 4.0 || (got == step as f32 && version == 1.0), "{what}: latest is step {got} version {version}");
@@ -360,7 +435,7 @@ mod tests {
                 let left = names(run);
                 assert!(left.iter().all(|n| !n.contains('.') && (n == LATEST || n == ".lock" || step_of(n).is_some())), "{what}: {left:?}");
                 assert_eq!(latest_contents(run), [got, version], "{what}: cleaning changed latest");
-                save_step(run, 8, 2.0, None).unwrap();
+                save_step(run, 8, 2.0, None, sharded).unwrap();
                 assert_eq!(latest_contents(run), [8.0, 2.0], "{what}: the next save");
                 assert_eq!(list_steps(run).unwrap().len(), 2, "{what}: kept {:?}", names(run));
             }
@@ -371,8 +446,8 @@ mod tests {
     fn a_broken_or_missing_latest_falls_back_to_the_newest_complete_checkpoint() {
         let dir = tempfile::tempdir().unwrap();
         let run = dir.path();
-        save_step(run, 2, 0.0, None).unwrap();
-        save_step(run, 4, 0.0, None).unwrap();
+        save_step(run, 2, 0.0, None, false).unwrap();
+        save_step(run, 4, 0.0, None, false).unwrap();
         std::fs::write(run.join(LATEST), "step-9\n").unwrap();
         assert_eq!(latest_contents(run), [4.0, 0.0]);
         std::fs::remove_file(run.join(LATEST)).unwrap();

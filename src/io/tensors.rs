@@ -75,10 +75,15 @@ fn set_default_mode(path: &Path) -> Result<()> {
 /// tensor's bytes, never the whole file beside them (a 600 MB checkpoint read whole peaked at twice
 /// its size). The header's offsets are checked against the file before anything is read.
 pub fn read_tensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
-    read_each(path, device).with_context(|| format!("reading {}", path.display()))
+    read_each(path, device, &|_| true).with_context(|| format!("reading {}", path.display()))
 }
 
-fn read_each(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+/// The tensors of a safetensors file whose names `keep` accepts (the others' bytes are not read).
+pub fn read_tensors_where(path: &Path, device: &Device, keep: &dyn Fn(&str) -> bool) -> Result<HashMap<String, Tensor>> {
+    read_each(path, device, keep).with_context(|| format!("reading {}", path.display()))
+}
+
+fn read_each(path: &Path, device: &Device, keep: &dyn Fn(&str) -> bool) -> Result<HashMap<String, Tensor>> {
     use std::io::{Read, Seek, SeekFrom};
     let mut f = File::open(path)?;
     let size = f.metadata()?.len();
@@ -97,7 +102,7 @@ fn read_each(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::with_capacity(entries.len());
     let mut bytes = Vec::new();
     for (name, e) in entries {
-        if name == "__metadata__" {
+        if name == "__metadata__" || !keep(name) {
             continue;
         }
         let field = |k: &str| e.get(k).with_context(|| format!("tensor {name} has no {k}"));

@@ -1,4 +1,5 @@
-//! Collectives between data-parallel ranks: all-gather, all-reduce, broadcast, barrier.
+//! Collectives between data-parallel ranks: all-gather, all-reduce, reduce-scatter, broadcast,
+//! barrier.
 //!
 //! Three implementations share one trait: [`SingleProcess`] (identity), [`ThreadGroup`] (ranks as
 //! threads of one process: the tests and `align train --nproc N` on the CPU), and NCCL for GPUs
@@ -17,7 +18,7 @@ pub enum CollectiveError {
     Timeout { op: &'static str, secs: f64, rank: usize, missing: Vec<usize> },
     #[error("rank {rank} failed: {message}")]
     Aborted { rank: usize, message: String },
-    #[error("collective {op}: rank {rank} sent {got} values, rank 0 sent {want}")]
+    #[error("collective {op}: rank {rank} sent {got} values where {want} were expected")]
     Mismatch { op: &'static str, rank: usize, got: usize, want: usize },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
@@ -55,6 +56,50 @@ pub trait Collective: Send + Sync {
     fn all_reduce_mean(&self, t: &Tensor) -> Result<Tensor> {
         Ok((self.all_reduce_sum(t)? / self.world_size() as f64)?)
     }
+
+    /// Sums the 1-D `t` (`counts` summed long, the same layout on every rank) over ranks and
+    /// returns this rank's segment of the sum: `counts[rank]` elements after the segments of the
+    /// ranks before it. Sharded training reduces gradients this way, each rank receiving only
+    /// the part it updates. This fallback all-reduces and keeps the segment.
+    fn reduce_scatter_sum(&self, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        check_counts("reduce_scatter", self, t, counts, true)?;
+        let offset = counts[..self.rank()].iter().sum();
+        Ok(self.all_reduce_sum(t)?.narrow(0, offset, counts[self.rank()])?)
+    }
+
+    /// Every rank's 1-D `t` of `counts[rank]` elements, concatenated in rank order (lengths may
+    /// differ). This fallback pads each to the longest and all-gathers.
+    fn all_gather_varlen(&self, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        check_counts("all_gather_varlen", self, t, counts, false)?;
+        let width = counts.iter().copied().max().unwrap_or(0);
+        if width == 0 {
+            return Ok(t.clone());
+        }
+        let padded =
+            if t.dim(0)? < width { Tensor::cat(&[t, &Tensor::zeros(width - t.dim(0)?, t.dtype(), t.device())?], 0)? } else { t.clone() };
+        let all = self.all_gather(&padded)?;
+        let parts: Vec<Tensor> = counts
+            .iter()
+            .enumerate()
+            .filter(|(_, &n)| n > 0)
+            .map(|(r, &n)| all.narrow(0, r * width, n))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+}
+
+/// `counts` has one entry a rank and `t` is the 1-D tensor it implies: the whole layout
+/// (`whole`) or this rank's segment.
+fn check_counts<C: Collective + ?Sized>(op: &'static str, c: &C, t: &Tensor, counts: &[usize], whole: bool) -> Result<()> {
+    if counts.len() != c.world_size() {
+        return Err(CollectiveError::Mismatch { op, rank: c.rank(), got: counts.len(), want: c.world_size() });
+    }
+    let want = if whole { counts.iter().sum() } else { counts[c.rank()] };
+    let got = t.elem_count();
+    if t.rank() != 1 || got != want {
+        return Err(CollectiveError::Mismatch { op, rank: c.rank(), got, want });
+    }
+    Ok(())
 }
 
 /// One rank: every collective is the identity.
@@ -127,8 +172,10 @@ impl ThreadGroup {
         (0..world).map(|rank| ThreadGroup { rank, shared: shared.clone() }).collect()
     }
 
-    /// Deposits this rank's payload and returns everyone's once all have deposited.
-    fn exchange(&self, op: &'static str, mine: Payload) -> Result<Vec<Payload>> {
+    /// Deposits this rank's payload and, once all have deposited, returns what `read` makes of
+    /// everyone's (in rank order; read under the round's lock, so a rank can take just its part
+    /// without copying the others').
+    fn exchange<R>(&self, op: &'static str, mine: Payload, read: impl FnOnce(&[&Payload]) -> R) -> Result<R> {
         let s = &*self.shared;
         let deadline = Instant::now() + s.timeout;
         let mut guard = s.state.lock().unwrap();
@@ -154,15 +201,8 @@ impl ThreadGroup {
             }
             guard = self.wait(guard, deadline, op)?;
         }
-        let out: Vec<Payload> = guard
-            .0
-            .slots
-            .iter()
-            .map(|p| match p.as_ref().expect("complete round") {
-                Payload::F64(v) => Payload::F64(v.clone()),
-                Payload::Bytes(b) => Payload::Bytes(b.clone()),
-            })
-            .collect();
+        let all: Vec<&Payload> = guard.0.slots.iter().map(|p| p.as_ref().expect("complete round")).collect();
+        let out = read(&all);
         guard.0.read += 1;
         if guard.0.read == s.world {
             guard.0.read = 0;
@@ -195,19 +235,35 @@ impl ThreadGroup {
         Ok(self.shared.changed.wait_timeout(guard, deadline - now).unwrap().0)
     }
 
+    /// `t`'s values as f64; a contiguous f32 tensor on the CPU (gradients, weights) is read
+    /// straight from its buffer, without an f64 tensor beside the vector.
     fn values(t: &Tensor) -> Result<Vec<f64>> {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(d)), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            return Ok(d[a..b].iter().map(|&x| x as f64).collect());
+        }
+        drop(storage);
         Ok(t.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)
     }
 
-    fn floats(&self, op: &'static str, t: &Tensor) -> Result<Vec<Vec<f64>>> {
-        let all = self.exchange(op, Payload::F64(Self::values(t)?))?;
-        let out: Vec<Vec<f64>> = all.into_iter().map(|p| if let Payload::F64(v) = p { v } else { Vec::new() }).collect();
-        for (r, v) in out.iter().enumerate() {
-            if v.len() != out[0].len() {
-                return Err(CollectiveError::Mismatch { op, rank: r, got: v.len(), want: out[0].len() });
+    /// Exchanges `t`'s values (as f64, which holds every f32 and bf16 exactly) and returns what
+    /// `read` makes of all ranks' values, after checking they have the same length.
+    fn floats_with<R>(&self, op: &'static str, t: &Tensor, read: impl FnOnce(&[&[f64]]) -> R) -> Result<R> {
+        self.floats_checked(op, t, |all| {
+            let n = all[0].len();
+            match all.iter().position(|v| v.len() != n) {
+                Some(r) => Err(CollectiveError::Mismatch { op, rank: r, got: all[r].len(), want: n }),
+                None => Ok(read(all)),
             }
-        }
-        Ok(out)
+        })
+    }
+
+    /// Exchanges `t`'s values and returns what `read` makes of them, lengths unchecked.
+    fn floats_checked<R>(&self, op: &'static str, t: &Tensor, read: impl FnOnce(&[&[f64]]) -> Result<R>) -> Result<R> {
+        self.exchange(op, Payload::F64(Self::values(t)?), |all| {
+            let values: Vec<&[f64]> = all.iter().map(|p| if let Payload::F64(v) = p { v.as_slice() } else { &[] }).collect();
+            read(&values)
+        })?
     }
 }
 
@@ -225,25 +281,27 @@ impl Collective for ThreadGroup {
     }
 
     fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
-        let parts = self.floats("all_gather", t)?;
+        let all = self.floats_with("all_gather", t, |all| all.concat())?;
         let mut dims = t.dims().to_vec();
         dims[0] *= self.shared.world;
-        rebuild(parts.concat(), &dims, t.dtype(), t.device())
+        rebuild(all, &dims, t.dtype(), t.device())
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
-        let parts = self.floats("all_reduce", t)?;
         // Summed in rank order on every rank: every rank gets bit-identical results.
-        let mut sum = vec![0.0f64; parts[0].len()];
-        for p in &parts {
-            sum.iter_mut().zip(p).for_each(|(a, b)| *a += b);
-        }
+        let sum = self.floats_with("all_reduce", t, |all| {
+            let mut sum = vec![0.0f64; all[0].len()];
+            for p in all {
+                sum.iter_mut().zip(p.iter()).for_each(|(a, b)| *a += b);
+            }
+            sum
+        })?;
         rebuild(sum, t.dims(), t.dtype(), t.device())
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
-        let mut parts = self.floats("broadcast", t)?;
-        rebuild(parts.swap_remove(root), t.dims(), t.dtype(), t.device())
+        let values = self.floats_with("broadcast", t, |all| all[root].to_vec())?;
+        rebuild(values, t.dims(), t.dtype(), t.device())
     }
 
     /// Through the common exchange (every rank sees every block for a moment): these ranks are
@@ -251,17 +309,44 @@ impl Collective for ThreadGroup {
     /// nothing; NCCL sends one block to one peer.
     fn shift(&self, t: &Tensor) -> Result<Tensor> {
         let world = self.shared.world;
-        let mut parts = self.floats("shift", t)?;
-        rebuild(parts.swap_remove((self.rank + world - 1) % world), t.dims(), t.dtype(), t.device())
+        let values = self.floats_with("shift", t, |all| all[(self.rank + world - 1) % world].to_vec())?;
+        rebuild(values, t.dims(), t.dtype(), t.device())
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let all = self.exchange("all_gather_bytes", Payload::Bytes(bytes.to_vec()))?;
-        Ok(all.into_iter().map(|p| if let Payload::Bytes(b) = p { b } else { Vec::new() }).collect())
+        self.exchange("all_gather_bytes", Payload::Bytes(bytes.to_vec()), |all| {
+            all.iter().map(|p| if let Payload::Bytes(b) = p { b.clone() } else { Vec::new() }).collect()
+        })
     }
 
     fn barrier(&self) -> Result<()> {
-        self.exchange("barrier", Payload::Bytes(Vec::new())).map(|_| ())
+        self.exchange("barrier", Payload::Bytes(Vec::new()), |_| ())
+    }
+
+    /// Only this rank's segment is summed (in rank order, in f64, as `all_reduce_sum` sums every
+    /// element: the same bits as the whole sum's segment).
+    fn reduce_scatter_sum(&self, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        check_counts("reduce_scatter", self, t, counts, true)?;
+        let offset: usize = counts[..self.rank].iter().sum();
+        let n = counts[self.rank];
+        let sum = self.floats_with("reduce_scatter", t, |all| {
+            let mut sum = vec![0.0f64; n];
+            for p in all {
+                sum.iter_mut().zip(&p[offset..offset + n]).for_each(|(a, b)| *a += b);
+            }
+            sum
+        })?;
+        rebuild(sum, &[n], t.dtype(), t.device())
+    }
+
+    fn all_gather_varlen(&self, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        check_counts("all_gather_varlen", self, t, counts, false)?;
+        let out = self.floats_checked("all_gather_varlen", t, |all| match all.iter().zip(counts).position(|(v, &n)| v.len() != n) {
+            Some(r) => Err(CollectiveError::Mismatch { op: "all_gather_varlen", rank: r, got: all[r].len(), want: counts[r] }),
+            None => Ok(all.concat()),
+        })?;
+        let n = out.len();
+        rebuild(out, &[n], t.dtype(), t.device())
     }
 
     fn abort(&self, message: &str) {
@@ -366,6 +451,79 @@ mod tests {
                 assert_eq!(b, vec![vec![2.0, 20.0]]);
             }
             assert_eq!(bytes, vec![b"rank0".to_vec(), b"rank1".to_vec(), b"rank2".to_vec()]);
+        }
+    }
+
+    /// Reduce-scatter and the all-gather of unequal parts on thread ranks equal the segments of
+    /// an all-reduce and a plain concatenation, as do the trait's fallbacks (one rank, and a
+    /// group that has only the basic collectives).
+    #[test]
+    fn reduce_scatter_and_unequal_all_gather_give_each_rank_its_part() {
+        let counts = [3usize, 0, 2];
+        let out = run(3, move |g| {
+            let r = g.rank() as f32;
+            let whole: Vec<f32> = (0..5).map(|i| i as f32 + 10.0 * r).collect();
+            let t = Tensor::new(whole.as_slice(), &Device::Cpu).unwrap();
+            let mine = g.reduce_scatter_sum(&t, &counts).unwrap().to_vec1::<f32>().unwrap();
+            let part = Tensor::new(&whole[..counts[g.rank()]], &Device::Cpu).unwrap();
+            let all = g.all_gather_varlen(&part, &counts).unwrap().to_vec1::<f32>().unwrap();
+            let bad = g.reduce_scatter_sum(&t, &[5, 0]).unwrap_err().to_string();
+            (mine, all, bad)
+        });
+        // Sums over ranks of i + 10r: 3i + 30.
+        assert_eq!(out[0].0, vec![30.0, 33.0, 36.0]);
+        assert!(out[1].0.is_empty());
+        assert_eq!(out[2].0, vec![39.0, 42.0]);
+        for (_, all, bad) in &out {
+            assert_eq!(all, &vec![0.0, 1.0, 2.0, 20.0, 21.0]);
+            assert!(bad.contains("reduce_scatter"), "{bad}");
+        }
+        let fallback = run(3, move |g| {
+            let g = Basic(g);
+            let r = g.rank() as f32;
+            let whole: Vec<f32> = (0..5).map(|i| i as f32 + 10.0 * r).collect();
+            let t = Tensor::new(whole.as_slice(), &Device::Cpu).unwrap();
+            let mine = g.reduce_scatter_sum(&t, &counts).unwrap().to_vec1::<f32>().unwrap();
+            let part = Tensor::new(&whole[..counts[g.rank()]], &Device::Cpu).unwrap();
+            (mine, g.all_gather_varlen(&part, &counts).unwrap().to_vec1::<f32>().unwrap())
+        });
+        assert_eq!(fallback, out.iter().map(|(m, a, _)| (m.clone(), a.clone())).collect::<Vec<_>>());
+        let one = SingleProcess;
+        let t = Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap();
+        assert_eq!(one.reduce_scatter_sum(&t, &[2]).unwrap().to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
+        assert_eq!(one.all_gather_varlen(&t, &[2]).unwrap().to_vec1::<f32>().unwrap(), vec![1.0, 2.0]);
+    }
+
+    /// A group with only the required collectives: the trait's fallbacks for the others.
+    struct Basic(ThreadGroup);
+
+    impl Collective for Basic {
+        fn rank(&self) -> usize {
+            self.0.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.0.world_size()
+        }
+        fn all_gather(&self, t: &Tensor) -> Result<Tensor> {
+            self.0.all_gather(t)
+        }
+        fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+            self.0.all_reduce_sum(t)
+        }
+        fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+            self.0.broadcast(t, root)
+        }
+        fn shift(&self, t: &Tensor) -> Result<Tensor> {
+            self.0.shift(t)
+        }
+        fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+            self.0.all_gather_bytes(bytes)
+        }
+        fn barrier(&self) -> Result<()> {
+            self.0.barrier()
+        }
+        fn abort(&self, message: &str) {
+            self.0.abort(message)
         }
     }
 

@@ -12,6 +12,7 @@ pub mod nccl;
 pub mod optim;
 pub mod rendezvous;
 pub mod schedule;
+pub mod shard;
 pub mod sigmoid_loss;
 pub mod start;
 pub mod step;

@@ -87,6 +87,7 @@ impl NcclGroup {
 trait Ops {
     fn all_gather(&self, comm: &Comm) -> Result<()>;
     fn all_reduce_sum(&self, comm: &Comm) -> Result<()>;
+    fn reduce_scatter_sum(&self, comm: &Comm) -> Result<()>;
     fn broadcast(&self, comm: &Comm, root: usize) -> Result<()>;
     fn shift(&self, comm: &Comm, next: usize, prev: usize) -> Result<()>;
 }
@@ -102,6 +103,9 @@ impl<T: NcclType + DeviceRepr> Ops for Buffers<'_, T> {
     }
     fn all_reduce_sum(&self, comm: &Comm) -> Result<()> {
         comm.all_reduce(&self.src, &mut *self.dst.borrow_mut(), &ReduceOp::Sum).map(|_| ()).map_err(err)
+    }
+    fn reduce_scatter_sum(&self, comm: &Comm) -> Result<()> {
+        comm.reduce_scatter(&self.src, &mut *self.dst.borrow_mut(), &ReduceOp::Sum).map(|_| ()).map_err(err)
     }
     fn broadcast(&self, comm: &Comm, root: usize) -> Result<()> {
         let src = (comm.rank() == root).then_some(&self.src);
@@ -159,6 +163,38 @@ impl Collective for NcclGroup {
     fn shift(&self, t: &Tensor) -> Result<Tensor> {
         let (next, prev) = ((self.rank + 1) % self.world, (self.rank + self.world - 1) % self.world);
         self.run(t, t.elem_count(), t.dims().to_vec(), |c, b| b.shift(c, next, prev))
+    }
+
+    /// NCCL's reduce-scatter gives every rank the same count: each rank's segment is padded
+    /// with zeros to the longest, and the padding cut off the result.
+    fn reduce_scatter_sum(&self, t: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        if counts.len() != self.world || t.rank() != 1 || t.elem_count() != counts.iter().sum::<usize>() {
+            return Err(CollectiveError::Mismatch {
+                op: "reduce_scatter",
+                rank: self.rank,
+                got: t.elem_count(),
+                want: counts.iter().sum(),
+            });
+        }
+        let width = counts.iter().copied().max().unwrap_or(0);
+        if width == 0 {
+            return Ok(t.clone());
+        }
+        let g = self.on_gpu(t)?;
+        let mut parts = Vec::with_capacity(2 * self.world);
+        let mut offset = 0;
+        for &n in counts {
+            if n > 0 {
+                parts.push(g.narrow(0, offset, n)?);
+            }
+            if n < width {
+                parts.push(Tensor::zeros(width - n, g.dtype(), g.device())?);
+            }
+            offset += n;
+        }
+        let padded = Tensor::cat(&parts, 0)?;
+        let mine = self.run(&padded, width, vec![width], |c, b| b.reduce_scatter_sum(c))?;
+        Ok(mine.narrow(0, 0, counts[self.rank])?.to_device(t.device())?)
     }
 
     fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {

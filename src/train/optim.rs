@@ -1,4 +1,5 @@
-//! AdamW and LAMB with per-tensor weight-decay masks and global-norm gradient clipping.
+//! AdamW and LAMB with per-tensor weight-decay masks and global-norm gradient clipping, each
+//! rank keeping every tensor's moments or (`train.shard`) only those of the tensors it owns.
 //!
 //! candle's own AdamW decays every variable (biases, norms, the temperature) and cannot clip; ALIGN
 //! trains with LAMB. Both updates here follow the published formulas with bias correction:
@@ -8,9 +9,11 @@
 //!   weight decay are also excluded from the trust ratio (TF-Addons' default).
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-pub use crate::config::{OptimizerConfig, OptimizerKind};
+use super::collective::Collective;
+use super::shard::Ownership;
+pub use crate::config::{OptimizerConfig, OptimizerKind, ShardMode};
 use candle_core::{backprop::GradStore, CpuStorage, DType, InplaceOp2, Layout, Result, Tensor, Var};
 
 // Run on CUDA GPUs, and by the tests in the host emulation.
@@ -46,30 +49,38 @@ impl Grads {
         Ok(())
     }
 
-    /// Global L2 norm. CPU f32 gradients are summed straight from their buffers (f32 partial
-    /// sums per chunk, f64 across chunks) instead of through f64 copies.
+    /// Global L2 norm: the per-tensor squares of [`Grads::squares`] added in parameter order.
     pub fn norm(&self) -> Result<f64> {
-        use rayon::prelude::*;
-        let mut sq = 0.0;
-        for g in self.0.iter().flatten() {
-            let (storage, layout) = g.storage_and_layout();
-            let direct = match (&*storage, layout.contiguous_offsets()) {
-                (candle_core::Storage::Cpu(CpuStorage::F32(d)), Some((a, b))) => {
-                    Some(d[a..b].par_chunks(CHUNK).map(|c| c.iter().map(|x| x * x).sum::<f32>() as f64).sum::<f64>())
-                }
-                _ => None,
-            };
-            drop(storage);
-            sq += match direct {
-                Some(s) => s,
-                None => g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?,
-            };
-        }
-        Ok(sq.sqrt())
+        Ok(self.squares()?.iter().fold(0.0, |a, b| a + b).sqrt())
+    }
+
+    /// Each gradient's sum of squares (0 where there is none), in parameter order.
+    pub fn squares(&self) -> Result<Vec<f64>> {
+        self.0.iter().map(|g| g.as_ref().map_or(Ok(0.0), squared_sum)).collect()
     }
 
     pub fn all_finite(&self) -> Result<bool> {
         Ok(self.norm()?.is_finite())
+    }
+}
+
+/// A tensor's sum of squares, the same bits every time: CPU f32 tensors are summed straight from
+/// their buffers, f32 partial sums per chunk added in chunk order in f64 (whatever order the
+/// threads finish in, so a clipped step or a LAMB trust ratio never depends on scheduling).
+fn squared_sum(g: &Tensor) -> Result<f64> {
+    use rayon::prelude::*;
+    let (storage, layout) = g.storage_and_layout();
+    let direct = match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(CpuStorage::F32(d)), Some((a, b))) => {
+            let partials: Vec<f64> = d[a..b].par_chunks(CHUNK).map(|c| c.iter().map(|x| x * x).sum::<f32>() as f64).collect();
+            Some(partials.iter().fold(0.0, |s, p| s + p))
+        }
+        _ => None,
+    };
+    drop(storage);
+    match direct {
+        Some(s) => Ok(s),
+        None => g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>(),
     }
 }
 
@@ -88,8 +99,13 @@ pub struct Param {
 /// are device tensors updated with candle ops.
 enum Moments {
     Host(Mutex<(Vec<f32>, Vec<f32>)>),
-    Kernel { mv: Tensor, partials: Tensor },
+    Kernel {
+        mv: Tensor,
+        partials: Tensor,
+    },
     Device(Tensor, Tensor),
+    /// Another rank owns the tensor and keeps its moments (`train.shard`).
+    Elsewhere,
 }
 
 /// Zeroed moments for the optimizer kernels.
@@ -106,6 +122,15 @@ pub struct Optimizer {
     moments: Vec<Moments>,
     pub step: u64,
     pub cfg: OptimizerConfig,
+    /// The ranks this one shares the state with, when it keeps only its own tensors' moments.
+    shard: Option<Sharded>,
+}
+
+/// A sharded optimizer's ranks and what this one owns.
+struct Sharded {
+    mode: ShardMode,
+    group: Arc<dyn Collective>,
+    own: Ownership,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -182,7 +207,7 @@ impl HostUpdate<'_> {
             );
             return;
         }
-        let (wn, un) = p
+        let partials: Vec<(f64, f64)> = p
             .par_chunks(CHUNK)
             .zip(m.par_chunks_mut(CHUNK))
             .zip(v.par_chunks_mut(CHUNK))
@@ -198,7 +223,9 @@ impl HostUpdate<'_> {
                 }
                 (pp as f64, uu as f64)
             })
-            .reduce(|| (0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+            .collect();
+        // Added in chunk order, not in the order threads finish: the same bits every run.
+        let (wn, un) = partials.iter().fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
         let (wn, un) = (wn.sqrt(), un.sqrt());
         let ratio = if wn > 0.0 && un > 0.0 { wn / un } else { 1.0 };
         let scale = (c.lr * ratio) as f32;
@@ -251,11 +278,89 @@ impl Optimizer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Optimizer { params, moments, step: 0, cfg })
+        Ok(Optimizer { params, moments, step: 0, cfg, shard: None })
     }
 
     pub fn params(&self) -> &[Param] {
         &self.params
+    }
+
+    /// Keeps only the moments of the tensors this rank owns among `group`'s ranks (a no-op for
+    /// `ShardMode::None` or one rank). Call before loading a checkpoint's state.
+    pub fn shard(&mut self, mode: ShardMode, group: Arc<dyn Collective>) {
+        if mode == ShardMode::None || group.world_size() == 1 {
+            return;
+        }
+        let sizes: Vec<usize> = self.params.iter().map(|p| p.var.elem_count()).collect();
+        let own = Ownership::deal(&sizes, group.world_size(), group.rank());
+        for (i, mo) in self.moments.iter_mut().enumerate() {
+            if !own.owns(i) {
+                *mo = Moments::Elsewhere;
+            }
+        }
+        self.shard = Some(Sharded { mode, group, own });
+    }
+
+    /// The sharding in force: mode, this rank and the number of ranks.
+    pub fn sharding(&self) -> Option<(ShardMode, usize, usize)> {
+        self.shard.as_ref().map(|s| (s.mode, s.own.rank(), s.own.world()))
+    }
+
+    fn owns(&self, i: usize) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.own.owns(i))
+    }
+
+    /// Bytes of optimizer state (the two moments) this rank holds.
+    pub fn state_bytes(&self) -> usize {
+        self.params.iter().zip(&self.moments).filter(|(_, m)| !matches!(m, Moments::Elsewhere)).map(|(p, _)| 8 * p.var.elem_count()).sum()
+    }
+
+    /// Whether each micro-batch's gradients are reduced to their owners as soon as they are
+    /// computed (`train.shard = "gradients"`), so that accumulating keeps only this rank's part.
+    pub fn reduces_each_micro_batch(&self) -> bool {
+        self.shard.as_ref().is_some_and(|s| s.mode == ShardMode::Gradients)
+    }
+
+    /// The gradients of every rank summed, times `scale`: whole on every rank (all-reduce), or,
+    /// sharded, only this rank's tensors' with the others None (reduce-scatter, half the traffic).
+    /// One flat exchange for all tensors.
+    pub fn reduce_gradients(&self, mut grads: Grads, group: &Arc<dyn Collective>, scale: f64) -> Result<Grads> {
+        if group.world_size() == 1 && scale == 1.0 {
+            return Ok(grads);
+        }
+        let scatter = self.shard.as_ref().map(|s| &s.own);
+        let order: Vec<usize> = match scatter {
+            Some(own) => own.layout(),
+            None => (0..self.params.len()).collect(),
+        };
+        // Missing gradients (a parameter no path reached) count as zeros so every rank sends the
+        // same layout.
+        // The parts are dropped as soon as they are joined: a step holds one copy of its
+        // gradients beside the flat buffer, not two.
+        let flat = {
+            let parts: Vec<Tensor> = order
+                .iter()
+                .map(|&i| match grads.0[i].take() {
+                    Some(g) => g.to_dtype(DType::F32)?.flatten_all(),
+                    None => Tensor::zeros(self.params[i].var.elem_count(), DType::F32, self.params[i].var.device()),
+                })
+                .collect::<Result<_>>()?;
+            Tensor::cat(&parts, 0)?
+        };
+        let (summed, received) = match scatter {
+            Some(own) => (group.reduce_scatter_sum(&flat, &own.counts())?, own.mine()),
+            None => (group.all_reduce_sum(&flat)?, order),
+        };
+        drop(flat);
+        let summed = (summed * scale)?;
+        let mut offset = 0;
+        for i in received {
+            let p = &self.params[i];
+            let n = p.var.elem_count();
+            grads.0[i] = Some(summed.narrow(0, offset, n)?.reshape(p.var.shape())?.to_dtype(p.var.dtype())?);
+            offset += n;
+        }
+        Ok(grads)
     }
 
     /// Keeps every moment as a tensor updated by candle ops (the GPU path), for tests on the CPU.
@@ -290,15 +395,28 @@ impl Optimizer {
         }
     }
 
+    /// One update from the (reduced) gradients. Sharded, each rank updates the tensors it owns
+    /// and the new weights are all-gathered; the global norm adds every tensor's square in
+    /// parameter order as unsharded (each square from its owner), so clipping is the same.
     pub fn step(&mut self, grads: &Grads, lr: f64) -> Result<StepStats> {
         let _profile = crate::util::profile::region("optimizer");
-        let grad_norm = grads.norm()?;
+        let mut squares: Vec<f64> = grads
+            .0
+            .iter()
+            .enumerate()
+            .map(|(i, g)| if self.owns(i) { g.as_ref().map_or(Ok(0.0), squared_sum) } else { Ok(0.0) })
+            .collect::<Result<_>>()?;
+        if let Some(s) = &self.shard {
+            // Adding zeros is exact: every rank gets each owner's square unchanged.
+            squares = s.group.all_reduce_sum(&Tensor::new(squares.as_slice(), &candle_core::Device::Cpu)?)?.to_vec1()?;
+        }
+        let grad_norm = squares.iter().fold(0.0, |a, b| a + b).sqrt();
         let clip = if self.cfg.grad_clip > 0.0 && grad_norm > self.cfg.grad_clip { self.cfg.grad_clip / grad_norm } else { 1.0 };
         self.step += 1;
         let t = self.step as i32;
         let (b1, b2) = (self.cfg.beta1, self.cfg.beta2);
         for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = &grads.0[i] else { continue };
+            let Some(g) = grads.0[i].as_ref().filter(|_| self.shard.as_ref().is_none_or(|s| s.own.owns(i))) else { continue };
             let c = Coefficients {
                 lr: lr * p.lr_scale,
                 clip,
@@ -326,9 +444,30 @@ impl Optimizer {
                     w.inplace_op3(mv, partials, &kernels::Update::apply(params))?;
                 }
                 Moments::Device(m, v) => device_update(&p.var, g, m, v, &c)?,
+                Moments::Elsewhere => unreachable!("only owned tensors are updated"),
             }
         }
+        self.gather_weights()?;
         Ok(StepStats { grad_norm })
+    }
+
+    /// Sharded: every rank's updated tensors onto every rank, in one flat all-gather.
+    fn gather_weights(&self) -> Result<()> {
+        let Some(s) = &self.shard else { return Ok(()) };
+        let mine: Vec<Tensor> = s.own.mine().iter().map(|&i| self.params[i].var.as_tensor().flatten_all()).collect::<Result<_>>()?;
+        let device = self.params.first().map_or(candle_core::Device::Cpu, |p| p.var.device().clone());
+        let mine = if mine.is_empty() { Tensor::zeros(0, DType::F32, &device)? } else { Tensor::cat(&mine, 0)? };
+        let all = s.group.all_gather_varlen(&mine, &s.own.counts())?;
+        let mut offset = 0;
+        for i in s.own.layout() {
+            let p = &self.params[i];
+            let n = p.var.elem_count();
+            if !s.own.owns(i) {
+                p.var.set(&all.narrow(0, offset, n)?.reshape(p.var.shape())?.to_dtype(p.var.dtype())?)?;
+            }
+            offset += n;
+        }
+        Ok(())
     }
 
     /// Moments by parameter name, for checkpoints (`exp_avg.NAME`, `exp_avg_sq.NAME`, as PyTorch
@@ -350,6 +489,7 @@ impl Optimizer {
                     (half(0).expect("moments match their parameter"), half(n).expect("moments match their parameter"))
                 }
                 Moments::Device(m, v) => (m.clone(), v.clone()),
+                Moments::Elsewhere => continue,
             };
             out.insert(format!("exp_avg.{}", p.name), m);
             out.insert(format!("exp_avg_sq.{}", p.name), v);
@@ -357,9 +497,20 @@ impl Optimizer {
         out
     }
 
+    /// The names of the state tensors this rank keeps (all of them unsharded).
+    pub fn state_names(&self) -> Vec<String> {
+        let owned = self.params.iter().zip(&self.moments).filter(|(_, m)| !matches!(m, Moments::Elsewhere));
+        owned.flat_map(|(p, _)| [format!("exp_avg.{}", p.name), format!("exp_avg_sq.{}", p.name)]).collect()
+    }
+
+    /// Restores the moments of the tensors this rank keeps from `tensors` (which may hold
+    /// others' too).
     pub fn load_state(&mut self, tensors: &HashMap<String, Tensor>, step: u64) -> anyhow::Result<()> {
         let mut missing = Vec::new();
         for (p, mo) in self.params.iter().zip(self.moments.iter_mut()) {
+            if matches!(mo, Moments::Elsewhere) {
+                continue;
+            }
             let mut loaded = Vec::new();
             for prefix in ["exp_avg", "exp_avg_sq"] {
                 let key = format!("{prefix}.{}", p.name);
@@ -374,6 +525,7 @@ impl Optimizer {
                     Moments::Host(h) => *h.get_mut().unwrap() = (m.flatten_all()?.to_vec1()?, v.flatten_all()?.to_vec1()?),
                     Moments::Kernel { mv, .. } => *mv = Tensor::cat(&[m.flatten_all()?, v.flatten_all()?], 0)?.to_device(mv.device())?,
                     Moments::Device(dm, dv) => (*dm, *dv) = (m.to_device(dm.device())?, v.to_device(dv.device())?),
+                    Moments::Elsewhere => {}
                 }
             }
         }

@@ -202,33 +202,6 @@ pub fn backward(model: &DualEncoder, opt: &Optimizer, loss: &Tensor) -> Result<G
     Ok(grads)
 }
 
-/// Sums every parameter gradient over ranks in one flat exchange and scales it.
-fn all_reduce(mut grads: Grads, opt: &Optimizer, group: &Arc<dyn Collective>, scale: f64) -> Result<Grads> {
-    if group.world_size() == 1 && scale == 1.0 {
-        return Ok(grads);
-    }
-    // Missing gradients (a parameter no path reached) count as zeros so every rank sends the same
-    // layout.
-    let flat: Vec<Tensor> = grads
-        .0
-        .iter()
-        .zip(opt.params())
-        .map(|(g, p)| match g {
-            Some(g) => g.to_dtype(DType::F32)?.flatten_all(),
-            None => Tensor::zeros(p.var.elem_count(), DType::F32, p.var.device()),
-        })
-        .collect::<Result<_>>()?;
-    let summed = group.all_reduce_sum(&Tensor::cat(&flat, 0)?)?;
-    let summed = (summed * scale)?;
-    let mut offset = 0;
-    for (g, p) in grads.0.iter_mut().zip(opt.params()) {
-        let n = p.var.elem_count();
-        *g = Some(summed.narrow(0, offset, n)?.reshape(p.var.shape())?.to_dtype(p.var.dtype())?);
-        offset += n;
-    }
-    Ok(grads)
-}
-
 /// The gradients of one optimisation step over `micro` (this rank's micro-batches), `seed` drawing
 /// the step's stochastic depth and, with `patch_dropout`, the patches each image keeps.
 pub fn compute(
@@ -276,7 +249,7 @@ pub fn compute_with(
         let (total, [loss, i2t, t2i], distilled) =
             objective(model, &img, &txt, teacher.as_ref().map(|(a, b)| (a, b)), group, loss_kind, distill)?;
         let grads = backward(model, opt, &total)?;
-        let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
+        let grads = crate::util::profile::timed("all-reduce", || opt.reduce_gradients(grads, group, scale))?;
         return Ok(StepOutput { loss, i2t, t2i, grads, pairs, distill: distilled });
     }
 
@@ -302,7 +275,13 @@ pub fn compute_with(
     let (total, [loss, i2t, t2i], distilled) =
         objective(model, img_all.as_tensor(), txt_all.as_tensor(), teacher.as_ref().map(|(a, b)| (a, b)), group, loss_kind, distill)?;
     let loss_grads = crate::util::profile::timed("backward", || total.backward())?;
-    let mut grads = opt.gather(&loss_grads);
+    // The loss's own parameters' gradients (temperature, bias) join the first micro-batch's.
+    let mut pending = Some(opt.gather(&loss_grads));
+    // Sharded gradients: each micro-batch's reduced to the owners at once, so the accumulated
+    // gradient is only this rank's part (its sums then add micro-batches of summed ranks rather
+    // than ranks of summed micro-batches: the same sum in another order).
+    let each = opt.reduces_each_micro_batch();
+    let mut grads: Option<Grads> = None;
     // Detached: a gradient tensor keeps the graph it was computed through (the gathered
     // embeddings included), which the micro-batches' backward passes must not walk again.
     let d_img = loss_grads.get(img_all.as_tensor()).map(|d| d.detach());
@@ -320,10 +299,23 @@ pub fn compute_with(
         if let Some(d) = &d_txt {
             surrogate = (surrogate + (txt * d.narrow(0, row, n)?)?.sum_all()?)?;
         }
-        grads.accumulate(backward(model, opt, &surrogate)?)?;
+        let mut g = backward(model, opt, &surrogate)?;
+        if let Some(first) = pending.take() {
+            let mut first = first;
+            first.accumulate(g)?;
+            g = first;
+        }
+        if each {
+            g = crate::util::profile::timed("all-reduce", || opt.reduce_gradients(g, group, scale))?;
+        }
+        match &mut grads {
+            Some(acc) => acc.accumulate(g)?,
+            None => grads = Some(g),
+        }
         row += n;
     }
-    let grads = crate::util::profile::timed("all-reduce", || all_reduce(grads, opt, group, scale))?;
+    let grads = grads.expect("at least two micro-batches");
+    let grads = if each { grads } else { crate::util::profile::timed("all-reduce", || opt.reduce_gradients(grads, group, scale))? };
     Ok(StepOutput { loss, i2t, t2i, grads, pairs, distill: distilled })
 }
 

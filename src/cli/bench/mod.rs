@@ -1,4 +1,5 @@
-//! `align bench`: the training step (`model`), forward-only embedding (`embed`), the sigmoid loss across ranks (`loss`), the
+//! `align bench`: the training step (`model`), forward-only embedding (`embed`), the sigmoid loss across ranks (`loss`),
+//! what each rank holds with sharded optimizer state (`shard`), the
 //! loader (`loader`), EfficientNet's depthwise layers (`depthwise`) and every per-op kernel on a
 //! device against the CPU (`ops`).
 
@@ -8,12 +9,14 @@ mod loader;
 mod loss;
 mod model;
 mod ops;
+mod shard;
 
 pub use depthwise::{depthwise, DepthwiseArgs};
 pub use embed::{embed, EmbedArgs};
 pub use loader::{loader, LoaderArgs};
 pub use loss::{loss, LossArgs};
 pub use model::{model, ModelArgs};
+pub use shard::{shard, ShardArgs};
 
 use align::util::progress::Progress;
 use anyhow::Result;

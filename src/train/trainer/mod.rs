@@ -170,7 +170,7 @@ fn train_rank(cfg: &Config, start: &Start, opts: &TrainOptions, group: Arc<dyn C
     let run_dir = cfg.run_dir();
     let new_dir = group.rank() == 0 && !run_dir.exists();
     let result = (|| {
-        let mut run = setup::prepare(cfg, start, opts, &*group)?;
+        let mut run = setup::prepare(cfg, start, opts, &group)?;
         let mut log = logging::RunLog::open(cfg, &run, opts.quiet, group.rank() == 0)?;
         let end = step_loop::run(cfg, opts, &group, &mut run, &mut log)?;
         summary::finish(cfg, &*group, &run, log, end)

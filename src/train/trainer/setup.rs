@@ -13,11 +13,11 @@ use super::teacher::Teacher;
 use super::TrainOptions;
 use crate::config::{value_at, Config};
 use crate::data::distribute::{Placement, ShardPlan};
-use crate::data::loader::{LoaderSettings, TrainLoader};
+use crate::data::loader::{LoaderPosition, LoaderSettings, TrainLoader};
 use crate::data::spec;
 use crate::data::token_budget::TokenBudget;
 use crate::data::tokenizer::{captions_from_shards, train_wordpiece, TextTokenizer};
-use crate::io::run_dir::{self, TrainState, EMA_FILE, MODEL_FILE, OPTIMIZER_FILE, TOKENIZER_FILE};
+use crate::io::run_dir::{self, TrainState, EMA_FILE, MODEL_FILE, TOKENIZER_FILE};
 use crate::io::run_lock::RunLock;
 use crate::io::tensors::{load_strict, read_tensors};
 use crate::model::batch_norm::trainable_vars;
@@ -51,14 +51,15 @@ pub(super) struct Run {
     _lock: Option<RunLock>,
 }
 
-pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, group: &dyn Collective) -> Result<Run> {
+pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, shared: &Arc<dyn Collective>) -> Result<Run> {
+    let group = &**shared;
     let run_dir = cfg.run_dir();
     // Every rank learns whether rank 0 got the directory before any of them reads from it.
     let lock = if group.rank() == 0 { Some(lock_run_dir(&run_dir)) } else { None };
     group.barrier()?;
     let lock = lock.transpose()?;
     let resumed_from = from.resumed_from().map(Path::to_path_buf);
-    let start = resume_state(resumed_from.as_deref(), group.world_size())?;
+    let start = resume_state(resumed_from.as_deref(), group.world_size(), cfg.data.workers, opts.quiet)?;
     if let (Some(dir), Some(saved)) = (&resumed_from, from.saved_config()) {
         if start.step > cfg.train.steps {
             bail!(
@@ -101,6 +102,15 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, group: &d
         ));
     }
     let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
+    opt.shard(cfg.train.shard, shared.clone());
+    if let (Some((mode, _, world)), false) = (opt.sharding(), opts.quiet) {
+        log::info(format!(
+            "train.shard = \"{}\": each of {world} ranks keeps the optimizer moments of its own tensors ({:.0} MiB here){}",
+            mode.name(),
+            opt.state_bytes() as f64 / (1 << 20) as f64,
+            if mode == crate::config::ShardMode::Gradients { " and receives only their summed gradients" } else { "" }
+        ));
+    }
     let (image_decay, text_decay) = (cfg.optimizer.layer_decay_image, cfg.optimizer.layer_decay_text);
     if image_decay < 1.0 || text_decay < 1.0 {
         opt.set_lr_scales(|name| crate::model::lock::layer_lr_scale(name, &spec, image_decay, text_decay));
@@ -195,14 +205,25 @@ pub(super) fn resume_checkpoint(opts: &TrainOptions, run_dir: &Path) -> Result<O
     Ok(resumed_from)
 }
 
-/// The state a run resumes at (zero for a fresh run), written by as many ranks as this run has.
-fn resume_state(resumed_from: Option<&Path>, world: usize) -> Result<TrainState> {
+/// The state a run resumes at (zero for a fresh run). A checkpoint of another number of ranks
+/// has its loader positions regrouped onto this run's ranks (the same streams of data, which
+/// needs as many loader workers in all); the weights and optimizer state are whole tensors by
+/// name, which any number of ranks reads.
+fn resume_state(resumed_from: Option<&Path>, world: usize, workers: usize, quiet: bool) -> Result<TrainState> {
     let Some(dir) = resumed_from else {
         return Ok(TrainState { step: 0, samples_seen: 0, loaders: Vec::new(), seconds: 0.0, last_loss: None, teacher: None });
     };
-    let start = run_dir::read_state(dir)?;
+    let mut start = run_dir::read_state(dir)?;
     if start.loaders.len() != world {
-        bail!("the checkpoint was written by {} ranks but this run has {world}: resume with the same number of ranks", start.loaders.len());
+        let before = start.loaders.len();
+        start.loaders = LoaderPosition::regroup(&start.loaders, world, workers)
+            .with_context(|| format!("resuming {} on {world} ranks", dir.display()))?;
+        if !quiet {
+            log::info(format!(
+                "resuming a checkpoint of {before} ranks on {world}: each of the {} data streams continues where it stopped, grouped into the ranks' batches anew",
+                world * workers
+            ));
+        }
     }
     Ok(start)
 }
@@ -367,7 +388,8 @@ fn resolve_tokenizer(cfg: &Config, from: &Start, quiet: bool) -> Result<TextToke
 /// The weights and optimizer moments of the checkpoint at `dir`.
 fn restore(dir: &Path, varmap: &VarMap, opt: &mut Optimizer, start: &TrainState, device: &Device, quiet: bool) -> Result<()> {
     load_strict(varmap, &read_tensors(&dir.join(MODEL_FILE), device)?, &dir.join(MODEL_FILE))?;
-    opt.load_state(&read_tensors(&dir.join(OPTIMIZER_FILE), device)?, start.step)?;
+    let state = run_dir::read_optimizer(dir, device, &opt.state_names())?;
+    opt.load_state(&state, start.step).with_context(|| format!("restoring the optimizer from {}", dir.display()))?;
     if !quiet {
         log::info(format!("resumed from {} (step {})", dir.display(), start.step));
     }
