@@ -415,14 +415,16 @@ for precision in f32 bf16; do
 done
 # The other paths a run takes on the device, each against its own CPU run: SigLIP's sigmoid loss
 # around the ring with patch dropout and a moving average; distillation from step 2's CPU
-# checkpoint with a locked image tower.
-VARIANTS=(sigmoid-flip-ema distill-lock)
+# checkpoint with a locked image tower; two ranks (threads sharing the device) with sharded
+# optimizer state and gradients over two accumulated micro-batches.
+VARIANTS=(sigmoid-flip-ema distill-lock shard-ranks)
 variant_sets() {
     case "$1" in
         sigmoid-flip-ema) VSETS=(--set 'model.temperature="align"' --set model.temperature_init=1.0 --set 'loss.kind="sigmoid"'
             --set model.vit.patch_dropout=0.5 --set train.ema_decay=0.99) ;;
         distill-lock) VSETS=(--set "distill.teacher=\"$WORK/runs/cpu-f32\"" --set model.lock_image=true
             --set model.lock_image_unlocked_groups=1) ;;
+        shard-ranks) VSETS=(--nproc 2 --set 'train.shard="gradients"' --set train.accum_steps=2) ;;
     esac
 }
 for v in "${VARIANTS[@]}"; do

@@ -77,13 +77,17 @@ fn the_gpu_proof_dry_run_passes_on_the_cpu_and_writes_its_report() {
             "cpu-bf16-align",
             "cpu-bf16-candle",
             "cpu-f32-align-sigmoid-flip-ema",
-            "cpu-f32-align-distill-lock"
+            "cpu-f32-align-distill-lock",
+            "cpu-f32-align-shard-ranks"
         ]
     );
-    // The sigmoid loss with patch dropout and a moving average, and distillation with a locked
-    // tower, each against its own CPU run.
+    // The sigmoid loss with patch dropout and a moving average, distillation with a locked
+    // tower, and two ranks with sharded state, each against its own CPU run.
     let references: Vec<&str> = runs.iter().map(|r| r["reference"].as_str().unwrap()).collect();
-    assert_eq!(references, ["cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32-sigmoid-flip-ema", "cpu-f32-distill-lock"]);
+    assert_eq!(
+        references,
+        ["cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32-sigmoid-flip-ema", "cpu-f32-distill-lock", "cpu-f32-shard-ranks"]
+    );
     for r in runs {
         assert_eq!(r["pass"], true, "{r}");
         assert_eq!(r["steps_compared"].as_u64(), Some(steps), "{r}");

@@ -224,6 +224,15 @@ fn a_sharded_checkpoint_resumes_on_four_ranks_then_on_one() {
     assert_eq!((written_by(3), written_by(6), written_by(9)), (Some(2), Some(4), None), "the ranks that wrote each checkpoint");
     assert!(run_b.join("step-9").join(run_dir::OPTIMIZER_FILE).is_file(), "one rank writes the whole state");
 
+    // A sharded checkpoint is a whole model to the forward-only commands.
+    let model = align::io::load::load_model_with(&run_b.join("step-6"), &Device::Cpu, false).unwrap();
+    drop(model);
+    let out = Command::new(env!("CARGO_BIN_EXE_align")).args(["inspect", "--json"]).arg(run_b.join("step-6")).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let said = report["optimizer_state"].as_str().unwrap_or_default();
+    assert!(said.starts_with("sharded over 4 ranks (train.shard = \"gradients\")"), "{said}");
+
     // A shard changed after its checkpoint was written: the resume names it.
     let step6 = run_b.join("step-6");
     let m = state_shards::read_manifest(&step6).unwrap();

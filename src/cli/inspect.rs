@@ -40,7 +40,27 @@ struct Report {
     loss: align::config::LossKind,
     logit_scale: f64,
     logit_bias: Option<f64>,
+    /// How a training checkpoint holds its optimizer state (none for other formats).
+    optimizer_state: Option<String>,
     spec: align::model::dual_encoder::ModelSpec,
+}
+
+/// One file, or a file per rank of a sharded run (`train.shard`) with their manifest.
+fn optimizer_state(dir: &std::path::Path) -> Option<String> {
+    use align::io::{run_dir, state_shards};
+    if dir.join(state_shards::MANIFEST_FILE).is_file() {
+        return Some(match state_shards::read_manifest(dir) {
+            Ok(m) => format!(
+                "sharded over {} ranks (train.shard = \"{}\"): {} tensors in {} files",
+                m.world_size,
+                m.mode,
+                m.shards.iter().map(|s| s.tensors.len()).sum::<usize>(),
+                m.shards.len()
+            ),
+            Err(e) => format!("sharded, but its manifest is unreadable: {e:#}"),
+        });
+    }
+    dir.join(run_dir::OPTIMIZER_FILE).is_file().then(|| format!("whole ({})", run_dir::OPTIMIZER_FILE))
 }
 
 #[derive(Serialize)]
@@ -124,6 +144,7 @@ pub fn run(a: &InspectArgs) -> Result<()> {
         loss: m.usage.loss,
         logit_scale: m.model.logit_scale()?.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?,
         logit_bias: m.model.logit_bias()?.map(|b| b.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()).transpose()?,
+        optimizer_state: optimizer_state(&m.dir),
         spec,
     };
     if a.json {
@@ -134,6 +155,9 @@ pub fn run(a: &InspectArgs) -> Result<()> {
     t.row("directory", report.dir.clone());
     if let Some(step) = report.step {
         t.row("step", step.to_string());
+    }
+    if let Some(o) = &report.optimizer_state {
+        t.row("optimizer state", o.clone());
     }
     t.row("image tower", report.image_tower.clone());
     t.row("text tower", report.text_tower.clone());

@@ -1,16 +1,17 @@
 //! `align bench shard`: what each data-parallel rank holds of the optimizer state and of the
 //! summed gradients under `train.shard = none | optimizer | gradients`, at several numbers of
-//! ranks, measured on thread ranks running the real exchange and update (one step from synthetic
-//! gradients) rather than computed from a formula.
+//! ranks: the buffers the optimizer allocates when training shards it, not a formula (the deal of
+//! tensors to ranks is what sets them). The traffic column is the ring count for the exchanges
+//! each setting makes.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use align::config::{Config, ShardMode};
 use align::train::collective::{Collective, ThreadGroup};
-use align::train::optim::{Grads, Optimizer};
+use align::train::optim::Optimizer;
 use anyhow::{bail, Result};
-use candle_core::{DType, Device};
+use candle_core::Device;
 use clap::Args;
 use serde::Serialize;
 
@@ -52,8 +53,6 @@ struct ShardRow {
     /// What each rank sends in a step's exchanges (gradients and, sharded, the new weights), as
     /// ring algorithms count it.
     exchanged_mib: f64,
-    /// The exchange and update of one step on thread ranks (host memory, not a network).
-    step_ms: f64,
 }
 
 pub fn shard(a: &ShardArgs) -> Result<()> {
@@ -67,6 +66,9 @@ pub fn shard(a: &ShardArgs) -> Result<()> {
     overrides.extend(a.overrides.iter().cloned());
     let cfg = Config::from_str_with_overrides("", "bench", &overrides)?;
     let spec = align::train::start::scratch_spec(&cfg, 30522)?;
+    let vm = candle_nn::VarMap::new();
+    align::model::dual_encoder::DualEncoder::new(&spec, align::model::init::SeededVars::builder(&vm, 0, &Device::Cpu))?;
+    let (vars, _) = align::model::lock::split(align::model::batch_norm::trainable_vars(&vm), &spec, &cfg.model.lock());
     let mut rows = Vec::new();
     for &world in &a.ranks {
         if world == 0 {
@@ -76,7 +78,7 @@ pub fn shard(a: &ShardArgs) -> Result<()> {
             if world == 1 && mode != ShardMode::None {
                 continue;
             }
-            rows.push(measure(&cfg, &spec, world, mode)?);
+            rows.push(measure(&cfg, &vars, world, mode)?);
         }
     }
     if a.json {
@@ -89,14 +91,11 @@ pub fn shard(a: &ShardArgs) -> Result<()> {
         a.text_tower,
         p as f64 / 1e6
     ));
-    t.row("ranks  shard       ", "weights MiB  optimizer MiB  gradients MiB  sent MiB  step ms");
+    t.row("ranks  shard       ", "weights MiB  optimizer MiB  gradients MiB  sent MiB");
     for r in &rows {
         t.row(
             format!("{:>5}  {:<10}", r.ranks, r.shard),
-            format!(
-                "{:>11.0}  {:>13.0}  {:>13.0}  {:>8.0}  {:>7.0}",
-                r.weights_mib, r.optimizer_mib, r.gradients_mib, r.exchanged_mib, r.step_ms
-            ),
+            format!("{:>11.0}  {:>13.0}  {:>13.0}  {:>8.0}", r.weights_mib, r.optimizer_mib, r.gradients_mib, r.exchanged_mib),
         );
     }
     t.print();
@@ -105,46 +104,23 @@ pub fn shard(a: &ShardArgs) -> Result<()> {
 
 const MIB: f64 = (1 << 20) as f64;
 
-/// `world` thread ranks, each with the model's weights and an optimizer sharded per `mode`,
-/// exchanging one step's synthetic gradients and updating.
-fn measure(cfg: &Config, spec: &align::model::dual_encoder::ModelSpec, world: usize, mode: ShardMode) -> Result<ShardRow> {
-    use align::model::init::SeededVars;
-    let groups = ThreadGroup::new(world, Duration::from_secs(3600));
-    let results: Vec<Result<(usize, usize, usize, f64)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|g| {
-                s.spawn(move || -> Result<(usize, usize, usize, f64)> {
-                    let group: Arc<dyn Collective> = Arc::new(g);
-                    let vm = candle_nn::VarMap::new();
-                    align::model::dual_encoder::DualEncoder::new(spec, SeededVars::builder(&vm, 0, &Device::Cpu))?;
-                    let (vars, _) = align::model::lock::split(align::model::batch_norm::trainable_vars(&vm), spec, &cfg.model.lock());
-                    let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
-                    opt.shard(mode, group.clone());
-                    let params: usize = opt.params().iter().map(|p| p.var.elem_count()).sum();
-                    let grads = Grads(
-                        opt.params()
-                            .iter()
-                            .enumerate()
-                            .map(|(i, p)| Ok(Some(align::util::rng::randn(i as u64, 0.0, 1e-3, p.var.shape(), DType::F32, &Device::Cpu)?)))
-                            .collect::<Result<_>>()?,
-                    );
-                    group.barrier()?;
-                    let t0 = Instant::now();
-                    let reduced = opt.reduce_gradients(grads, &group, 1.0 / world as f64)?;
-                    let kept: usize = reduced.0.iter().flatten().map(|g| g.elem_count()).sum();
-                    opt.step(&reduced, 1e-4)?;
-                    group.barrier()?;
-                    Ok((params, opt.state_bytes(), kept, t0.elapsed().as_secs_f64()))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
-    });
-    let results = results.into_iter().collect::<Result<Vec<_>>>()?;
-    let params = results[0].0;
-    let most = |f: fn(&(usize, usize, usize, f64)) -> usize| results.iter().map(f).max().unwrap_or(0);
-    let (state, kept) = (most(|r| r.1), most(|r| r.2));
+/// Every rank of `world`: the optimizer it builds over the model's variables, sharded per
+/// `mode` as training shards it (each rank a handle of a real group of `world`), and what it then
+/// holds: the moments it allocated and the summed gradients it receives (its own tensors').
+/// Ranks are measured one after another, sharing one copy of the weights: a host with room for
+/// N copies of a large model is not needed to learn what each would hold.
+fn measure(cfg: &Config, vars: &[(String, candle_core::Var)], world: usize, mode: ShardMode) -> Result<ShardRow> {
+    let mut most: (usize, usize) = (0, 0);
+    let mut params = 0;
+    for group in ThreadGroup::new(world, Duration::from_secs(1)) {
+        let mut opt = Optimizer::new(vars.to_vec(), cfg.optimizer.clone())?;
+        opt.shard(mode, Arc::new(group) as Arc<dyn Collective>);
+        params = opt.params().iter().map(|p| p.var.elem_count()).sum();
+        let state = opt.state_bytes();
+        let owned = if opt.sharding().is_some() { state / 8 } else { params };
+        most = (most.0.max(state), most.1.max(owned));
+    }
+    let (state, kept) = most;
     // Traffic per rank as the ring algorithms NCCL uses count it: an all-reduce sends 2(N-1)/N
     // of the gradients, a reduce-scatter or an all-gather (N-1)/N; stage 2 reduce-scatters once
     // per micro-batch.
@@ -162,6 +138,5 @@ fn measure(cfg: &Config, spec: &align::model::dual_encoder::ModelSpec, world: us
         optimizer_mib: state as f64 / MIB,
         gradients_mib: kept as f64 * 4.0 / MIB,
         exchanged_mib: exchanged * 4.0 / MIB,
-        step_ms: results.iter().map(|r| r.3).fold(0.0, f64::max) * 1e3,
     })
 }
