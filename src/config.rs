@@ -496,7 +496,9 @@ pub enum ShardMode {
     None,
     /// Each rank keeps the moments of the tensors it owns (about 1/N of them, balanced by size),
     /// receives only their summed gradients (reduce-scatter once a step, after accumulating its
-    /// micro-batches whole), updates them and all-gathers the new weights (ZeRO stage 1).
+    /// micro-batches whole), updates them and all-gathers the new weights (ZeRO stage 1; the
+    /// paper's version all-reduces the gradients, but a rank uses only its own tensors' sums,
+    /// and a reduce-scatter sends half as much).
     Optimizer,
     /// As `optimizer`, and each micro-batch's gradients are reduce-scattered as soon as they are
     /// computed, so that accumulating (`train.accum_steps` > 1) keeps only this rank's part

@@ -111,10 +111,11 @@ impl LoaderPosition {
 
     /// The positions of a job of `world` ranks × `workers` loader workers, continuing the
     /// positions `saved` of a job of another shape with the same total of workers. A worker's
-    /// shards and random streams depend only on its global index (`Placement::global_worker`), so
-    /// worker `g` of the new job takes up exactly where worker `g` of the old one stopped: every
-    /// sample of the epoch is still read once, only the grouping of samples into ranks' batches
-    /// changes. Each rank starts its round-robin at its first worker; the epoch's sample count
+    /// shards, shuffle and augmentation depend only on its global index
+    /// (`Placement::global_worker`), so worker `g` of the new job takes up exactly where worker
+    /// `g` of the old one stopped: every sample of the epoch is still read once, only the grouping
+    /// of samples into ranks' batches changes (and, with token-budget batches, whose length draw
+    /// follows the worker's index within its rank, the lengths drawn). Each rank starts its round-robin at its first worker; the epoch's sample count
     /// (kept for the error of an empty epoch) becomes unknown where some workers had already
     /// finished it.
     pub fn regroup(saved: &[LoaderPosition], world: usize, workers: usize) -> Result<Vec<LoaderPosition>> {
@@ -823,8 +824,6 @@ mod tests {
         }
     }
 
-    /// A position written before the epoch's counts were saved still loads and resumes; its
-    /// epoch simply cannot be judged empty.
     /// Takes `n` batches from `loader` (rank `rank` of `world`), appending each batch's keys to
     /// the stream of the global worker that formed it.
     fn by_stream(loader: &mut TrainLoader, rank: usize, world: usize, n: usize, streams: &mut HashMap<usize, Vec<String>>) {
@@ -889,6 +888,8 @@ mod tests {
         assert!(ranks_apart, "some save must find the ranks in different epochs");
     }
 
+    /// A position written before the epoch's counts were saved still loads and resumes; its
+    /// epoch simply cannot be judged empty.
     #[test]
     fn a_position_without_epoch_counts_still_resumes() {
         let dir = tempfile::tempdir().unwrap();

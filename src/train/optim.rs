@@ -255,16 +255,39 @@ impl InplaceOp2 for HostUpdate<'_> {
 }
 
 impl Optimizer {
+    /// `vars` are (name, variable), in any order.
+    pub fn new(vars: Vec<(String, Var)>, cfg: OptimizerConfig) -> Result<Self> {
+        Self::build(vars, cfg, None)
+    }
+
+    /// An optimizer of one of `group`'s ranks that keeps only the moments of the tensors this
+    /// rank owns (plain [`Optimizer::new`] for `ShardMode::None` or one rank). The other tensors'
+    /// moments are never allocated, so a rank's peak is its share even while it starts.
+    pub fn sharded(vars: Vec<(String, Var)>, cfg: OptimizerConfig, mode: ShardMode, group: Arc<dyn Collective>) -> Result<Self> {
+        if mode == ShardMode::None || group.world_size() == 1 {
+            return Self::new(vars, cfg);
+        }
+        Self::build(vars, cfg, Some((mode, group)))
+    }
+
     /// `vars` are (name, variable); order is made deterministic by sorting on the name.
-    pub fn new(mut vars: Vec<(String, Var)>, cfg: OptimizerConfig) -> Result<Self> {
+    fn build(mut vars: Vec<(String, Var)>, cfg: OptimizerConfig, shard: Option<(ShardMode, Arc<dyn Collective>)>) -> Result<Self> {
         vars.sort_by(|a, b| a.0.cmp(&b.0));
         let params: Vec<Param> =
             vars.into_iter().map(|(name, var)| Param { decay: decays(&name, var.rank()), name, var, lr_scale: 1.0 }).collect();
+        let shard = shard.map(|(mode, group)| {
+            let sizes: Vec<usize> = params.iter().map(|p| p.var.elem_count()).collect();
+            let own = Ownership::deal(&sizes, group.world_size(), group.rank());
+            Sharded { mode, group, own }
+        });
         let moments = params
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
                 let t = p.var.as_tensor();
-                Ok(if t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() {
+                Ok(if shard.as_ref().is_some_and(|s| !s.own.owns(i)) {
+                    Moments::Elsewhere
+                } else if t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous() {
                     Moments::Host(Mutex::new((vec![0.0; t.elem_count()], vec![0.0; t.elem_count()])))
                 } else if t.device().is_cuda()
                     && t.dtype() == DType::F32
@@ -278,27 +301,11 @@ impl Optimizer {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Optimizer { params, moments, step: 0, cfg, shard: None })
+        Ok(Optimizer { params, moments, step: 0, cfg, shard })
     }
 
     pub fn params(&self) -> &[Param] {
         &self.params
-    }
-
-    /// Keeps only the moments of the tensors this rank owns among `group`'s ranks (a no-op for
-    /// `ShardMode::None` or one rank). Call before loading a checkpoint's state.
-    pub fn shard(&mut self, mode: ShardMode, group: Arc<dyn Collective>) {
-        if mode == ShardMode::None || group.world_size() == 1 {
-            return;
-        }
-        let sizes: Vec<usize> = self.params.iter().map(|p| p.var.elem_count()).collect();
-        let own = Ownership::deal(&sizes, group.world_size(), group.rank());
-        for (i, mo) in self.moments.iter_mut().enumerate() {
-            if !own.owns(i) {
-                *mo = Moments::Elsewhere;
-            }
-        }
-        self.shard = Some(Sharded { mode, group, own });
     }
 
     /// The sharding in force: mode, this rank and the number of ranks.
@@ -322,7 +329,7 @@ impl Optimizer {
     }
 
     /// The gradients of every rank summed, times `scale`: whole on every rank (all-reduce), or,
-    /// sharded, only this rank's tensors' with the others None (reduce-scatter, half the traffic).
+    /// sharded, only this rank's tensors' with the others None (reduce-scatter).
     /// One flat exchange for all tensors.
     pub fn reduce_gradients(&self, mut grads: Grads, group: &Arc<dyn Collective>, scale: f64) -> Result<Grads> {
         if group.world_size() == 1 && scale == 1.0 {
@@ -454,7 +461,10 @@ impl Optimizer {
     /// Sharded: every rank's updated tensors onto every rank, in one flat all-gather.
     fn gather_weights(&self) -> Result<()> {
         let Some(s) = &self.shard else { return Ok(()) };
-        let mine: Vec<Tensor> = s.own.mine().iter().map(|&i| self.params[i].var.as_tensor().flatten_all()).collect::<Result<_>>()?;
+        // In f32 whatever the variables' dtype: NCCL's exchange has no bf16, and an empty part
+        // must match the others' dtype.
+        let mine: Vec<Tensor> =
+            s.own.mine().iter().map(|&i| self.params[i].var.as_tensor().flatten_all()?.to_dtype(DType::F32)).collect::<Result<_>>()?;
         let device = self.params.first().map_or(candle_core::Device::Cpu, |p| p.var.device().clone());
         let mine = if mine.is_empty() { Tensor::zeros(0, DType::F32, &device)? } else { Tensor::cat(&mine, 0)? };
         let all = s.group.all_gather_varlen(&mine, &s.own.counts())?;

@@ -1,14 +1,14 @@
 //! `align bench shard`: what each data-parallel rank holds of the optimizer state and of the
 //! summed gradients under `train.shard = none | optimizer | gradients`, at several numbers of
 //! ranks: the buffers the optimizer allocates when training shards it, not a formula (the deal of
-//! tensors to ranks is what sets them). The traffic column is the ring count for the exchanges
-//! each setting makes.
+//! tensors to ranks is what sets them). The traffic column counts, for NCCL's ring algorithms,
+//! what each setting's exchanges send.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use align::config::{Config, ShardMode};
-use align::train::collective::{Collective, ThreadGroup};
+use align::train::collective::ThreadGroup;
 use align::train::optim::Optimizer;
 use anyhow::{bail, Result};
 use candle_core::Device;
@@ -51,7 +51,7 @@ struct ShardRow {
     /// Summed gradients a rank keeps for its update, after the exchange.
     gradients_mib: f64,
     /// What each rank sends in a step's exchanges (gradients and, sharded, the new weights), as
-    /// ring algorithms count it.
+    /// NCCL's ring algorithms count it, padding included.
     exchanged_mib: f64,
 }
 
@@ -113,22 +113,22 @@ fn measure(cfg: &Config, vars: &[(String, candle_core::Var)], world: usize, mode
     let mut most: (usize, usize) = (0, 0);
     let mut params = 0;
     for group in ThreadGroup::new(world, Duration::from_secs(1)) {
-        let mut opt = Optimizer::new(vars.to_vec(), cfg.optimizer.clone())?;
-        opt.shard(mode, Arc::new(group) as Arc<dyn Collective>);
+        let opt = Optimizer::sharded(vars.to_vec(), cfg.optimizer.clone(), mode, Arc::new(group))?;
         params = opt.params().iter().map(|p| p.var.elem_count()).sum();
         let state = opt.state_bytes();
         let owned = if opt.sharding().is_some() { state / 8 } else { params };
         most = (most.0.max(state), most.1.max(owned));
     }
     let (state, kept) = most;
-    // Traffic per rank as the ring algorithms NCCL uses count it: an all-reduce sends 2(N-1)/N
-    // of the gradients, a reduce-scatter or an all-gather (N-1)/N; stage 2 reduce-scatters once
-    // per micro-batch.
-    let share = (world - 1) as f64 / world as f64 * params as f64;
+    // Traffic per rank as NCCL's ring algorithms count it: an all-reduce sends 2(N-1)/N of the
+    // buffer; a reduce-scatter or an all-gather (N-1) segments, each padded to the largest rank's
+    // share (NCCL gives every rank the same count), so an unbalanced deal costs traffic too.
+    // Stage 2 reduce-scatters once per micro-batch.
+    let (n, largest) = ((world - 1) as f64, kept as f64);
     let exchanged = match mode {
-        ShardMode::None => 2.0 * share,
-        ShardMode::Optimizer => 2.0 * share,
-        ShardMode::Gradients => (cfg.train.accum_steps as f64 + 1.0) * share,
+        ShardMode::None => 2.0 * n / world as f64 * params as f64,
+        ShardMode::Optimizer => 2.0 * n * largest,
+        ShardMode::Gradients => (cfg.train.accum_steps as f64 + 1.0) * n * largest,
     };
     Ok(ShardRow {
         ranks: world,

@@ -101,8 +101,7 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, shared: &
             frozen as f64 * 12.0 / (1 << 20) as f64
         ));
     }
-    let mut opt = Optimizer::new(vars, cfg.optimizer.clone())?;
-    opt.shard(cfg.train.shard, shared.clone());
+    let mut opt = Optimizer::sharded(vars, cfg.optimizer.clone(), cfg.train.shard, shared.clone())?;
     if let (Some((mode, _, world)), false) = (opt.sharding(), opts.quiet) {
         log::info(format!(
             "train.shard = \"{}\": each of {world} ranks keeps the optimizer moments of its own tensors ({:.0} MiB here){}",
