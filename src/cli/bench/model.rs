@@ -130,6 +130,10 @@ pub fn model(a: &ModelArgs) -> Result<()> {
         align::util::profile::enable(true);
     }
     let mut bench = Bench::new(a)?;
+    if bench.device.is_cpu() && bench.cfg.train.precision == align::config::Precision::Bf16 && !align::ops::kernels::bf16_gemm::available()
+    {
+        anyhow::bail!("--precision bf16 on the CPU needs AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo), which this one lacks");
+    }
     let (times, peak_gpu) = bench.run(a)?;
     let mut r = bench.result(a, times, peak_gpu);
     if let Some(path) = &a.teacher {
@@ -272,7 +276,13 @@ impl Bench {
                 // Only the timed steps are profiled.
                 align::util::profile::take();
             }
-            let [forward, backward, optimizer] = self.step(step, &mut peak_gpu)?;
+            // As in training: on the CPU, bf16 is the f32 towers with bf16 matrix products.
+            let cpu_bf16 = self.device.is_cpu() && self.cfg.train.precision == align::config::Precision::Bf16;
+            let [forward, backward, optimizer] = if cpu_bf16 {
+                align::ops::kernels::bf16_gemm::with_bf16_products(|| self.step(step, &mut peak_gpu))?
+            } else {
+                self.step(step, &mut peak_gpu)?
+            };
             if step >= a.warmup {
                 times.forward += forward;
                 times.backward += backward;
@@ -299,7 +309,7 @@ impl Bench {
         let t0 = Instant::now();
         // As in training: the mixed-precision view is rebuilt from the master weights every step.
         let view;
-        let model = if compute == candle_core::DType::F32 {
+        let model = if compute == candle_core::DType::F32 || self.device.is_cpu() {
             &self.model
         } else {
             view = Self::build(&self.cfg, &self.spec, SeededVars::builder_dtype(&self.vm, 0, compute, &self.device))?;

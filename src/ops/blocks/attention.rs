@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::ops::kernels::bf16_gemm::Scope;
 use crate::ops::kernels::matmul::{gemm_serial, gemm_shared, SharedDst};
 use crate::ops::kernels::operands::{Dims, Mat};
 use crate::ops::kernels::softmax::{scaled_masked_softmax, softmax_grad_row, softmax_row_in_place};
@@ -68,10 +69,11 @@ pub(crate) fn scores<T: Float>(g: Geometry, scale: f64, key_bias: Option<&[f32]>
     let (l, scale) = (g.len, T::from(scale));
     // SAFETY: each task's product fills its own l×l block.
     let mut probs = unsafe { output_buffer::<T>(g.tasks() * l * l) };
+    let scope = Scope::current();
     probs.par_chunks_mut(l * l).enumerate().for_each(|(task, p)| {
         let off = g.head_offset(task);
         let d = Dims { m: l, n: l, k: g.head_dim };
-        gemm_serial(p, l, d, Mat::rows(q, off, g.width), Mat::transposed(k, off, g.width), false);
+        scope.run(|| gemm_serial(p, l, d, Mat::rows(q, off, g.width), Mat::transposed(k, off, g.width), false));
         let bias = key_bias.map(|b| &b[(task / g.heads) * l..(task / g.heads + 1) * l]);
         simd(
             #[inline(always)]
@@ -91,6 +93,7 @@ pub(crate) fn scores_grad<T: Float>(g: Geometry, scale: f64, p: &[T], dp: &[T], 
     // SAFETY: every (image, head) task fills its head's columns of dq and dk.
     let mut out = unsafe { output_buffer::<T>(2 * n) };
     let dst = SharedDst::new(&mut out);
+    let scope = Scope::current();
     (0..g.tasks()).into_par_iter().for_each(|task| {
         let (pt, dpt) = (&p[task * l * l..(task + 1) * l * l], &dp[task * l * l..(task + 1) * l * l]);
         // SAFETY: softmax_grad_row writes every element of each row.
@@ -106,10 +109,10 @@ pub(crate) fn scores_grad<T: Float>(g: Geometry, scale: f64, p: &[T], dp: &[T], 
         let off = g.head_offset(task);
         let d = Dims { m: l, n: g.head_dim, k: l };
         // SAFETY: each task writes only its own head's columns of its own batch element.
-        unsafe {
+        scope.run(|| unsafe {
             gemm_shared(&dst, off, g.width, d, Mat::rows(&ds, 0, l), Mat::rows(k, off, g.width));
             gemm_shared(&dst, n + off, g.width, d, Mat::transposed(&ds, 0, l), Mat::rows(q, off, g.width));
-        }
+        });
     });
     out
 }
@@ -146,11 +149,12 @@ pub(crate) fn context<T: Float>(g: Geometry, p: &[T], v: &[T]) -> Vec<T> {
     // SAFETY: every (image, head) task fills its head's columns.
     let mut out = unsafe { output_buffer::<T>(g.batch * l * g.width) };
     let dst = SharedDst::new(&mut out);
+    let scope = Scope::current();
     (0..g.tasks()).into_par_iter().for_each(|task| {
         let off = g.head_offset(task);
         let d = Dims { m: l, n: g.head_dim, k: l };
         // SAFETY: each task writes only its own head's columns of its own batch element.
-        unsafe { gemm_shared(&dst, off, g.width, d, Mat::rows(p, task * l * l, l), Mat::rows(v, off, g.width)) }
+        scope.run(|| unsafe { gemm_shared(&dst, off, g.width, d, Mat::rows(p, task * l * l, l), Mat::rows(v, off, g.width)) })
     });
     out
 }
@@ -162,15 +166,16 @@ pub(crate) fn context_grad<T: Float>(g: Geometry, p: &[T], v: &[T], dc: &[T]) ->
     // SAFETY: every task fills its probability block and its head's columns.
     let mut out = unsafe { output_buffer::<T>(np + g.batch * l * g.width) };
     let dst = SharedDst::new(&mut out);
+    let scope = Scope::current();
     (0..g.tasks()).into_par_iter().for_each(|task| {
         let off = g.head_offset(task);
         // SAFETY: each task writes only its own probability block and its own head's columns.
-        unsafe {
+        scope.run(|| unsafe {
             let d = Dims { m: l, n: l, k: g.head_dim };
             gemm_shared(&dst, task * l * l, l, d, Mat::rows(dc, off, g.width), Mat::transposed(v, off, g.width));
             let d = Dims { m: l, n: g.head_dim, k: l };
             gemm_shared(&dst, np + off, g.width, d, Mat::transposed(p, task * l * l, l), Mat::rows(dc, off, g.width));
-        }
+        });
     });
     out
 }

@@ -1,9 +1,10 @@
 //! Matrix products with bfloat16 operands and f32 sums (AVX-512 BF16's `vdpbf16ps`), for the
-//! forward-only path when a command is asked for `--precision bf16` (embedding, scoring,
-//! evaluation). Two cores do about twice the f32 products' multiply-adds per cycle this way;
-//! the price is each operand rounded to 8 significant bits before the product (sums stay f32),
-//! as PyTorch's CPU autocast to bfloat16 rounds them. Training never comes here: its products
-//! and their gradients stay f32.
+//! forward-only commands asked for `--precision bf16` (embedding, scoring, evaluation) and for
+//! CPU training with `train.precision = "bf16"`, whose forward and backward products (dX = dY·Wᵀ,
+//! dW = dYᵀ·X) both come here while everything else stays f32. Two cores do about twice the f32
+//! products' multiply-adds per cycle this way; the price is each operand rounded to 8
+//! significant bits before the product (sums stay f32), as PyTorch's CPU autocast to bfloat16
+//! rounds them.
 //!
 //! Operands are packed first: the left one row by row into pairs of neighbouring k (one 32-bit
 //! broadcast each), the right one into panels of [`NR`] columns, each k pair of a column two
@@ -52,30 +53,66 @@ pub fn set_forward_bf16(on: bool) -> bool {
     on
 }
 
-/// The smallest product that goes through bf16: [`MIN_MACS`], or `ALIGN_BF16_MIN_MACS` (for
-/// tests, whose small models have no product that large, and for measuring the threshold).
+/// A smallest product set by [`set_min_macs`] (0: none set).
+static MIN_SET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The smallest product that goes through bf16: [`MIN_MACS`], or `ALIGN_BF16_MIN_MACS`, or what
+/// [`set_min_macs`] set (for tests, whose small models have no product that large, and for
+/// measuring the threshold).
 fn min_macs() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| std::env::var("ALIGN_BF16_MIN_MACS").ok().and_then(|v| v.parse().ok()).unwrap_or(MIN_MACS))
+    match MIN_SET.load(Ordering::Relaxed) {
+        0 => *MIN.get_or_init(|| std::env::var("ALIGN_BF16_MIN_MACS").ok().and_then(|v| v.parse().ok()).unwrap_or(MIN_MACS)),
+        set => set,
+    }
+}
+
+/// Sends products of at least `macs` multiply-adds through bf16 wherever bf16 products are on.
+/// Process-wide, which is harmless to f32 work beside it: it changes only where bf16 runs.
+pub fn set_min_macs(macs: usize) {
+    MIN_SET.store(macs.max(1), Ordering::Relaxed);
 }
 
 thread_local! {
     static SCOPED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Runs `f` with the large f32 products this thread starts in bf16 (where [`available`]), the
-/// rest of the process unchanged: a training run's forward-only teacher beside its f32
-/// student. Products that ops hand to other threads inside `f` stay f32.
-pub fn with_forward_bf16<R>(f: impl FnOnce() -> R) -> R {
-    // Restored on the way out however `f` ends, a panic included.
-    struct Restore(bool);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            SCOPED.with(|s| s.set(self.0));
-        }
+/// Runs `f` with the large f32 products it starts in bf16 (where [`available`]), the rest of the
+/// process unchanged: a training run's bf16 products beside f32 tests and ranks, a forward-only
+/// teacher beside its f32 student. Ops that hand products to other threads carry the setting
+/// into them ([`Scope`]).
+pub fn with_bf16_products<R>(f: impl FnOnce() -> R) -> R {
+    Scope(available()).run(f)
+}
+
+/// Runs `f` with its products in f32 whatever the caller's setting: an f32 teacher inside a
+/// bf16 student's step.
+pub fn with_f32_products<R>(f: impl FnOnce() -> R) -> R {
+    Scope(false).run(f)
+}
+
+/// Whether the calling thread's large products run in bf16, to carry into the tasks an op hands
+/// to rayon's threads: `let scope = Scope::current();` before the parallel loop, `scope.run(||
+/// …)` in each task.
+#[derive(Clone, Copy)]
+pub(crate) struct Scope(bool);
+
+impl Scope {
+    pub(crate) fn current() -> Scope {
+        Scope(SCOPED.with(|s| s.get()))
     }
-    let _restore = Restore(SCOPED.with(|s| s.replace(available())));
-    f()
+
+    pub(crate) fn run<R>(self, f: impl FnOnce() -> R) -> R {
+        // Restored on the way out however `f` ends, a panic included.
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                SCOPED.with(|s| s.set(self.0));
+            }
+        }
+        let _restore = Restore(SCOPED.with(|s| s.replace(self.0)));
+        f()
+    }
 }
 
 pub(crate) fn wanted(d: Dims) -> bool {
@@ -98,6 +135,20 @@ fn pack_lhs(lhs: Mat<f32>, m: usize, k: usize) -> (Vec<u32>, usize) {
     let rows = m.div_ceil(MR) * MR;
     let mut out = vec![0u32; rows * kp];
     let at = |i: usize, j: usize| if j < k { bf16_bits(lhs.data[lhs.offset + i * lhs.row_stride + j * lhs.col_stride]) as u32 } else { 0 };
+    #[cfg(target_arch = "x86_64")]
+    if lhs.row_stride == 1 && available() {
+        // A transposed operand (a gradient dYᵀ): rows are strided, so 16 rows are packed at
+        // once from the 16 neighbouring numbers each k holds for them.
+        out.par_chunks_mut(16 * kp).enumerate().for_each(|(g, rows)| {
+            let first = 16 * g;
+            if first < m {
+                // SAFETY: the CPU has AVX-512 F and BF16 (`available`); reads stay within the
+                // operand's rows first..first+16 (masked to m) and columns < k.
+                unsafe { pack_columns_avx512(lhs, first, (m - first).min(16), k, kp, rows) }
+            }
+        });
+        return (out, kp);
+    }
     out.par_chunks_mut(kp).take(m).enumerate().for_each(|(i, row)| {
         if lhs.col_stride == 1 {
             let start = lhs.offset + i * lhs.row_stride;
@@ -109,6 +160,54 @@ fn pack_lhs(lhs: Mat<f32>, m: usize, k: usize) -> (Vec<u32>, usize) {
         }
     });
     (out, kp)
+}
+
+/// The k pairs of 16 neighbouring numbers x[j] (and x[j + 1]) taken from `src` at `lo` and
+/// `hi` (`hi` None: a k past the end), `lanes` of them, as 16 u32 pairs (low half element j).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pairs16(lo: *const f32, hi: Option<*const f32>, lanes: u16) -> std::arch::x86_64::__m512i {
+    use std::arch::x86_64::*;
+    let to32 = |x: __m512| _mm512_cvtepu16_epi32(std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)));
+    let lo = to32(_mm512_maskz_loadu_ps(lanes, lo));
+    match hi {
+        Some(hi) => _mm512_or_si512(lo, _mm512_slli_epi32::<16>(to32(_mm512_maskz_loadu_ps(lanes, hi)))),
+        None => lo,
+    }
+}
+
+/// Rows `first..first + rows` (at most 16) of a left operand whose rows are neighbours in
+/// memory (`row_stride` 1) into k pairs: `out[r·kp + q]` for the group's row r.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pack_columns_avx512(lhs: Mat<f32>, first: usize, rows: usize, k: usize, kp: usize, out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    let lanes = mask(rows);
+    let index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kp as i32));
+    let base = lhs.data.as_ptr().add(lhs.offset + first);
+    for q in 0..kp {
+        let (j0, j1) = (2 * q, 2 * q + 1);
+        let pairs = pairs16(base.add(j0 * lhs.col_stride), (j1 < k).then(|| base.add(j1 * lhs.col_stride)), lanes);
+        _mm512_mask_i32scatter_epi32::<4>(out.as_mut_ptr().add(q) as *mut _, lanes, index, pairs);
+    }
+}
+
+/// Columns `first..first + cols` (at most [`NR`]) of a right operand whose columns are
+/// neighbours in memory (`col_stride` 1, a row-major matrix) into the panel's k pairs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pack_panel_avx512(rhs: Mat<f32>, first: usize, cols: usize, k: usize, kp: usize, panel: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let base = rhs.data.as_ptr().add(rhs.offset + first);
+    for q in 0..kp {
+        let (j0, j1) = (2 * q, 2 * q + 1);
+        for h in 0..cols.div_ceil(16) {
+            let lanes = mask(cols - 16 * h);
+            let (lo, hi) = (base.add(j0 * rhs.row_stride + 16 * h), (j1 < k).then(|| base.add(j1 * rhs.row_stride + 16 * h)));
+            let pairs = pairs16(lo, hi, lanes);
+            _mm512_mask_storeu_epi32(panel.as_mut_ptr().add((q * NR + 16 * h) * 2) as *mut _, lanes, pairs);
+        }
+    }
 }
 
 /// One contiguous row into k pairs.
@@ -166,6 +265,14 @@ fn pack_rhs(rhs: Mat<f32>, k: usize, n: usize) -> Vec<u16> {
                     panel[at] = p as u16;
                     panel[at + 1] = (p >> 16) as u16;
                 }
+            }
+        } else if rhs.col_stride == 1 && available() {
+            // A row-major matrix (activations in dW = dYᵀ·X): each k's columns are neighbours.
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX-512 F and BF16 (`available`); reads stay within the
+            // operand's columns b·NR.. (masked to n) and rows < k.
+            unsafe {
+                pack_panel_avx512(rhs, b * NR, cols, k, kp, panel)
             }
         } else {
             for q in 0..kp {
@@ -313,20 +420,34 @@ mod tests {
         // 400 rows span three packing blocks, the last one partial.
         let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50)];
         for (s, &(m, n, k)) in shapes.iter().enumerate() {
-            for (transposed_rhs, accumulate) in [(false, false), (true, false), (true, true), (false, true)] {
-                let a: Vec<f32> =
-                    crate::util::rng::randn(300 + s as u64, 0.0, 1.0, &[m * (k + 3)], candle_core::DType::F32, &candle_core::Device::Cpu)
-                        .unwrap()
-                        .to_vec1()
-                        .unwrap();
+            for (transposed_rhs, accumulate, transposed_lhs) in [
+                (false, false, false),
+                (true, false, false),
+                (true, true, false),
+                (false, true, false),
+                (false, false, true),
+                (true, true, true),
+            ] {
+                let a: Vec<f32> = crate::util::rng::randn(
+                    300 + s as u64,
+                    0.0,
+                    1.0,
+                    &[(m + 3) * (k + 3)],
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )
+                .unwrap()
+                .to_vec1()
+                .unwrap();
                 let w: Vec<f32> =
                     crate::util::rng::randn(400 + s as u64, 0.0, 1.0, &[n * k], candle_core::DType::F32, &candle_core::Device::Cpu)
                         .unwrap()
                         .to_vec1()
                         .unwrap();
-                // lhs: rows k + 3 apart (a column slice); rhs: a [n, k] weight read transposed,
-                // or the same numbers as a row-major [k, n].
-                let lhs = Mat::rows(&a, 2, k + 3);
+                // lhs: rows k + 3 apart (a column slice), or a [k, m + 3] matrix read transposed
+                // (a gradient dYᵀ); rhs: a [n, k] weight read transposed, or the same numbers as
+                // a row-major [k, n].
+                let lhs = if transposed_lhs { Mat::transposed(&a, 2, m + 3) } else { Mat::rows(&a, 2, k + 3) };
                 let rhs = if transposed_rhs { Mat::transposed(&w, 0, k) } else { Mat::rows(&w, 0, n) };
                 let at = |mat: &Mat<f32>, i: usize, j: usize| mat.data[mat.offset + i * mat.row_stride + j * mat.col_stride];
                 let dst_rs = n + 5;
@@ -349,7 +470,7 @@ mod tests {
                         }
                         assert!(
                             (got - want).abs() <= 1e-6 * scale.max(1.0),
-                            "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} at ({i}, {j}): {got} vs {want}"
+                            "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{transposed_lhs} at ({i}, {j}): {got} vs {want}"
                         );
                     }
                 }

@@ -10,6 +10,7 @@
 use candle_core::{Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::bf16_gemm::Scope;
 use super::linear::sum_over_image_runs;
 use super::matmul::gemm_serial;
 use super::operands::{Dims as Product, Mat};
@@ -76,11 +77,12 @@ fn forward<T: Float>(g: Geometry, x: &[T], w: &[T]) -> Vec<T> {
     let (kk, p) = (g.patch(), g.pixels());
     // SAFETY: each image's product overwrites its own block.
     let mut y = unsafe { output_buffer::<T>(g.n * g.out * p) };
+    let scope = Scope::current();
     y.par_chunks_mut(g.out * p).zip(x.par_chunks(g.c * g.h * g.w)).for_each(|(yn, xn)| {
         // SAFETY: `unfold` writes every element of the patch matrix.
         let mut cols = unsafe { output_buffer::<T>(kk * p) };
         g.unfold(xn, &mut cols);
-        gemm_serial(yn, p, Product { m: g.out, n: p, k: kk }, Mat::rows(w, 0, kk), Mat::rows(&cols, 0, p), false);
+        scope.run(|| gemm_serial(yn, p, Product { m: g.out, n: p, k: kk }, Mat::rows(w, 0, kk), Mat::rows(&cols, 0, p), false));
     });
     y
 }

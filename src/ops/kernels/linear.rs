@@ -8,6 +8,7 @@
 use candle_core::{Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::bf16_gemm::Scope;
 use super::bias_act::{bias_act, Activation};
 use super::column_sums::column_sums;
 use super::matmul::{gemm_into, gemm_serial};
@@ -147,10 +148,11 @@ fn weight_grad<T: Float>(x: &[T], dy: &[T], (rows, inp, out): (usize, usize, usi
     // SAFETY: each part's product overwrites its buffer (k ≥ 1 rows each, as per ≤ rows).
     let mut partial: Vec<Vec<T>> = (1..parts).map(|_| unsafe { output_buffer::<T>(out * inp) }).collect();
     let mut dsts: Vec<&mut [T]> = std::iter::once(&mut *dw).chain(partial.iter_mut().map(|p| &mut p[..])).collect();
+    let scope = Scope::current();
     dsts.par_iter_mut().enumerate().for_each(|(i, dst)| {
         let (start, end) = (i * per, ((i + 1) * per).min(rows));
         let d = dims(end.saturating_sub(start));
-        gemm_serial(dst, inp, d, Mat::transposed(dy, start * out, out), Mat::rows(x, start * inp, inp), false);
+        scope.run(|| gemm_serial(dst, inp, d, Mat::transposed(dy, start * out, out), Mat::rows(x, start * inp, inp), false));
     });
     for p in &partial {
         add_assign(dw, p);
@@ -191,10 +193,11 @@ pub(crate) fn sum_over_image_runs<T: Float, S>(
     // SAFETY: every part has at least one image (parts = ⌈n / per⌉), whose product overwrites
     // its buffer before the others accumulate.
     let mut partial: Vec<Vec<T>> = (0..parts).map(|_| unsafe { output_buffer::<T>(len) }).collect();
+    let scope = Scope::current();
     partial.par_iter_mut().enumerate().for_each(|(i, dst)| {
         let mut work = scratch();
         for (j, img) in (i * per..((i + 1) * per).min(n)).enumerate() {
-            each(dst, &mut work, img, j > 0);
+            scope.run(|| each(dst, &mut work, img, j > 0));
         }
     });
     let mut sum = partial.swap_remove(0);

@@ -79,11 +79,7 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, shared: &
     let spec = from.spec(cfg, tokenizer.vocab_size())?;
     let varmap = VarMap::new();
     let device = opts.device.clone();
-    if cfg.train.precision == crate::config::Precision::Bf16 && device.is_cpu() && group.rank() == 0 {
-        log::warn(
-            "train.precision = \"bf16\" on the CPU runs candle's generic bfloat16 ops, which have no fast CPU kernels: expect about a tenth of f32's speed (bf16 training is meant for GPUs; --precision bf16 on the forward-only commands is the fast CPU path)",
-        );
-    }
+    cpu_bf16_training(cfg.train.precision, &device, crate::ops::kernels::bf16_gemm::available())?;
     let model = build_model(cfg, &spec, SeededVars::builder(&varmap, cfg.run.seed, &device))?;
     if group.rank() == 0 {
         for line in from.load_weights(cfg, &spec, &varmap, &device)? {
@@ -155,6 +151,17 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, shared: &
         log::info(format!("loss: {}", describe_loss(cfg)));
     }
     Ok(Run { run_dir, resumed_from, start, tokenizer, spec, varmap, model, opt, ema, loader, device, teacher, _lock: lock })
+}
+
+/// `train.precision = "bf16"` on the CPU runs its matrix products on AVX-512 BF16; without it
+/// the run is refused rather than trained in f32 under a bf16 label.
+fn cpu_bf16_training(precision: crate::config::Precision, device: &Device, available: bool) -> Result<()> {
+    if precision == crate::config::Precision::Bf16 && device.is_cpu() && !available {
+        bail!(
+            "train.precision = \"bf16\" on the CPU needs AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo), which this one lacks: train in f32"
+        );
+    }
+    Ok(())
 }
 
 /// The objective in the words of the family it comes from, so that a logged value can be
@@ -487,6 +494,16 @@ fn start_loader(
 #[cfg(test)]
 mod tests {
     use super::leaf_changes;
+
+    #[test]
+    fn bf16_training_on_a_cpu_without_avx512_bf16_is_refused() {
+        use crate::config::Precision;
+        let cpu = candle_core::Device::Cpu;
+        let err = super::cpu_bf16_training(Precision::Bf16, &cpu, false).unwrap_err().to_string();
+        assert!(err.contains("AVX-512 BF16") && err.contains("train in f32"), "{err}");
+        assert!(super::cpu_bf16_training(Precision::Bf16, &cpu, true).is_ok());
+        assert!(super::cpu_bf16_training(Precision::F32, &cpu, false).is_ok());
+    }
 
     /// A changed section reads as the fields that changed in it, one a line.
     #[test]

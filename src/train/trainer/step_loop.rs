@@ -123,27 +123,24 @@ fn one_step(
     }
     end.data_wait += waited;
     let seed = derive_seed(cfg.run.seed, &[0x5354_4550, at.step]);
-    // Mixed precision: a bf16 view of the f32 variables, rebuilt after every update.
+    // Mixed precision. On the CPU: the f32 towers with every large matrix product (forward and
+    // backward) taking bf16 operands into f32 sums, everything else f32. On a GPU: a bf16 view
+    // of the f32 variables, rebuilt after every update.
     let view;
+    let bf16_products = cfg.train.precision == Precision::Bf16 && run.device.is_cpu();
     let compute_model = match cfg.train.precision {
-        Precision::F32 => &run.model,
-        Precision::Bf16 => {
+        Precision::Bf16 if !bf16_products => {
             view = setup::bf16_view(cfg, run)?;
             &view
         }
+        _ => &run.model,
     };
     let masked = at.step < cfg.train.steps - cfg.train.unmasked_tuning_steps;
     let distill = run.teacher.as_ref().map(|t| t.step(cfg));
-    let out = step::compute_with(
-        compute_model,
-        &run.opt,
-        &micro_batches,
-        group,
-        step::StepLoss::from_config(cfg),
-        seed,
-        masked,
-        distill.as_ref(),
-    )?;
+    let compute = || {
+        step::compute_with(compute_model, &run.opt, &micro_batches, group, step::StepLoss::from_config(cfg), seed, masked, distill.as_ref())
+    };
+    let out = if bf16_products { crate::ops::kernels::bf16_gemm::with_bf16_products(compute)? } else { compute()? };
     drop(micro_batches);
     if !out.loss.is_finite() {
         let keep = end.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
