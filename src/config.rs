@@ -458,9 +458,9 @@ pub struct TrainConfig {
     /// Seconds a rank waits in a collective (or rendezvous) before giving up.
     pub collective_timeout_s: f64,
     /// `f32`, or `bf16`: mixed precision from f32 master weights (optimizer state, logits and
-    /// loss stay f32). On the CPU, every large matrix product of the forward and backward passes
-    /// takes bf16 operands into f32 sums (AVX-512 BF16; refused without it) and all else stays
-    /// f32; on a GPU, the towers compute in bfloat16.
+    /// loss stay f32). On the CPU, the kernels' large matrix products of the forward and backward
+    /// passes take bf16 operands into f32 sums (AVX-512 BF16; refused without it) and all else
+    /// stays f32; on a GPU, the towers compute in bfloat16.
     pub precision: Precision,
     /// Activation checkpointing: keep only each transformer / MBConv block's input in the
     /// forward pass and recompute the block in the backward pass. Same gradients, activation

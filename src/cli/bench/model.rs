@@ -43,7 +43,8 @@ pub struct ModelArgs {
     /// Time per phase and per op kind (also `ALIGN_PROFILE=1`).
     #[arg(long)]
     pub profile: bool,
-    /// `f32`, or `bf16` (towers in bfloat16 over f32 master weights, as `train.precision`).
+    /// `f32`, or `bf16` (as `train.precision`: on the CPU the kernels' large products on bf16
+    /// operands, on a GPU the towers in bfloat16, over f32 master weights).
     #[arg(long, default_value = "f32")]
     pub precision: String,
     /// The device's peak FLOP/s in TFLOP/s for this precision, to report model FLOPs
@@ -129,11 +130,10 @@ pub fn model(a: &ModelArgs) -> Result<()> {
     if a.profile {
         align::util::profile::enable(true);
     }
-    let mut bench = Bench::new(a)?;
-    if bench.device.is_cpu() && bench.cfg.train.precision == align::config::Precision::Bf16 && !align::ops::kernels::bf16_gemm::available()
-    {
+    if a.precision == "bf16" && crate::cli::default_device().is_cpu() && !align::ops::kernels::bf16_gemm::available() {
         anyhow::bail!("--precision bf16 on the CPU needs AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo), which this one lacks");
     }
+    let mut bench = Bench::new(a)?;
     let (times, peak_gpu) = bench.run(a)?;
     let mut r = bench.result(a, times, peak_gpu);
     if let Some(path) = &a.teacher {

@@ -1,7 +1,7 @@
 //! Matrix products with bfloat16 operands and f32 sums (AVX-512 BF16's `vdpbf16ps`), for the
 //! forward-only commands asked for `--precision bf16` (embedding, scoring, evaluation) and for
-//! CPU training with `train.precision = "bf16"`, whose forward and backward products (dX = dY·Wᵀ,
-//! dW = dYᵀ·X) both come here while everything else stays f32. Two cores do about twice the f32
+//! CPU training with `train.precision = "bf16"`, whose kernels' forward and backward products
+//! (dX = dY·Wᵀ, dW = dYᵀ·X) both come here while everything else stays f32. Two cores do about twice the f32
 //! products' multiply-adds per cycle this way; the price is each operand rounded to 8
 //! significant bits before the product (sums stay f32), as PyTorch's CPU autocast to bfloat16
 //! rounds them.
@@ -67,8 +67,9 @@ fn min_macs() -> usize {
     }
 }
 
-/// Sends products of at least `macs` multiply-adds through bf16 wherever bf16 products are on.
-/// Process-wide, which is harmless to f32 work beside it: it changes only where bf16 runs.
+/// Sends products of at least `macs` multiply-adds through bf16 wherever bf16 products are on,
+/// for the rest of the process (never reset). f32 work beside it is unaffected; other bf16 work
+/// in the process gets the same threshold.
 pub fn set_min_macs(macs: usize) {
     MIN_SET.store(macs.max(1), Ordering::Relaxed);
 }
@@ -85,8 +86,9 @@ pub fn with_bf16_products<R>(f: impl FnOnce() -> R) -> R {
     Scope(available()).run(f)
 }
 
-/// Runs `f` with its products in f32 whatever the caller's setting: an f32 teacher inside a
-/// bf16 student's step.
+/// Runs `f` with its products in f32 whatever the caller's scope: an f32 teacher inside a bf16
+/// student's step. (The process-wide switch of the forward-only commands still holds; those
+/// never train.)
 pub fn with_f32_products<R>(f: impl FnOnce() -> R) -> R {
     Scope(false).run(f)
 }
@@ -137,8 +139,8 @@ fn pack_lhs(lhs: Mat<f32>, m: usize, k: usize) -> (Vec<u32>, usize) {
     let at = |i: usize, j: usize| if j < k { bf16_bits(lhs.data[lhs.offset + i * lhs.row_stride + j * lhs.col_stride]) as u32 } else { 0 };
     #[cfg(target_arch = "x86_64")]
     if lhs.row_stride == 1 && available() {
-        // A transposed operand (a gradient dYᵀ): rows are strided, so 16 rows are packed at
-        // once from the 16 neighbouring numbers each k holds for them.
+        // A transposed operand (a gradient dYᵀ): a row's k are `col_stride` apart, so 16 rows
+        // are packed at once from the 16 neighbouring numbers each k holds for them.
         out.par_chunks_mut(16 * kp).enumerate().for_each(|(g, rows)| {
             let first = 16 * g;
             if first < m {
@@ -162,8 +164,8 @@ fn pack_lhs(lhs: Mat<f32>, m: usize, k: usize) -> (Vec<u32>, usize) {
     (out, kp)
 }
 
-/// The k pairs of 16 neighbouring numbers x[j] (and x[j + 1]) taken from `src` at `lo` and
-/// `hi` (`hi` None: a k past the end), `lanes` of them, as 16 u32 pairs (low half element j).
+/// 16 k pairs from the 16 neighbouring numbers at `lo` (an even k) and at `hi` (the next k; None
+/// past the end), only the `lanes` read: u32 pairs with the even k's bf16 in the low half.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn pairs16(lo: *const f32, hi: Option<*const f32>, lanes: u16) -> std::arch::x86_64::__m512i {
@@ -418,7 +420,8 @@ mod tests {
             return;
         }
         // 400 rows span three packing blocks, the last one partial.
-        let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50)];
+        // n = 50: a last panel of 18 columns, its second half partly masked.
+        let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50), (30, 50, 17)];
         for (s, &(m, n, k)) in shapes.iter().enumerate() {
             for (transposed_rhs, accumulate, transposed_lhs) in [
                 (false, false, false),

@@ -55,7 +55,8 @@ unsafe fn gemm_raw<T: Float>(
     }
     if super::bf16_gemm::wanted(d) {
         if let (Some(dst32), Some(lhs32), Some(rhs32)) = (as_f32_ptr(dst.0), as_f32(lhs), as_f32(rhs)) {
-            // `wanted` holds only where the instructions are (`set_forward_bf16`).
+            // `wanted` holds only where the instructions are (`set_forward_bf16`,
+            // `with_bf16_products`).
             return super::bf16_gemm::product(dst32, offset, dst_rs, d, lhs32, rhs32, accumulate, threads);
         }
     }
