@@ -49,10 +49,6 @@ impl Ownership {
         self.world
     }
 
-    pub fn owner(&self, tensor: usize) -> usize {
-        self.owner[tensor]
-    }
-
     pub fn owns(&self, tensor: usize) -> bool {
         self.owner[tensor] == self.rank
     }

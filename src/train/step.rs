@@ -300,8 +300,7 @@ pub fn compute_with(
             surrogate = (surrogate + (txt * d.narrow(0, row, n)?)?.sum_all()?)?;
         }
         let mut g = backward(model, opt, &surrogate)?;
-        if let Some(first) = pending.take() {
-            let mut first = first;
+        if let Some(mut first) = pending.take() {
             first.accumulate(g)?;
             g = first;
         }
