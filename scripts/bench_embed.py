@@ -48,7 +48,8 @@ PyTorch side of `align bench`'s scoring comparison (`align data score`): each pa
 normalised embeddings, written with its key and caption as Parquet (pyarrow) before the clock
 stops.
 
-    pip install torch transformers pillow safetensors        # and open_clip_torch for open_clip
+    pip install torch transformers pillow safetensors        # and open_clip_torch for open_clip,
+                                                             # onnxruntime onnx for --int8 onnxruntime
     python3 scripts/make_bench_embed_inputs.py --out /tmp/align-bench-embed
     python3 scripts/bench_embed.py --checkpoint /tmp/align-bench-embed/clip-vit-b32 \\
         --data /tmp/align-bench-embed/data/shard-000.tar --batch 32 --library transformers --json
@@ -57,8 +58,12 @@ stops.
     align bench embed --checkpoint /tmp/align-bench-embed/clip-vit-b32 \\
         --data /tmp/align-bench-embed/data/shard-000.tar --batch 32 --json
 
+--int8 dynamic | onnxruntime runs the same loop on the int8 peers align's `--precision int8` is
+measured against: PyTorch's dynamic quantization of the model's nn.Linear layers, or the model
+exported to ONNX and quantized by ONNX Runtime (see --help).
+
 Run by hand, not by CI; nothing is downloaded. Written with torch 2.15.0, transformers 5.24.0,
-open_clip_torch 3.3.0, Pillow 13.0.0.
+open_clip_torch 3.3.0, Pillow 13.0.0, onnxruntime 1.32.0 and onnx 1.23.2.
 """
 import argparse
 import io
@@ -94,6 +99,13 @@ def parser():
     p.add_argument("--save-embeddings", metavar="FILE", help="write image_embeds and text_embeds (safetensors)")
     p.add_argument("--scores-out", metavar="FILE", help="score as `align data score` does: each pair's cosine, written "
                    "with its key and caption to this Parquet file (pyarrow) inside the timed loop")
+    p.add_argument("--int8", choices=["dynamic", "onnxruntime"],
+                   help="int8 forward passes, timed as the f32 ones (transformers models only): 'dynamic' is "
+                        "torch.ao.quantization.quantize_dynamic on every nn.Linear (qint8 weights, activations "
+                        "quantized per batch); 'onnxruntime' exports get_image_features and get_text_features to ONNX "
+                        "(torch.onnx.export, TorchScript exporter) and runs onnxruntime.quantization.quantize_dynamic's "
+                        "int8 model (per-channel QInt8 weights, uint8 activations) in an InferenceSession on --threads "
+                        "threads; export and quantization count as loading")
     p.add_argument("--autocast-bf16", action="store_true", help="run the forward passes under torch.autocast('cpu', "
                    "torch.bfloat16): PyTorch's bf16 inference, the counterpart of `align ... --precision bf16`")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -183,6 +195,61 @@ class Transformers:
         return features(self.model.get_text_features(**tokens))
 
 
+def onnx_int8(runner, a, workdir):
+    """Exports the runner's two feature functions to ONNX, quantizes them with onnxruntime's dynamic
+    int8 quantization, and swaps the runner's embed_* for InferenceSession runs."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    class Images(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, pixel_values):
+            return features(self.model.get_image_features(pixel_values=pixel_values))
+
+    class Texts(torch.nn.Module):
+        def __init__(self, model, names):
+            super().__init__()
+            self.model, self.names = model, names
+
+        def forward(self, *tensors):
+            return features(self.model.get_text_features(**dict(zip(self.names, tensors))))
+
+    from PIL import Image
+
+    probe = runner.preprocess([Image.new("RGB", (640, 480))])
+    tokens = runner.tokenize(["a photo of a dog", "two cats"])
+    names = list(tokens)
+    options = ort.SessionOptions()
+    if a.threads:
+        options.intra_op_num_threads = a.threads
+    sessions = {}
+    for what, module, inputs, input_names in (
+        ("images", Images(runner.model), (probe,), ["pixel_values"]),
+        ("texts", Texts(runner.model, names), tuple(tokens[n] for n in names), names),
+    ):
+        f32, int8 = os.path.join(workdir, f"{what}.onnx"), os.path.join(workdir, f"{what}-int8.onnx")
+        axes = {n: {0: "batch"} for n in input_names}
+        if what == "texts":
+            axes = {n: {0: "batch", 1: "length"} for n in input_names}
+        torch.onnx.export(module, inputs, f32, input_names=input_names, output_names=["embeds"],
+                          dynamic_axes={**axes, "embeds": {0: "batch"}}, opset_version=17, dynamo=False)
+        quantize_dynamic(f32, int8, weight_type=QuantType.QInt8, per_channel=True)
+        sessions[what] = ort.InferenceSession(int8, options, providers=["CPUExecutionProvider"])
+
+    def run(what, feeds):
+        out = sessions[what].run(None, {k: v.numpy() for k, v in feeds.items()})[0]
+        return torch.from_numpy(np.ascontiguousarray(out))
+
+    runner.embed_images = lambda pixels: run("images", {"pixel_values": pixels})
+    runner.embed_texts = lambda tokens: run("texts", tokens)
+    runner.describe["model"] += " -> ONNX Runtime " + ort.__version__ + " dynamic int8"
+
+
 class OpenClip:
     def __init__(self, a):
         import open_clip
@@ -229,6 +296,16 @@ def measure(a):
         library = "open_clip" if os.path.isfile(os.path.join(a.checkpoint, "open_clip_config.json")) else "transformers"
     t0 = time.perf_counter()
     runner = Transformers(a) if library == "transformers" else OpenClip(a)
+    if a.int8 and library != "transformers":
+        raise SystemExit("--int8 quantizes transformers models only")
+    if a.int8 == "dynamic":
+        runner.model = torch.ao.quantization.quantize_dynamic(runner.model, {torch.nn.Linear}, dtype=torch.qint8)
+        runner.describe["model"] += " (quantize_dynamic qint8, engine " + torch.backends.quantized.engine + ")"
+    elif a.int8 == "onnxruntime":
+        import tempfile
+        workdir = tempfile.mkdtemp(prefix="bench-embed-onnx-")
+        with torch.inference_mode(False), torch.no_grad():
+            onnx_int8(runner, a, workdir)
     load_seconds = time.perf_counter() - t0
     load_peak = peak_rss_mib()
     params = sum(p.numel() for p in runner.model.parameters())
@@ -322,6 +399,7 @@ def measure(a):
         "parameters": params,
         "dtypes": dtypes,
         "autocast": "bf16" if a.autocast_bf16 else None,
+        "int8": a.int8,
         "image_embed_dim": image_dim,
         "text_embed_dim": text_dim,
         "non_finite_values": non_finite,

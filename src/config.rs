@@ -529,14 +529,19 @@ pub enum Precision {
     /// The towers in bfloat16: in training from f32 master weights; in the forward-only
     /// commands, their matrix products' operands (summed in f32).
     Bf16,
+    /// The forward-only commands only: linear layers' products on 8-bit integers (per-channel
+    /// weights, per-token inputs, 32-bit sums), the other large products as in `bf16` where the
+    /// CPU has it. Never for training.
+    Int8,
 }
 
 impl Precision {
-    /// The name results record (`f32`, `bf16`).
+    /// The name results record (`f32`, `bf16`, `int8`).
     pub fn name(self) -> &'static str {
         match self {
             Precision::F32 => "f32",
             Precision::Bf16 => "bf16",
+            Precision::Int8 => "int8",
         }
     }
 
@@ -544,6 +549,7 @@ impl Precision {
         match self {
             Precision::F32 => candle_core::DType::F32,
             Precision::Bf16 => candle_core::DType::BF16,
+            Precision::Int8 => candle_core::DType::F32,
         }
     }
 }
@@ -778,6 +784,13 @@ impl Config {
         }
         if t.steps == 0 {
             bail!("train.steps must be positive");
+        }
+        if t.precision == Precision::Int8 {
+            bail!("train.precision = \"int8\" is the forward-only commands' precision (--precision int8 of embed, eval and data score): train in \"f32\" or \"bf16\"");
+        }
+        if self.distill.precision == Precision::Int8 {
+            // The int8 switch is process-wide: it would reach the student's products too.
+            bail!("distill.precision = \"int8\" is not supported (int8 products would reach the student too): use \"f32\" or \"bf16\"");
         }
         if !(t.epochs >= 0.0 && t.epochs.is_finite()) {
             bail!("train.epochs must be a non-negative number (0: use train.steps), got {}", t.epochs);
@@ -1110,6 +1123,10 @@ mod tests {
             Config::from_str_with_overrides("", "x.toml", &["train.batch_size=10".into(), "train.accum_steps=3".into()]).unwrap_err()
         );
         assert!(err.contains("accum_steps"), "{err}");
+        for key in ["train.precision", "distill.precision"] {
+            let err = format!("{:#}", Config::from_str_with_overrides("", "x.toml", &[format!("{key}=\"int8\"")]).unwrap_err());
+            assert!(err.contains(key) && err.contains("int8"), "{err}");
+        }
     }
 
     #[test]

@@ -619,11 +619,12 @@ fn config_lists_every_field_with_default_meaning_and_a_configs_values() {
     assert!(!ok && err.lines().count() == 1 && err.contains("trian"), "{err}");
 }
 
-/// `--precision bf16` runs the towers' products in bfloat16: the embeddings move (so the bf16
-/// path ran) but stay within bf16's rounding of the f32 ones, and the index records it. A CPU
-/// without AVX-512 BF16 refuses with a one-line reason instead.
+/// `--precision bf16` runs the towers' products in bfloat16 and `--precision int8` the linear
+/// layers' in 8-bit integers: the embeddings move (so the path ran) but stay within the
+/// rounding's reach of the f32 ones (1 − cosine below 1e-3 and 2e-3), and the index records the
+/// precision. A CPU without the instructions (AVX-512 BF16, VNNI) refuses in one line instead.
 #[test]
-fn bf16_embeddings_track_the_f32_ones() {
+fn bf16_and_int8_embeddings_track_the_f32_ones() {
     let dir = tempfile::tempdir().unwrap();
     let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
     assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
@@ -641,32 +642,39 @@ fn bf16_embeddings_track_the_f32_ones() {
             "--precision",
             precision,
         ];
-        // The tiny model's products are all below the size bf16 pays off at; 1 routes them all.
+        // The tiny model's products are all below the size bf16 and int8 pay off at; 1 routes
+        // them all.
         let o = Command::new(env!("CARGO_BIN_EXE_align")).args(args).env("ALIGN_BF16_MIN_MACS", "1").output().unwrap();
         (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned(), out)
     };
     let (ok, err, f32_out) = embed("f32");
     assert!(ok, "{err}");
-    let (ok, err, bf16_out) = embed("bf16");
-    if !std::arch::is_x86_feature_detected!("avx512bf16") {
-        assert!(!ok && err.lines().count() == 1 && err.contains("AVX-512 BF16"), "{err}");
-        return;
-    }
-    assert!(ok, "{err}");
-    let side: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("bf16.json")).unwrap()).unwrap();
-    assert_eq!(side["precision"], "bf16");
     let load = |p: &std::path::Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
-    let (a, b) = (load(&f32_out), load(&bf16_out));
-    for name in ["image_embeddings", "text_embeddings"] {
-        let (x, y) = (a[name].to_vec2::<f32>().unwrap(), b[name].to_vec2::<f32>().unwrap());
-        let mut largest = 0f32;
-        for (x, y) in x.iter().zip(&y) {
-            // Unit vectors: 1 − cosine.
-            let cos: f32 = x.iter().zip(y).map(|(p, q)| p * q).sum();
-            largest = largest.max(1.0 - cos);
+    let a = load(&f32_out);
+    let cpu_has = [
+        ("bf16", std::arch::is_x86_feature_detected!("avx512bf16"), "AVX-512 BF16", 1e-3),
+        ("int8", std::arch::is_x86_feature_detected!("avx512vnni"), "AVX-512 VNNI", 2e-3),
+    ];
+    for (precision, available, instructions, tolerance) in cpu_has {
+        let (ok, err, out) = embed(precision);
+        if !available {
+            assert!(!ok && err.lines().count() == 1 && err.contains(instructions), "{err}");
+            continue;
         }
-        assert!(x != y, "{name}: bf16 gave the f32 numbers exactly, so its path did not run");
-        assert!(largest < 1e-3, "{name}: 1 − cosine up to {largest}");
+        assert!(ok, "{err}");
+        let side: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.path().join(format!("{precision}.json"))).unwrap()).unwrap();
+        assert_eq!(side["precision"], precision);
+        let b = load(&out);
+        let rows = |t: &std::collections::HashMap<String, candle_core::Tensor>, name: &str| t[name].to_vec2::<f32>().unwrap();
+        let dot = |p: &[f32], q: &[f32]| p.iter().zip(q).map(|(p, q)| p * q).sum::<f32>();
+        for name in ["image_embeddings", "text_embeddings"] {
+            let (x, y) = (rows(&a, name), rows(&b, name));
+            // Unit vectors: 1 − cosine.
+            let largest = x.iter().zip(&y).map(|(x, y)| 1.0 - dot(x, y)).fold(0f32, f32::max);
+            assert!(x != y, "{precision} {name}: the f32 numbers exactly, so its path did not run");
+            assert!(largest < tolerance, "{precision} {name}: 1 − cosine up to {largest}");
+        }
     }
 }
 

@@ -54,7 +54,7 @@ pub struct Sidecar {
     pub ema: bool,
     #[serde(default)]
     pub dim: Option<usize>,
-    /// The towers' products: `f32` or `bf16` (absent: f32).
+    /// The towers' products: `f32`, `bf16` or `int8` (absent: f32).
     #[serde(default)]
     pub precision: Option<String>,
 }

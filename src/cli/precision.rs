@@ -10,9 +10,11 @@ use candle_core::Device;
 
 #[derive(clap::Args, Clone, Copy, Debug)]
 pub struct PrecisionArg {
-    /// Precision of the towers' matrix products: `f32` (the reference's numbers), or `bf16`
-    /// (bfloat16 operands, f32 sums; CPUs with AVX-512 BF16; faster, cosines within about 1e-3
-    /// of f32's).
+    /// Precision of the towers' matrix products: `f32` (the reference's numbers), `bf16`
+    /// (bfloat16 operands, f32 sums; CPUs with AVX-512 BF16; cosines within about 1e-3 of
+    /// f32's), or `int8` (linear layers on 8-bit integers: per-channel weights, per-token inputs,
+    /// 32-bit sums; CPUs with AVX-512 VNNI; the other large products as bf16 where the CPU has
+    /// it).
     #[arg(long, value_enum, default_value = "f32")]
     pub precision: Precision,
 }
@@ -20,14 +22,27 @@ pub struct PrecisionArg {
 impl PrecisionArg {
     /// Switches the process's products to the precision asked for, or says why it cannot.
     pub fn apply(self) -> Result<Precision> {
+        use align::ops::kernels::{bf16_gemm, int8_gemm};
         if self.precision == Precision::F32 {
             return Ok(Precision::F32);
         }
+        let name = self.precision.name();
         if !super::default_device().is_cpu() {
-            bail!("--precision bf16 is the CPU's forward path; on a GPU leave it out (the towers run in f32)");
+            bail!("--precision {name} is the CPU's forward path; on a GPU leave it out (the towers run in f32)");
         }
-        if !align::ops::kernels::bf16_gemm::set_forward_bf16(true) {
-            bail!("--precision bf16 needs a CPU with AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo), which this one lacks");
+        match self.precision {
+            Precision::Bf16 if !bf16_gemm::set_forward_bf16(true) => {
+                bail!("--precision bf16 needs a CPU with AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo), which this one lacks")
+            }
+            Precision::Int8 => {
+                if !int8_gemm::set_forward_int8(true) {
+                    bail!("--precision int8 needs a CPU with AVX-512 VNNI (avx512_vnni in /proc/cpuinfo), which this one lacks");
+                }
+                // The products that are not a linear layer's (convolutions, attention) take
+                // bf16 where the CPU has it, f32 where not.
+                bf16_gemm::set_forward_bf16(true);
+            }
+            _ => {}
         }
         Ok(self.precision)
     }

@@ -8,6 +8,7 @@ use candle_nn::{Embedding, VarBuilder};
 use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
 use super::presets::{BertConfig, TextPooling};
 use super::recompute::Checkpointing;
+use crate::ops::kernels::bias_act::Activation;
 
 struct Layer {
     query: Linear,
@@ -43,7 +44,7 @@ impl Layer {
     fn forward(&self, x: &Tensor, mask_bias: &Tensor) -> Result<Tensor> {
         let proj = [&self.query, &self.key, &self.value, &self.attn_out];
         let x = attention_branch(x, Norm::Post, &self.attn_norm, proj, self.heads, Some(mask_bias))?;
-        mlp_branch(&x, Norm::Post, &self.out_norm, &self.intermediate, &self.output)
+        mlp_branch(&x, Norm::Post, &self.out_norm, &self.intermediate, &self.output, Activation::GeluErf)
     }
 }
 

@@ -6,7 +6,7 @@ use candle_core::{Module, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::ops::blocks::attention as fused_attention;
-use crate::ops::blocks::mlp::{linear_bias_act, mlp_gelu as fused_mlp};
+use crate::ops::blocks::mlp::{linear_bias_act, mlp as fused_mlp};
 use crate::ops::blocks::sublayer;
 pub use crate::ops::blocks::sublayer::Norm;
 pub use crate::ops::kernels::bias_act::Activation;
@@ -76,16 +76,20 @@ impl Linear {
             (Some(b), act) => linear_bias_act(&x, &self.weight, b, act)?,
             (None, Activation::Identity) => x.matmul(&self.weight.t()?)?,
             (None, Activation::GeluErf) => x.matmul(&self.weight.t()?)?.gelu_erf()?,
+            (None, Activation::QuickGelu) => {
+                let y = x.matmul(&self.weight.t()?)?;
+                (&y * candle_nn::ops::sigmoid(&(&y * 1.702)?)?)?
+            }
         };
         y.reshape(shape)
     }
 }
 
-/// A transformer's MLP: `fc2(gelu(fc1(x)))` over the last dimension, as one op where both layers
-/// have biases and the operands allow (see `ops::linear::mlp_gelu`).
-pub fn mlp_gelu(fc1: &Linear, fc2: &Linear, x: &Tensor) -> Result<Tensor> {
+/// A transformer's MLP: `fc2(act(fc1(x)))` over the last dimension, as one op where both layers
+/// have biases and the operands allow (see `ops::blocks::mlp::mlp`).
+pub fn mlp(fc1: &Linear, fc2: &Linear, x: &Tensor, act: Activation) -> Result<Tensor> {
     let (Some(b1), Some(b2)) = (&fc1.bias, &fc2.bias) else {
-        return fc2.forward(&fc1.forward_act(x, Activation::GeluErf)?);
+        return fc2.forward(&fc1.forward_act(x, act)?);
     };
     let (in_dim, out_dim) = (fc1.weight.dim(1)?, fc2.weight.dim(0)?);
     let mut shape = x.dims().to_vec();
@@ -93,7 +97,7 @@ pub fn mlp_gelu(fc1: &Linear, fc2: &Linear, x: &Tensor) -> Result<Tensor> {
         Some(last) if *last == in_dim => *last = out_dim,
         _ => candle_core::bail!("MLP of {in_dim} inputs applied to a tensor of shape {:?}", x.dims()),
     }
-    fused_mlp(&x.reshape(((), in_dim))?, (&fc1.weight, b1), (&fc2.weight, b2))?.reshape(shape)
+    fused_mlp(&x.reshape(((), in_dim))?, (&fc1.weight, b1), (&fc2.weight, b2), act)?.reshape(shape)
 }
 
 impl Module for Linear {
@@ -154,20 +158,20 @@ pub fn composed_attention_branch(
 }
 
 /// A transformer layer's MLP sub-layer: `x + M(LN(x))` (pre-norm) or `LN(x + M(x))`
-/// (post-norm) with `M = fc2 ∘ GELU ∘ fc1`. One op on the CPU in f32 / f64, the separate layers
+/// (post-norm) with `M = fc2 ∘ act ∘ fc1`. One op on the CPU in f32 / f64, the separate layers
 /// elsewhere.
-pub fn mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear, fc2: &Linear) -> Result<Tensor> {
+pub fn mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear, fc2: &Linear, act: Activation) -> Result<Tensor> {
     if let Some(p) = fusable_params(x, ln, &[fc1, fc2]) {
-        return sublayer::mlp_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), p[0], p[1]);
+        return sublayer::mlp_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), p[0], p[1], act);
     }
-    composed_mlp_branch(x, norm, ln, fc1, fc2)
+    composed_mlp_branch(x, norm, ln, fc1, fc2, act)
 }
 
 /// [`mlp_branch`] from the separate layers.
-pub fn composed_mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear, fc2: &Linear) -> Result<Tensor> {
+pub fn composed_mlp_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, fc1: &Linear, fc2: &Linear, act: Activation) -> Result<Tensor> {
     match norm {
-        Norm::Pre => mlp_gelu(fc1, fc2, &ln.forward(x)?)? + x,
-        Norm::Post => ln.forward(&(mlp_gelu(fc1, fc2, x)? + x)?),
+        Norm::Pre => mlp(fc1, fc2, &ln.forward(x)?, act)? + x,
+        Norm::Post => ln.forward(&(mlp(fc1, fc2, x, act)? + x)?),
     }
 }
 
@@ -231,7 +235,7 @@ mod tests {
 /// The transformer sub-layer ops against the separate layers they replace.
 #[cfg(test)]
 mod sublayer_tests {
-    use super::{self as layers, composed_attention_branch, composed_mlp_branch, LayerNorm, Linear, Norm};
+    use super::{self as layers, composed_attention_branch, composed_mlp_branch, Activation, LayerNorm, Linear, Norm};
     use crate::ops::testing::{check_fd, max_abs, max_diff};
     use crate::util::rng::randn;
     use candle_core::{DType, Tensor};
@@ -286,11 +290,13 @@ mod sublayer_tests {
                     Box::new(move |x| composed_attention_branch(x, norm, &att.ln, proj(), 2, b2.as_ref()).unwrap()),
                 ));
             }
-            out.push((
-                format!("{dtype:?} MLP {norm:?}"),
-                Box::new(move |x| layers::mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1]).unwrap()),
-                Box::new(move |x| composed_mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1]).unwrap()),
-            ));
+            for act in [Activation::GeluErf, Activation::QuickGelu] {
+                out.push((
+                    format!("{dtype:?} MLP {norm:?} {act:?}"),
+                    Box::new(move |x| layers::mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1], act).unwrap()),
+                    Box::new(move |x| composed_mlp_branch(x, norm, &mlp.ln, &mlp.linears[0], &mlp.linears[1], act).unwrap()),
+                ));
+            }
         }
         out
     }

@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
 use super::recompute::Checkpointing;
+use crate::ops::kernels::bias_act::Activation;
 
 /// The MLP's activation, by the name a Hugging Face config gives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -130,8 +131,9 @@ impl Layer {
             }
         };
         match self.mlp.act {
-            Act::Gelu => mlp_branch(&x, Norm::Pre, &self.norm2, &self.mlp.fc1, &self.mlp.fc2),
-            _ => &x + self.mlp.forward(&self.norm2.forward(&x)?)?,
+            Act::Gelu => mlp_branch(&x, Norm::Pre, &self.norm2, &self.mlp.fc1, &self.mlp.fc2, Activation::GeluErf),
+            Act::QuickGelu => mlp_branch(&x, Norm::Pre, &self.norm2, &self.mlp.fc1, &self.mlp.fc2, Activation::QuickGelu),
+            Act::GeluTanh => &x + self.mlp.forward(&self.norm2.forward(&x)?)?,
         }
     }
 }

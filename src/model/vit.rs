@@ -12,6 +12,7 @@ use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNo
 use super::presets::{ImagePooling, VitConfig};
 use super::recompute::Checkpointing;
 use super::{Ctx, Masking};
+use crate::ops::kernels::bias_act::Activation;
 use crate::ops::kernels::linear::linear_bias;
 use crate::util::rng::Rng;
 
@@ -47,7 +48,7 @@ impl Block {
     /// Pre-norm block.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = attention_branch(x, Norm::Pre, &self.norm1, [&self.query, &self.key, &self.value, &self.proj], self.heads, None)?;
-        mlp_branch(&x, Norm::Pre, &self.norm2, &self.fc1, &self.fc2)
+        mlp_branch(&x, Norm::Pre, &self.norm2, &self.fc1, &self.fc2, Activation::GeluErf)
     }
 }
 

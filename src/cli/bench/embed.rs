@@ -36,7 +36,7 @@ pub struct EmbedArgs {
 #[derive(Serialize)]
 struct EmbedBench {
     checkpoint: String,
-    /// The towers' products: `f32` or `bf16`.
+    /// The towers' products: `f32`, `bf16` or `int8`.
     precision: &'static str,
     batch: usize,
     images: usize,

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
 
 use super::attention::{context, context_grad, scores, scores_grad, Geometry};
-use crate::ops::kernels::bias_act::{Activation, BiasAct, GeluGrad};
+use crate::ops::kernels::bias_act::{ActGrad, Activation, BiasAct};
 use crate::ops::kernels::layer_norm::{LayerNormGrad, LayerNormOp};
 use crate::ops::kernels::linear::{linear_grads, linear_onto, product, sum_into};
 use crate::ops::op::{Kernel, Op};
@@ -34,8 +34,8 @@ pub enum Norm {
 enum Body {
     /// q, k, v and output projections, each `[width, width]` with a bias.
     Attention { batch: usize, len: usize, heads: usize },
-    /// `gelu(x·W1ᵀ + b1)·W2ᵀ + b2` with W1 `[hidden, width]`.
-    Mlp { hidden: usize },
+    /// `act(x·W1ᵀ + b1)·W2ᵀ + b2` with W1 `[hidden, width]`.
+    Mlp { hidden: usize, act: Activation },
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -53,7 +53,7 @@ impl Branch {
         let w = self.width;
         match self.body {
             Body::Attention { .. } => vec![w * w, w, w * w, w, w * w, w, w * w, w, w, w],
-            Body::Mlp { hidden } => vec![hidden * w, hidden, w * hidden, w, w, w],
+            Body::Mlp { hidden, .. } => vec![hidden * w, hidden, w * hidden, w, w, w],
         }
     }
 
@@ -97,9 +97,9 @@ impl Branch {
                 saved.extend([q, k, v, probs, ctx]);
                 Ok(out)
             }
-            Body::Mlp { hidden } => {
+            Body::Mlp { hidden, act } => {
                 let y = product(fin, ps[0], (rows, w, hidden));
-                let h = BiasAct(Activation::GeluErf).run(&y, ps[1], hidden);
+                let h = BiasAct(act).run(&y, ps[1], hidden);
                 let out = linear_onto(Some(x), &h, ps[2], ps[3], (rows, hidden, w));
                 saved.extend([y, h]);
                 Ok(out)
@@ -132,13 +132,13 @@ impl Branch {
                     linear_grads(fin, ps[2 * i], d, (rows, w, w), Some((&mut dfin, i > 0)), dw, &mut *rest[0]);
                 }
             }
-            Body::Mlp { hidden } => {
+            Body::Mlp { hidden, act } => {
                 let &[y, h] = saved else { candle_core::bail!("MLP branch: saved state incomplete") };
                 // SAFETY: the product overwrites it.
                 let mut dh = unsafe { output_buffer::<T>(rows * hidden) };
                 let [dw1, db1, dw2, db2] = &mut dps[..] else { unreachable!() };
                 linear_grads(h, ps[2], dz, (rows, hidden, w), Some((&mut dh, false)), dw2, db2);
-                let dy = GeluGrad::run(y, ps[1], &dh, hidden);
+                let dy = ActGrad(act).run(y, ps[1], &dh, hidden);
                 linear_grads(fin, ps[0], &dy, (rows, w, hidden), Some((&mut dfin, false)), dw1, db1);
             }
         }
@@ -371,12 +371,19 @@ pub fn attention_branch(
     x.contiguous()?.apply_op2(&p, Op(BranchOp { branch, key_bias, saved: Mutex::new(None) }))
 }
 
-/// The MLP branch on `x` `[.., width]`: `fc1` `[hidden, width]`, GELU, `fc2` `[width, hidden]`.
+/// The MLP branch on `x` `[.., width]`: `fc1` `[hidden, width]`, `act`, `fc2` `[width, hidden]`.
 /// Needs operands `ops::fusable` accepts.
-pub fn mlp_branch(x: &Tensor, norm: Norm, (gamma, beta, eps): NormParams, fc1: LinearParams, fc2: LinearParams) -> Result<Tensor> {
+pub fn mlp_branch(
+    x: &Tensor,
+    norm: Norm,
+    (gamma, beta, eps): NormParams,
+    fc1: LinearParams,
+    fc2: LinearParams,
+    act: Activation,
+) -> Result<Tensor> {
     let width = x.dim(candle_core::D::Minus1)?;
     let hidden = fc1.0.dim(0)?;
-    let branch = Branch { norm, body: Body::Mlp { hidden }, width, eps };
+    let branch = Branch { norm, body: Body::Mlp { hidden, act }, width, eps };
     let p = flat(&[fc1.0, fc1.1, fc2.0, fc2.1, gamma, beta])?;
     x.contiguous()?.apply_op2(&p, Op(BranchOp { branch, key_bias: None, saved: Mutex::new(None) }))
 }

@@ -59,7 +59,7 @@ static MIN_SET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize:
 /// The smallest product that goes through bf16: [`MIN_MACS`], or `ALIGN_BF16_MIN_MACS`, or what
 /// [`set_min_macs`] set (for tests, whose small models have no product that large, and for
 /// measuring the threshold).
-fn min_macs() -> usize {
+pub(crate) fn min_macs() -> usize {
     static MIN: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     match MIN_SET.load(Ordering::Relaxed) {
         0 => *MIN.get_or_init(|| std::env::var("ALIGN_BF16_MIN_MACS").ok().and_then(|v| v.parse().ok()).unwrap_or(MIN_MACS)),

@@ -1,5 +1,5 @@
-//! A linear layer's bias add, optionally followed by GELU, as one op over `[.., cols]` with its
-//! own backward.
+//! A linear layer's bias add, optionally followed by GELU (exact, or OpenAI CLIP's sigmoid form),
+//! as one op over `[.., cols]` with its own backward.
 //!
 //! Composed, `broadcast_add(bias)` sends the bias gradient through candle's strided reduce, which
 //! runs on one thread (14% of a ViT-Ti + BERT-mini step, profiled), and
@@ -20,7 +20,39 @@ pub enum Activation {
     Identity,
     /// GELU with the exact `erf`, as BERT and ViT have it (`gelu_erf` in candle).
     GeluErf,
+    /// `z·σ(1.702·z)`, OpenAI CLIP's `quick_gelu` (its ViT and text towers). Composed from
+    /// candle ops it was three full-size passes and two temporaries per MLP.
+    QuickGelu,
 }
+
+impl Activation {
+    /// The activation of `z`.
+    #[inline(always)]
+    fn of<T: Float>(self, z: T) -> T {
+        match self {
+            Activation::Identity => z,
+            Activation::GeluErf => gelu(z),
+            Activation::QuickGelu => z / (T::from(1.0) + (T::from(-QUICK) * z).exp()),
+        }
+    }
+
+    /// d act(z) / dz.
+    #[inline(always)]
+    fn slope<T: Float>(self, z: T) -> T {
+        match self {
+            Activation::Identity => T::from(1.0),
+            Activation::GeluErf => gelu_slope(z),
+            // With s = σ(az): d(z·s)/dz = s + a·z·s·(1 − s).
+            Activation::QuickGelu => {
+                let s = T::from(1.0) / (T::from(1.0) + (T::from(-QUICK) * z).exp());
+                s + T::from(QUICK) * z * s * (T::from(1.0) - s)
+            }
+        }
+    }
+}
+
+/// The sigmoid's slope in `quick_gelu`.
+const QUICK: f64 = 1.702;
 
 /// Elements per parallel task of the elementwise passes.
 const TASK_ELEMS: usize = 16 * 1024;
@@ -61,17 +93,18 @@ impl BiasAct {
                 #[inline(always)]
                 || {
                     for (orow, yrow) in o.chunks_mut(cols).zip(y.chunks(cols)) {
+                        // One loop per activation, each vectorised on its own.
+                        macro_rules! each {
+                            ($act:expr) => {
+                                for ((o, &y), &b) in orow.iter_mut().zip(yrow).zip(b) {
+                                    *o = $act.of(y + b);
+                                }
+                            };
+                        }
                         match self.0 {
-                            Activation::Identity => {
-                                for ((o, &y), &b) in orow.iter_mut().zip(yrow).zip(b) {
-                                    *o = y + b;
-                                }
-                            }
-                            Activation::GeluErf => {
-                                for ((o, &y), &b) in orow.iter_mut().zip(yrow).zip(b) {
-                                    *o = gelu(y + b);
-                                }
-                            }
+                            Activation::Identity => each!(Activation::Identity),
+                            Activation::GeluErf => each!(Activation::GeluErf),
+                            Activation::QuickGelu => each!(Activation::QuickGelu),
                         }
                     }
                 },
@@ -99,6 +132,10 @@ impl Kernel<2> for BiasAct {
     }
 
     fn gpu(&self, &(rows, cols): &Self::Geometry, _elem: usize, limits: &Limits) -> Result<Option<GpuPlan>> {
+        if self.0 == Activation::QuickGelu {
+            // No CUDA kernel: `bias_act` composes candle ops for it on GPUs.
+            return Ok(None);
+        }
         Ok(Some(GpuPlan::new(Program::bias_act(rows, cols, self.0 == Activation::GeluErf, limits))))
     }
 
@@ -106,18 +143,18 @@ impl Kernel<2> for BiasAct {
         let grad = grad.contiguous()?;
         let dz = match self.0 {
             Activation::Identity => grad,
-            Activation::GeluErf => y.apply_op3_no_bwd(b, &grad, &Op(GeluGrad))?,
+            act => y.apply_op3_no_bwd(b, &grad, &Op(ActGrad(act)))?,
         };
         let db = dz.apply_op1_no_bwd(&Op(ColumnSums))?;
         Ok([Some(dz), Some(db)])
     }
 }
 
-/// `dz = dy · gelu'(y + b)`, recomputing the pre-activation.
-pub(crate) struct GeluGrad;
+/// `dz = dy · act'(y + b)`, recomputing the pre-activation.
+pub(crate) struct ActGrad(pub Activation);
 
-impl GeluGrad {
-    pub(crate) fn run<T: Float>(y: &[T], b: &[T], dy: &[T], cols: usize) -> Vec<T> {
+impl ActGrad {
+    pub(crate) fn run<T: Float>(&self, y: &[T], b: &[T], dy: &[T], cols: usize) -> Vec<T> {
         // SAFETY: the loop below writes every element.
         let mut out = unsafe { output_buffer::<T>(y.len()) };
         let task = (TASK_ELEMS / cols).max(1) * cols;
@@ -126,8 +163,17 @@ impl GeluGrad {
                 #[inline(always)]
                 || {
                     for ((orow, yrow), grow) in o.chunks_mut(cols).zip(y.chunks(cols)).zip(g.chunks(cols)) {
-                        for (((o, &y), &b), &g) in orow.iter_mut().zip(yrow).zip(b).zip(grow) {
-                            *o = g * gelu_slope(y + b);
+                        macro_rules! each {
+                            ($act:expr) => {
+                                for (((o, &y), &b), &g) in orow.iter_mut().zip(yrow).zip(b).zip(grow) {
+                                    *o = g * $act.slope(y + b);
+                                }
+                            };
+                        }
+                        match self.0 {
+                            Activation::Identity => each!(Activation::Identity),
+                            Activation::GeluErf => each!(Activation::GeluErf),
+                            Activation::QuickGelu => each!(Activation::QuickGelu),
                         }
                     }
                 },
@@ -137,25 +183,26 @@ impl GeluGrad {
     }
 }
 
-impl Kernel<3> for GeluGrad {
-    const NAME: &'static str = "bias-gelu-grad";
+impl Kernel<3> for ActGrad {
+    const NAME: &'static str = "bias-act-grad";
     const PROFILE: &'static str = "op/bias-act-grad";
     type Geometry = Rows;
 
     fn geometry(&self, [y, b, dy]: [&Layout; 3]) -> Result<(Self::Geometry, Shape)> {
         let g = rows(y);
         if b.dims() != [g.1] || dy.dims() != y.dims() {
-            candle_core::bail!("bias GELU backward: input {:?}, bias {:?}, gradient {:?}", y.dims(), b.dims(), dy.dims());
+            candle_core::bail!("bias + activation backward: input {:?}, bias {:?}, gradient {:?}", y.dims(), b.dims(), dy.dims());
         }
         Ok((g, y.shape().clone()))
     }
 
     fn cpu<T: Float>(&self, &(_, cols): &Self::Geometry, [y, b, dy]: [&[T]; 3]) -> Result<Vec<T>> {
-        Ok(Self::run(y, b, dy, cols))
+        Ok(self.run(y, b, dy, cols))
     }
 
     fn gpu(&self, &(rows, cols): &Self::Geometry, _elem: usize, limits: &Limits) -> Result<Option<GpuPlan>> {
-        Ok(Some(GpuPlan::new(Program::bias_gelu_grad(rows, cols, limits))))
+        // The exact GELU's has a CUDA kernel; the others are composed on GPUs (`bias_act`).
+        Ok((self.0 == Activation::GeluErf).then(|| GpuPlan::new(Program::bias_gelu_grad(rows, cols, limits))))
     }
 }
 
@@ -163,7 +210,7 @@ impl Kernel<3> for GeluGrad {
 /// where `ops::has_kernels` says so (the CPU, CUDA GPUs); candle's composition elsewhere
 /// (bf16).
 pub fn bias_act(y: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
-    if !crate::ops::has_kernels(y, &[bias]) {
+    if !crate::ops::has_kernels(y, &[bias]) || (act == Activation::QuickGelu && !y.device().is_cpu()) {
         return composed(y, bias, act);
     }
     y.contiguous()?.apply_op2(&bias.contiguous()?, Op(BiasAct(act)))
@@ -176,6 +223,7 @@ pub fn composed(y: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
     match act {
         Activation::Identity => Ok(z),
         Activation::GeluErf => z.gelu_erf(),
+        Activation::QuickGelu => &z * candle_nn::ops::sigmoid(&(&z * QUICK)?)?,
     }
 }
 
@@ -188,7 +236,7 @@ mod tests {
     #[test]
     fn matches_the_composition_forward_and_backward() {
         let dev = Device::Cpu;
-        for act in [Activation::Identity, Activation::GeluErf] {
+        for act in [Activation::Identity, Activation::GeluErf, Activation::QuickGelu] {
             for dtype in [DType::F64, DType::F32] {
                 // 3 × 700 rows: several row blocks and several elementwise tasks.
                 let y = Var::from_tensor(&crate::util::rng::randn(160, 0.0, 2.0, (3, 700, 37), dtype, &dev).unwrap()).unwrap();
@@ -216,14 +264,30 @@ mod tests {
         let y0 = crate::util::rng::randn(163, 0.0, 1.5, (4, 6), DType::F64, &dev).unwrap();
         let b0 = crate::util::rng::randn(164, 0.0, 1.0, 6, DType::F64, &dev).unwrap();
         let up = crate::util::rng::randn(165, 0.0, 1.0, (4, 6), DType::F64, &dev).unwrap();
-        let loss = |y: &Tensor, b: &Tensor| {
-            (bias_act(y, b, Activation::GeluErf).unwrap() * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap()
-        };
-        let (y, b) = (Var::from_tensor(&y0).unwrap(), Var::from_tensor(&b0).unwrap());
-        let grads = (bias_act(&y, &b, Activation::GeluErf).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
-        let all: Vec<usize> = (0..24).collect();
-        assert!(check_fd(|t| loss(t, &b0), &y0, grads.get(y.as_tensor()).unwrap(), &all) < 1e-7);
-        assert!(check_fd(|t| loss(&y0, t), &b0, grads.get(b.as_tensor()).unwrap(), &[0, 1, 2, 3, 4, 5]) < 1e-7);
+        for act in [Activation::GeluErf, Activation::QuickGelu] {
+            let loss =
+                |y: &Tensor, b: &Tensor| (bias_act(y, b, act).unwrap() * &up).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+            let (y, b) = (Var::from_tensor(&y0).unwrap(), Var::from_tensor(&b0).unwrap());
+            let grads = (bias_act(&y, &b, act).unwrap() * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let all: Vec<usize> = (0..24).collect();
+            assert!(check_fd(|t| loss(t, &b0), &y0, grads.get(y.as_tensor()).unwrap(), &all) < 1e-7, "{act:?}");
+            assert!(check_fd(|t| loss(&y0, t), &b0, grads.get(b.as_tensor()).unwrap(), &[0, 1, 2, 3, 4, 5]) < 1e-7, "{act:?}");
+        }
+    }
+
+    /// quick_gelu by hand: z·σ(1.702z) at a few points, and its far tails.
+    #[test]
+    fn quick_gelu_by_hand() {
+        let q = |z: f64| z / (1.0 + (-1.702 * z).exp());
+        for z in [-3.0f64, -0.5, 0.0, 0.25, 2.0] {
+            assert!((Activation::QuickGelu.of(z) - q(z)).abs() < 1e-15);
+            assert!((Activation::QuickGelu.of(z as f32) as f64 - q(z)).abs() < 1e-6);
+        }
+        // σ(1.702) = 0.845796…: quick_gelu(1), and its slope s + 1.702·s·(1 − s) = 1.067780…
+        assert!((Activation::QuickGelu.of(1.0f64) - 0.845_795_8).abs() < 1e-6);
+        assert!((Activation::QuickGelu.slope(1.0f64) - 1.067_779_6).abs() < 1e-6);
+        assert!(Activation::QuickGelu.of(-200.0f32).abs() < 1e-30);
+        assert_eq!(Activation::QuickGelu.of(200.0f32), 200.0);
     }
 }
 
@@ -247,8 +311,8 @@ mod gpu_tests {
             assert_close(&run_on_host(&program, &[&y, &b], None), &BiasAct(act).run(&y, &b, cols), 1e-5, &format!("{act:?}"));
         }
         let grad = Program::bias_gelu_grad(rows, cols, &SMALL_GRID);
-        assert_close(&run_on_host(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-12, "GELU grad");
+        assert_close(&run_on_host(&grad, &[&y, &b, &dy], None), &ActGrad(Activation::GeluErf).run(&y, &b, &dy, cols), 1e-12, "GELU grad");
         let (y, b, dy) = (to_f32(&y), to_f32(&b), to_f32(&dy));
-        assert_close(&run_on_host(&grad, &[&y, &b, &dy], None), &GeluGrad::run(&y, &b, &dy, cols), 1e-5, "GELU grad");
+        assert_close(&run_on_host(&grad, &[&y, &b, &dy], None), &ActGrad(Activation::GeluErf).run(&y, &b, &dy, cols), 1e-5, "GELU grad");
     }
 }

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use super::bf16_gemm::Scope;
 use super::bias_act::{bias_act, Activation};
 use super::column_sums::column_sums;
-use super::matmul::{gemm_into, gemm_serial};
+use super::matmul::{gemm_into, gemm_serial, weight_product_into};
 use super::operands::{Dims, Mat};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{output_buffer, simd, Float};
@@ -225,7 +225,7 @@ pub(crate) fn add_assign<T: Float>(a: &mut [T], b: &[T]) {
 pub(crate) fn product<T: Float>(x: &[T], w: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
     // SAFETY: the product overwrites every element.
     let mut y = unsafe { output_buffer::<T>(rows * out) };
-    gemm_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), false);
+    weight_product_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), false);
     y
 }
 
@@ -253,7 +253,7 @@ pub(crate) fn linear_onto<T: Float>(residual: Option<&[T]>, x: &[T], w: &[T], b:
             },
         )
     });
-    gemm_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), true);
+    weight_product_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), true);
     y
 }
 

@@ -106,6 +106,22 @@ pub(crate) fn gemm_into<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, lhs: Ma
     unsafe { gemm_raw((dst.as_mut_ptr(), dst.len()), 0, dst_rs, d, lhs, rhs, accumulate, rayon::current_num_threads()) }
 }
 
+/// `dst = x·Wᵀ` (or `+=` with `accumulate`) for a linear layer's input `x` and weight `W`
+/// (`w` its transposed view): [`gemm_into`], except that under `--precision int8` the product
+/// takes int8 operands (`int8_gemm`).
+pub(crate) fn weight_product_into<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, x: Mat<T>, w: Mat<T>, accumulate: bool) {
+    if super::int8_gemm::wanted(d) && x.col_stride == 1 && w.row_stride == 1 && d.m > 0 && d.n > 0 {
+        if let (Some(dst32), Some(x32), Some(w32)) = (as_f32_ptr(dst.as_mut_ptr()), as_f32(x), as_f32(w)) {
+            assert!(x.fits(d.m, d.k) && w.fits(d.k, d.n), "matrix operand outside its buffer");
+            assert!((d.m - 1) * dst_rs + d.n <= dst.len(), "matrix product outside its destination");
+            // SAFETY: `wanted` holds only where the instructions are (`set_forward_int8`); the
+            // bounds are checked above and `dst` is borrowed exclusively.
+            return unsafe { super::int8_gemm::product(dst32, 0, dst_rs, d, x32, w32, accumulate, rayon::current_num_threads()) };
+        }
+    }
+    gemm_into(dst, dst_rs, d, x, w, accumulate)
+}
+
 /// `dst = lhs·rhs` (or `+=` with `accumulate`) on the calling thread, for products that are
 /// themselves parallel tasks.
 pub(crate) fn gemm_serial<T: Float>(dst: &mut [T], dst_rs: usize, d: Dims, lhs: Mat<T>, rhs: Mat<T>, accumulate: bool) {
