@@ -5,7 +5,7 @@ use std::sync::Arc;
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, VarBuilder};
 
-use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
+use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Mask, Norm};
 use super::presets::{BertConfig, TextPooling};
 use super::recompute::Checkpointing;
 use crate::ops::kernels::bias_act::Activation;
@@ -43,7 +43,8 @@ impl Layer {
     /// Post-norm block, as BERT has it.
     fn forward(&self, x: &Tensor, mask_bias: &Tensor) -> Result<Tensor> {
         let proj = [&self.query, &self.key, &self.value, &self.attn_out];
-        let x = attention_branch(x, Norm::Post, &self.attn_norm, proj, self.heads, Some(mask_bias))?;
+        let mask = Mask { key_bias: Some(mask_bias.clone()), causal: false };
+        let x = attention_branch(x, Norm::Post, &self.attn_norm, proj, self.heads, &mask)?;
         mlp_branch(&x, Norm::Post, &self.out_norm, &self.intermediate, &self.output, Activation::GeluErf)
     }
 }

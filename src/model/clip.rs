@@ -2,11 +2,11 @@
 //! pre-norm, pooled at the end-of-text token) and the vision transformer (class embedding,
 //! pre-LayerNorm, the class token's final state after `post_layernorm`).
 
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::{Embedding, Init, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use super::layers::{scaled_normal, LayerNorm};
+use super::layers::{scaled_normal, LayerNorm, Mask};
 use super::prenorm::{Encoder, EncoderConfig};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -110,9 +110,6 @@ impl ClipVisionConfig {
     }
 }
 
-/// A large negative score for masked keys: finite, so a row with every key masked stays finite.
-const MASKED: f64 = -1e9;
-
 pub struct ClipText {
     token: Embedding,
     position: Embedding,
@@ -148,13 +145,10 @@ impl ClipText {
         let positions = Tensor::arange(0u32, l as u32, dev)?;
         let x = self.token.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?;
         if !self.config.causal {
-            return self.final_norm.forward(&self.encoder.forward(&x, None)?);
+            return self.final_norm.forward(&self.encoder.forward(&x, &Mask::default())?);
         }
-        let causal: Vec<f32> = (0..l).flat_map(|q| (0..l).map(move |k| if k <= q { 0.0 } else { MASKED as f32 })).collect();
-        let causal = Tensor::from_vec(causal, (1, 1, l, l), dev)?;
-        let padding = ((mask.to_dtype(DType::F32)? - 1.0)? * -MASKED)?.reshape((b, 1, 1, l))?;
-        let bias = causal.broadcast_add(&padding)?;
-        self.final_norm.forward(&self.encoder.forward(&x, Some(&bias))?)
+        let mask = Mask { key_bias: Some(Mask::padding(mask)?.reshape((b, l))?), causal: true };
+        self.final_norm.forward(&self.encoder.forward(&x, &mask)?)
     }
 
     /// The pooled position's final state of each row: the end-of-text token at the row's
@@ -232,7 +226,7 @@ impl ClipVision {
             Some(n) => n.forward(&x)?,
             None => x,
         };
-        self.encoder.forward(&x, None)
+        self.encoder.forward(&x, &Mask::default())
     }
 
     pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {

@@ -80,6 +80,7 @@ impl Linear {
                 let y = x.matmul(&self.weight.t()?)?;
                 (&y * candle_nn::ops::sigmoid(&(&y * 1.702)?)?)?
             }
+            (None, Activation::GeluTanh) => x.matmul(&self.weight.t()?)?.gelu()?,
         };
         y.reshape(shape)
     }
@@ -115,30 +116,43 @@ pub fn linear(in_dim: usize, out_dim: usize, bias: bool, init: Init, vb: VarBuil
 
 /// Multi-head scaled dot-product attention on already projected `q`, `k`, `v` of shape
 /// `[batch, len, heads * head_dim]`. `key_bias` (`[batch, len]`: 0 for tokens, a large negative
-/// number for padding) is added to every query's scores before the softmax.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
+/// number for padding) is added to every query's scores before the softmax; `causal`: each query
+/// attends to itself and the keys before it only.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>, causal: bool) -> Result<Tensor> {
     if fused_attention::fused(q, k, v) {
-        return fused_attention::attention(q, k, v, heads, key_bias);
+        return fused_attention::attention(q, k, v, heads, key_bias, causal);
     }
-    fused_attention::composed(q, k, v, heads, key_bias)
+    fused_attention::composed(q, k, v, heads, key_bias, causal)
 }
 
 /// A transformer layer's attention sub-layer on `x` `[batch, len, width]`: `x + O(A(LN(x)))`
 /// (pre-norm) or `LN(x + O(A(x)))` (post-norm), where A is the attention of the q, k and v
-/// projections (`proj[..3]`) and O the output projection (`proj[3]`). One op on the CPU in
-/// f32 / f64 (`ops::blocks::sublayer`), [`composed_attention_branch`] elsewhere.
-pub fn attention_branch(
-    x: &Tensor,
-    norm: Norm,
-    ln: &LayerNorm,
-    proj: [&Linear; 4],
-    heads: usize,
-    key_bias: Option<&Tensor>,
-) -> Result<Tensor> {
+/// projections (`proj[..3]`) and O the output projection (`proj[3]`), masked as `mask` says. One
+/// op on the CPU in f32 / f64 (`ops::blocks::sublayer`), [`composed_attention_branch`]
+/// elsewhere.
+pub fn attention_branch(x: &Tensor, norm: Norm, ln: &LayerNorm, proj: [&Linear; 4], heads: usize, mask: &Mask) -> Result<Tensor> {
     if let Some(p) = fusable_params(x, ln, &proj) {
-        return sublayer::attention_branch(x, norm, (&ln.weight, &ln.bias, ln.eps), [p[0], p[1], p[2], p[3]], heads, key_bias);
+        let (ln, proj) = ((&ln.weight, &ln.bias, ln.eps), [p[0], p[1], p[2], p[3]]);
+        return sublayer::attention_branch(x, norm, ln, proj, heads, mask.key_bias.as_ref(), mask.causal);
     }
-    composed_attention_branch(x, norm, ln, proj, heads, key_bias)
+    composed_attention_branch(x, norm, ln, proj, heads, mask)
+}
+
+/// What each query of a transformer's attention may see.
+#[derive(Clone, Debug, Default)]
+pub struct Mask {
+    /// `[batch, len]`, added to every query's scores: 0 for tokens, a large negative number for
+    /// padding.
+    pub key_bias: Option<Tensor>,
+    /// Each query attends to itself and the tokens before it only (CLIP's text tower).
+    pub causal: bool,
+}
+
+impl Mask {
+    /// Padding keys, from an attention mask `[batch, len]` of 1 (token) and 0 (padding).
+    pub fn padding(mask: &Tensor) -> Result<Tensor> {
+        (mask.to_dtype(candle_core::DType::F32)? - 1.0)? * 1e9
+    }
 }
 
 /// [`attention_branch`] from the separate layers.
@@ -148,9 +162,10 @@ pub fn composed_attention_branch(
     ln: &LayerNorm,
     [q, k, v, o]: [&Linear; 4],
     heads: usize,
-    key_bias: Option<&Tensor>,
+    mask: &Mask,
 ) -> Result<Tensor> {
-    let branch = |h: &Tensor| o.forward(&attention(&q.forward(h)?, &k.forward(h)?, &v.forward(h)?, heads, key_bias)?);
+    let attend = |q: &Tensor, k: &Tensor, v: &Tensor| attention(q, k, v, heads, mask.key_bias.as_ref(), mask.causal);
+    let branch = |h: &Tensor| o.forward(&attend(&q.forward(h)?, &k.forward(h)?, &v.forward(h)?)?);
     match norm {
         Norm::Pre => branch(&ln.forward(x)?)? + x,
         Norm::Post => ln.forward(&(branch(x)? + x)?),
@@ -221,7 +236,7 @@ mod tests {
         let q = Tensor::new(&[[[1.0f32, 0.0], [0.0, 1.0], [1.0, 1.0]]], &dev).unwrap();
         let v = Tensor::new(&[[[1.0f32, 2.0], [3.0, 4.0], [100.0, 100.0]]], &dev).unwrap();
         let mask = Tensor::new(&[[0.0f32, 0.0, -1e9]], &dev).unwrap();
-        let out = attention(&q, &q, &v, 1, Some(&mask)).unwrap().to_vec3::<f32>().unwrap();
+        let out = attention(&q, &q, &v, 1, Some(&mask), false).unwrap().to_vec3::<f32>().unwrap();
         for row in &out[0] {
             assert!(row[0] <= 3.0 && row[1] <= 4.0, "{row:?}");
         }
@@ -235,7 +250,7 @@ mod tests {
 /// The transformer sub-layer ops against the separate layers they replace.
 #[cfg(test)]
 mod sublayer_tests {
-    use super::{self as layers, composed_attention_branch, composed_mlp_branch, Activation, LayerNorm, Linear, Norm};
+    use super::{self as layers, composed_attention_branch, composed_mlp_branch, Activation, LayerNorm, Linear, Mask, Norm};
     use crate::ops::testing::{check_fd, max_abs, max_diff};
     use crate::util::rng::randn;
     use candle_core::{DType, Tensor};
@@ -282,12 +297,13 @@ mod sublayer_tests {
         let proj = || [&att.linears[0], &att.linears[1], &att.linears[2], &att.linears[3]];
         let mut out: Vec<(String, Forward<'a>, Forward<'a>)> = Vec::new();
         for norm in [Norm::Pre, Norm::Post] {
-            for bias in [None, Some(key_bias.clone())] {
-                let b2 = bias.clone();
+            for (bias, causal) in [(None, false), (Some(key_bias.clone()), false), (None, true), (Some(key_bias.clone()), true)] {
+                let mask = Mask { key_bias: bias, causal };
+                let m2 = mask.clone();
                 out.push((
-                    format!("{dtype:?} attention {norm:?} mask {}", bias.is_some()),
-                    Box::new(move |x| layers::attention_branch(x, norm, &att.ln, proj(), 2, bias.as_ref()).unwrap()),
-                    Box::new(move |x| composed_attention_branch(x, norm, &att.ln, proj(), 2, b2.as_ref()).unwrap()),
+                    format!("{dtype:?} attention {norm:?} mask {} causal {causal}", mask.key_bias.is_some()),
+                    Box::new(move |x| layers::attention_branch(x, norm, &att.ln, proj(), 2, &mask).unwrap()),
+                    Box::new(move |x| composed_attention_branch(x, norm, &att.ln, proj(), 2, &m2).unwrap()),
                 ));
             }
             for act in [Activation::GeluErf, Activation::QuickGelu] {
@@ -376,9 +392,9 @@ mod sublayer_tests {
         let s = sublayer(DType::F32, &[(WIDTH, WIDTH); 4]);
         let x = Tensor::zeros((2, 5, WIDTH + 1), DType::F32, &Device::Cpu).unwrap();
         let proj = [&s.linears[0], &s.linears[1], &s.linears[2], &s.linears[3]];
-        assert!(layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 2, None).is_err());
+        assert!(layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 2, &Mask::default()).is_err());
         let x = Tensor::zeros((2, 5, WIDTH), DType::F32, &Device::Cpu).unwrap();
-        let err = layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 3, None).unwrap_err().to_string();
+        let err = layers::attention_branch(&x, Norm::Pre, &s.ln, proj, 3, &Mask::default()).unwrap_err().to_string();
         assert!(err.contains("heads"), "{err}");
     }
 }

@@ -15,7 +15,7 @@ use candle_core::{DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use super::layers::{linear, scaled_normal, LayerNorm, Linear};
+use super::layers::{linear, scaled_normal, LayerNorm, Linear, Mask};
 use super::pos_embed::bilinear_matrix;
 use super::prenorm::{Encoder, EncoderConfig};
 use super::siglip::PoolingHead;
@@ -144,7 +144,8 @@ impl NaflexVision {
         let x = x?.reshape((b, tokens, self.config.encoder.width))?;
         let bias: Vec<f32> = valid.iter().flat_map(|&(v, t)| (0..t).map(move |p| if p < v { 0.0 } else { MASKED as f32 })).collect();
         let bias = Tensor::from_vec(bias, (b, 1, 1, tokens), rows.device())?;
-        let h = self.post_norm.forward(&self.encoder.forward(&x, Some(&bias))?)?;
+        let mask = Mask { key_bias: Some(bias.reshape((b, tokens))?), causal: false };
+        let h = self.post_norm.forward(&self.encoder.forward(&x, &mask)?)?;
         Ok((h, bias))
     }
 

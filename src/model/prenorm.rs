@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use candle_core::{Module, Result, Tensor, D};
+use candle_core::{Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
+use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Mask, Norm};
 use super::recompute::Checkpointing;
 use crate::ops::kernels::bias_act::Activation;
 
@@ -40,6 +40,15 @@ impl Act {
             Act::QuickGelu => "quick_gelu",
             Act::Gelu => "gelu",
             Act::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
+
+    /// The fused ops' form of it.
+    pub fn activation(self) -> Activation {
+        match self {
+            Act::QuickGelu => Activation::QuickGelu,
+            Act::Gelu => Activation::GeluErf,
+            Act::GeluTanh => Activation::GeluTanh,
         }
     }
 
@@ -87,7 +96,7 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.fc2.forward(&self.act.apply(&self.fc1.forward(x)?)?)
+        super::layers::mlp(&self.fc1, &self.fc2, x, self.act.activation())
     }
 }
 
@@ -118,23 +127,10 @@ impl Layer {
         })
     }
 
-    /// `x + attn(ln1(x))`, then `x + mlp(ln2(x))`; `bias` is added to the attention scores
-    /// (`[b or 1, 1, L, L]`: CLIP's causal and padding mask).
-    fn forward(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-        let x = match bias {
-            // The fused attention takes a per-key bias only.
-            None => attention_branch(x, Norm::Pre, &self.norm1, [&self.q, &self.k, &self.v, &self.out], self.heads, None)?,
-            Some(bias) => {
-                let h = self.norm1.forward(x)?;
-                let a = masked_attention(&self.q.forward(&h)?, &self.k.forward(&h)?, &self.v.forward(&h)?, self.heads, bias)?;
-                (x + self.out.forward(&a)?)?
-            }
-        };
-        match self.mlp.act {
-            Act::Gelu => mlp_branch(&x, Norm::Pre, &self.norm2, &self.mlp.fc1, &self.mlp.fc2, Activation::GeluErf),
-            Act::QuickGelu => mlp_branch(&x, Norm::Pre, &self.norm2, &self.mlp.fc1, &self.mlp.fc2, Activation::QuickGelu),
-            Act::GeluTanh => &x + self.mlp.forward(&self.norm2.forward(&x)?)?,
-        }
+    /// `x + attn(ln1(x))`, then `x + mlp(ln2(x))`, the attention masked as `mask` says.
+    fn forward(&self, x: &Tensor, mask: &Mask) -> Result<Tensor> {
+        let x = attention_branch(x, Norm::Pre, &self.norm1, [&self.q, &self.k, &self.v, &self.out], self.heads, mask)?;
+        mlp_branch(&x, Norm::Pre, &self.norm2, &self.mlp.fc1, &self.mlp.fc2, self.mlp.act.activation())
     }
 }
 
@@ -163,11 +159,12 @@ impl Encoder {
         Ok(Encoder { layers, checkpointing: Checkpointing::default() })
     }
 
-    pub fn forward(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    /// Every layer on `x` `[batch, len, width]`, each attention masked as `mask` says.
+    pub fn forward(&self, x: &Tensor, mask: &Mask) -> Result<Tensor> {
         let mut x = x.clone();
         for layer in &self.layers {
-            let (layer, bias) = (layer.clone(), bias.cloned());
-            x = self.checkpointing.run(&x, Arc::new(move |x, _| layer.forward(x, bias.as_ref())))?;
+            let (layer, mask) = (layer.clone(), mask.clone());
+            x = self.checkpointing.run(&x, Arc::new(move |x, _| layer.forward(x, &mask)))?;
         }
         Ok(x)
     }

@@ -7,7 +7,7 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::{Embedding, VarBuilder};
 use serde::{Deserialize, Serialize};
 
-use super::layers::{linear, scaled_normal, LayerNorm, Linear};
+use super::layers::{linear, scaled_normal, LayerNorm, Linear, Mask};
 use super::prenorm::{masked_attention, Encoder, EncoderConfig, Mlp};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -73,9 +73,8 @@ impl SiglipText {
         }
         let positions = Tensor::arange(0u32, l as u32, ids.device())?;
         let x = self.token.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?;
-        let bias =
-            if self.config.masked { Some(((mask.to_dtype(candle_core::DType::F32)? - 1.0)? * 1e9)?.reshape((b, 1, 1, l))?) } else { None };
-        self.final_norm.forward(&self.encoder.forward(&x, bias.as_ref())?)
+        let key_bias = if self.config.masked { Some(Mask::padding(mask)?.reshape((b, l))?) } else { None };
+        self.final_norm.forward(&self.encoder.forward(&x, &Mask { key_bias, causal: false })?)
     }
 
     /// The head applied to the last position's state (`[b, projection]`).
@@ -176,7 +175,7 @@ impl SiglipVision {
             &self.patch_bias,
         )?;
         let x = tokens.reshape((b, np, width))?.broadcast_add(&self.position.unsqueeze(0)?)?;
-        self.post_norm.forward(&self.encoder.forward(&x, None)?)
+        self.post_norm.forward(&self.encoder.forward(&x, &Mask::default())?)
     }
 
     /// The attention-pooling head's output (`[b, width]`), SigLIP's image embedding.

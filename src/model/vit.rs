@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Norm};
+use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Mask, Norm};
 use super::presets::{ImagePooling, VitConfig};
 use super::recompute::Checkpointing;
 use super::{Ctx, Masking};
@@ -47,7 +47,8 @@ impl Block {
 
     /// Pre-norm block.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = attention_branch(x, Norm::Pre, &self.norm1, [&self.query, &self.key, &self.value, &self.proj], self.heads, None)?;
+        let x =
+            attention_branch(x, Norm::Pre, &self.norm1, [&self.query, &self.key, &self.value, &self.proj], self.heads, &Mask::default())?;
         mlp_branch(&x, Norm::Pre, &self.norm2, &self.fc1, &self.fc2, Activation::GeluErf)
     }
 }

@@ -26,16 +26,23 @@ pub(crate) struct Geometry {
     width: usize,
     heads: usize,
     pub head_dim: usize,
+    /// Each query attends to itself and the keys before it only (a causal text tower's).
+    causal: bool,
 }
 
 impl Geometry {
     pub fn new(dims: &[usize], heads: usize) -> Result<Self> {
         match dims {
             [batch, len, width] if heads > 0 && width % heads == 0 => {
-                Ok(Geometry { batch: *batch, len: *len, width: *width, heads, head_dim: width / heads })
+                Ok(Geometry { batch: *batch, len: *len, width: *width, heads, head_dim: width / heads, causal: false })
             }
             _ => candle_core::bail!("attention: {dims:?} is not [batch, len, width] with width divisible by {heads} heads"),
         }
+    }
+
+    /// The same attention, causal or not.
+    pub fn causal(self, causal: bool) -> Self {
+        Geometry { causal, ..self }
     }
 
     /// Where head `h` of batch element `b` starts in a `[batch, len, width]` buffer.
@@ -64,7 +71,9 @@ impl Geometry {
 }
 
 /// `softmax(scale·q·kᵀ + key_bias)` per head: `[batch, heads, len, len]`. `key_bias` is
-/// `[batch, len]`, added to every query's scores of that batch element.
+/// `[batch, len]`, added to every query's scores of that batch element. A causal geometry's
+/// query i takes its softmax over keys 0..=i, the later keys' probabilities exactly 0 (which
+/// also zeroes their gradients in [`scores_grad`]).
 pub(crate) fn scores<T: Float>(g: Geometry, scale: f64, key_bias: Option<&[f32]>, q: &[T], k: &[T]) -> Vec<T> {
     let (l, scale) = (g.len, T::from(scale));
     // SAFETY: each task's product fills its own l×l block.
@@ -78,8 +87,14 @@ pub(crate) fn scores<T: Float>(g: Geometry, scale: f64, key_bias: Option<&[f32]>
         simd(
             #[inline(always)]
             || {
-                for row in p.chunks_mut(l) {
-                    softmax_row_in_place(row, scale, bias);
+                for (i, row) in p.chunks_mut(l).enumerate() {
+                    if g.causal {
+                        let (seen, later) = row.split_at_mut(i + 1);
+                        softmax_row_in_place(seen, scale, bias.map(|b| &b[..=i]));
+                        later.fill(T::default());
+                    } else {
+                        softmax_row_in_place(row, scale, bias);
+                    }
                 }
             },
         )
@@ -262,10 +277,10 @@ pub fn fused(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 }
 
 /// `softmax(q·kᵀ/√head_dim + key_bias)·v` per head on `[batch, len, heads·head_dim]` operands;
-/// `key_bias` is `[batch, len]` (0 for tokens, a large negative number for padding). Needs
-/// [`fused`] operands.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
-    let g = Geometry::new(q.dims(), heads)?;
+/// `key_bias` is `[batch, len]` (0 for tokens, a large negative number for padding); `causal`:
+/// each query attends to itself and the keys before it only. Needs [`fused`] operands.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>, causal: bool) -> Result<Tensor> {
+    let g = Geometry::new(q.dims(), heads)?.causal(causal);
     g.check("k", k.dims(), &g.token_dims())?;
     g.check("v", v.dims(), &g.token_dims())?;
     let key_bias = match key_bias {
@@ -281,14 +296,20 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Opt
 
 /// [`attention`] from candle primitives and the fused softmax: what GPUs and bf16 towers run,
 /// and what the tests hold the fused attention to.
-pub fn composed(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>) -> Result<Tensor> {
+pub fn composed(q: &Tensor, k: &Tensor, v: &Tensor, heads: usize, key_bias: Option<&Tensor>, causal: bool) -> Result<Tensor> {
     let _profile = crate::util::profile::region("op/attention");
     let (b, l, d) = q.dims3()?;
     let hd = d / heads;
     let split = |t: &Tensor| t.reshape((b, l, heads, hd))?.transpose(1, 2)?.contiguous();
     let (q, k, v) = (split(q)?, split(k)?, split(v)?);
-    let scores = q.matmul(&k.t()?)?;
+    let mut scores = q.matmul(&k.t()?)?;
     let scale = 1.0 / (hd as f64).sqrt();
+    if causal {
+        // −1e9 after the softmax's scale: exp of it is 0, as the fused op's later keys are.
+        let later: Vec<f32> = (0..l).flat_map(|i| (0..l).map(move |j| if j > i { (-1e9 / scale) as f32 } else { 0.0 })).collect();
+        let later = Tensor::from_vec(later, (1, 1, l, l), scores.device())?.to_dtype(scores.dtype())?;
+        scores = scores.broadcast_add(&later)?;
+    }
     // The softmax runs in f32 even for bf16 towers: exp and the row sums lose too many digits
     // at 8 bits of mantissa.
     let probs = match scores.dtype() {
@@ -320,10 +341,11 @@ mod tests {
         for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
             for (shape, heads) in [((2, 7, 12), 3), ((3, 5, 8), 1), ((2, 19, 32), 4)] {
                 let [q, k, v] = operands(dtype, shape);
-                for bias in [None, Some(mask(dtype, shape.0, shape.1))] {
-                    let ours = attention(&q, &k, &v, heads, bias.as_ref()).unwrap();
-                    let reference = composed(&q, &k, &v, heads, bias.as_ref()).unwrap();
-                    let what = format!("{dtype:?} {shape:?} {heads} heads, mask {}", bias.is_some());
+                let masks = [None, Some(mask(dtype, shape.0, shape.1))];
+                for (bias, causal) in masks.iter().flat_map(|b| [(b, false), (b, true)]) {
+                    let ours = attention(&q, &k, &v, heads, bias.as_ref(), causal).unwrap();
+                    let reference = composed(&q, &k, &v, heads, bias.as_ref(), causal).unwrap();
+                    let what = format!("{dtype:?} {shape:?} {heads} heads, mask {}, causal {causal}", bias.is_some());
                     assert!(max_diff(&ours, &reference) <= tol * max_abs(&reference), "{what}");
                     let up = crate::util::rng::randn(183, 0.0, 1.0, ours.dims(), dtype, &Device::Cpu).unwrap();
                     let loss = (ours * &up).unwrap().sum_all().unwrap();
@@ -345,27 +367,52 @@ mod tests {
         let [q, k, v] = operands(DType::F64, (2, 5, 6));
         let m = mask(DType::F64, 2, 5);
         let up = crate::util::rng::randn(184, 0.0, 1.0, (2, 5, 6), DType::F64, &Device::Cpu).unwrap();
-        let loss = |q: &Tensor, k: &Tensor, v: &Tensor| (attention(q, k, v, 2, Some(&m)).unwrap() * &up).unwrap().sum_all().unwrap();
-        let g = loss(&q, &k, &v).backward().unwrap();
-        let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
-        let at = [0, 7, 31, 44, 59];
-        let errs = [
-            check_fd(|t| scalar(loss(t, &k, &v)), &q, g.get(&q).unwrap(), &at),
-            check_fd(|t| scalar(loss(&q, t, &v)), &k, g.get(&k).unwrap(), &at),
-            check_fd(|t| scalar(loss(&q, &k, t)), &v, g.get(&v).unwrap(), &at),
-        ];
-        assert!(errs.iter().all(|e| *e < 1e-7), "{errs:?}");
-        // Masked keys (element 1, keys 2..5) get no attention, so their k and v no gradient.
-        let dv = g.get(&v).unwrap().narrow(0, 1, 1).unwrap().narrow(1, 2, 3).unwrap();
-        assert_eq!(max_abs(&dv), 0.0);
+        for causal in [false, true] {
+            let loss =
+                |q: &Tensor, k: &Tensor, v: &Tensor| (attention(q, k, v, 2, Some(&m), causal).unwrap() * &up).unwrap().sum_all().unwrap();
+            let g = loss(&q, &k, &v).backward().unwrap();
+            let scalar = |t: Tensor| t.to_scalar::<f64>().unwrap();
+            let at = [0, 7, 31, 44, 59];
+            let errs = [
+                check_fd(|t| scalar(loss(t, &k, &v)), &q, g.get(&q).unwrap(), &at),
+                check_fd(|t| scalar(loss(&q, t, &v)), &k, g.get(&k).unwrap(), &at),
+                check_fd(|t| scalar(loss(&q, &k, t)), &v, g.get(&v).unwrap(), &at),
+            ];
+            assert!(errs.iter().all(|e| *e < 1e-7), "causal {causal}: {errs:?}");
+            // Masked keys (element 1, keys 2..5) get no attention, so their k and v no gradient.
+            let dv = g.get(&v).unwrap().narrow(0, 1, 1).unwrap().narrow(1, 2, 3).unwrap();
+            assert_eq!(max_abs(&dv), 0.0);
+        }
+    }
+
+    /// Causal attention by its definition: the first query sees only its own key (its output is
+    /// v's first row), and no query's output moves when later keys and values change.
+    #[test]
+    fn causal_queries_see_only_themselves_and_earlier_keys() {
+        let (b, l, w) = (2, 6, 8);
+        let [q, k, v] = operands(DType::F64, (b, l, w));
+        let out = attention(&q, &k, &v, 2, None, true).unwrap();
+        let first = out.narrow(1, 0, 1).unwrap();
+        assert!(max_diff(&first, &v.narrow(1, 0, 1).unwrap()) < 1e-15);
+        for cut in 1..l {
+            // Keys and values from position `cut` on replaced by other numbers.
+            let other = |t: &Tensor, seed| {
+                let fresh = crate::util::rng::randn(seed, 0.0, 1.0, (b, l - cut, w), DType::F64, &Device::Cpu).unwrap();
+                Tensor::cat(&[&t.narrow(1, 0, cut).unwrap(), &fresh], 1).unwrap()
+            };
+            let moved = attention(&q, &other(&k, 190), &other(&v, 191), 2, None, true).unwrap();
+            let (a, c) = (out.narrow(1, 0, cut).unwrap(), moved.narrow(1, 0, cut).unwrap());
+            assert_eq!(max_diff(&a, &c), 0.0, "queries before {cut}");
+            assert!(max_diff(&out, &moved) > 1e-3, "the later queries do see them");
+        }
     }
 
     #[test]
     fn operands_that_do_not_fit_are_errors() {
         let [q, k, _] = operands(DType::F32, (2, 4, 6));
         let v = Tensor::zeros((2, 5, 6), DType::F32, &Device::Cpu).unwrap();
-        let err = attention(&q, &k, &v, 2, None).unwrap_err().to_string();
+        let err = attention(&q, &k, &v, 2, None, false).unwrap_err().to_string();
         assert!(err.contains("v is [2, 5, 6]"), "{err}");
-        assert!(attention(&q, &k, &k, 4, None).unwrap_err().to_string().contains("divisible by 4 heads"));
+        assert!(attention(&q, &k, &k, 4, None, false).unwrap_err().to_string().contains("divisible by 4 heads"));
     }
 }

@@ -32,8 +32,9 @@ pub enum Norm {
 /// The branch's function F.
 #[derive(Clone, Copy, Debug)]
 enum Body {
-    /// q, k, v and output projections, each `[width, width]` with a bias.
-    Attention { batch: usize, len: usize, heads: usize },
+    /// q, k, v and output projections, each `[width, width]` with a bias; `causal`: each query
+    /// attends to itself and the tokens before it only.
+    Attention { batch: usize, len: usize, heads: usize, causal: bool },
     /// `act(x·W1ᵀ + b1)·W2ᵀ + b2` with W1 `[hidden, width]`.
     Mlp { hidden: usize, act: Activation },
 }
@@ -77,7 +78,7 @@ impl Branch {
 
     fn geometry(&self) -> Result<Geometry> {
         match self.body {
-            Body::Attention { batch, len, heads } => Geometry::new(&[batch, len, self.width], heads),
+            Body::Attention { batch, len, heads, causal } => Ok(Geometry::new(&[batch, len, self.width], heads)?.causal(causal)),
             Body::Mlp { .. } => candle_core::bail!("an MLP branch has no attention geometry"),
         }
     }
@@ -345,7 +346,9 @@ fn flat(params: &[&Tensor]) -> Result<Tensor> {
 }
 
 /// The attention branch on `x` `[batch, len, width]`: projections `[q, k, v, out]`, `heads`
-/// heads, `key_bias` `[batch, len]` added to every query's scores. Needs operands `ops::fusable` accepts.
+/// heads, `key_bias` `[batch, len]` added to every query's scores, `causal`: each query attends
+/// to itself and the tokens before it only. Needs operands `ops::fusable` accepts.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_branch(
     x: &Tensor,
     norm: Norm,
@@ -353,9 +356,10 @@ pub fn attention_branch(
     proj: [LinearParams; 4],
     heads: usize,
     key_bias: Option<&Tensor>,
+    causal: bool,
 ) -> Result<Tensor> {
     let (batch, len, width) = x.dims3()?;
-    let branch = Branch { norm, body: Body::Attention { batch, len, heads }, width, eps };
+    let branch = Branch { norm, body: Body::Attention { batch, len, heads, causal }, width, eps };
     branch.geometry()?;
     let key_bias = match key_bias {
         Some(b) => {
