@@ -22,8 +22,11 @@ pub(crate) const MR: usize = 12;
 /// Columns of a tile: two registers of 16 f32.
 pub(crate) const NR: usize = 32;
 
-/// Rows of the left operand packed at once: 16 tiles.
+/// Rows of the left operand whose tiles run together, each right-hand panel in turn: 16 tiles.
 const BLOCK_ROWS: usize = 16 * MR;
+
+/// Rows of the left operand packed at once: 16 blocks (at most 12 MB packed for k = 3,072).
+const PACK_ROWS: usize = 16 * BLOCK_ROWS;
 
 /// Products smaller than this many multiply-adds stay f32: packing would cost what bf16 saves
 /// (a ViT-B/32 attention head's 50×50×64 products, for example).
@@ -328,16 +331,23 @@ pub(crate) unsafe fn product(
 ) {
     let b = pack_rhs(rhs, d.k, d.n);
     let panels = d.n.div_ceil(NR);
-    // The left operand is packed a block of rows at a time, so the packed copy stays small
-    // (a ViT-B/16 batch's 12,608 rows × 3,072 would be 77 MB at once).
-    for start in (0..d.m).step_by(BLOCK_ROWS) {
-        let m = BLOCK_ROWS.min(d.m - start);
+    let per_block = BLOCK_ROWS / MR;
+    // The left operand is packed PACK_ROWS rows at a time, so the packed copy stays small (a
+    // ViT-B/16 batch's 12,608 rows × 3,072 would be 77 MB at once), and each such part's tiles
+    // run as one parallel loop: a barrier per 192-row block made a thread that the OS had paused
+    // (another process on its core) stall the others once per block.
+    for start in (0..d.m).step_by(PACK_ROWS) {
+        let m = PACK_ROWS.min(d.m - start);
         let (a, kp) = pack_lhs(Mat { offset: lhs.offset + start * lhs.row_stride, ..lhs }, m, d.k);
         let row_tiles = m.div_ceil(MR);
         let dst = Dst(dst.add(offset + start * dst_rs));
         let tile = |t: usize| {
-            // Panel-major order: consecutive tasks share a right-hand panel while it is in cache.
-            let (p, r) = (t / row_tiles, t % row_tiles);
+            // Blocks of rows in order; within one, panel-major, so that consecutive tasks share a
+            // right-hand panel while it is in cache and a block's rows stay in cache across panels.
+            let block = t / (per_block * panels);
+            let local = t % (per_block * panels);
+            let tiles = per_block.min(row_tiles - block * per_block);
+            let (p, r) = (local / tiles, block * per_block + local % tiles);
             let (rows, cols) = (MR.min(m - r * MR), NR.min(d.n - p * NR));
             let out = dst.at(r * MR * dst_rs + p * NR);
             tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate);
@@ -419,9 +429,9 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512 BF16");
             return;
         }
-        // 400 rows span three packing blocks, the last one partial.
+        // 400 rows span three blocks of tiles, the last one partial; 3,100 rows two packed parts.
         // n = 50: a last panel of 18 columns, its second half partly masked.
-        let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50), (30, 50, 17)];
+        let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50), (30, 50, 17), (3100, 40, 9)];
         for (s, &(m, n, k)) in shapes.iter().enumerate() {
             for (transposed_rhs, accumulate, transposed_lhs) in [
                 (false, false, false),

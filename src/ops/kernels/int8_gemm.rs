@@ -30,7 +30,7 @@ const MR: usize = 12;
 /// Output channels of a tile: two registers of 16 sums.
 const NR: usize = 32;
 
-/// Rows of the input packed at once: 16 tiles.
+/// Rows of the input whose tiles run together, each weight panel in turn: 16 tiles.
 const BLOCK_ROWS: usize = 16 * MR;
 
 /// The longest sum whose 32-bit total cannot overflow: each term is at most 255·127.
@@ -276,33 +276,36 @@ pub(crate) unsafe fn product(
     let wq = pack_weight(w, d.k, d.n);
     let panels = d.n.div_ceil(NR);
     let kq = d.k.div_ceil(4);
-    // One block's packed rows, reused block after block: zero past k throughout, and rows past
-    // a short last block's end hold the block before's, whose products are never stored.
-    let rows = BLOCK_ROWS.min(d.m.div_ceil(MR) * MR);
+    // The whole input packed first (a quarter of its f32 size), then every tile as one parallel
+    // loop: a barrier per row block made a thread that the OS had paused (another process on its
+    // core) stall the others once per block.
+    let rows = d.m.div_ceil(MR) * MR;
     let (mut a, mut sx, mut zx) = (vec![0u32; rows * kq], vec![0f32; rows], vec![0i32; rows]);
-    for start in (0..d.m).step_by(BLOCK_ROWS) {
-        let m = BLOCK_ROWS.min(d.m - start);
-        pack_input(Mat { offset: x.offset + start * x.row_stride, ..x }, m, d.k, &mut a, &mut sx, &mut zx);
-        let row_tiles = m.div_ceil(MR);
-        let dst = Dst(dst.add(offset + start * dst_rs));
-        let tile = |t: usize| {
-            // Panel-major order: consecutive tasks share a weight panel while it is in cache.
-            let (p, r) = (t / row_tiles, t % row_tiles);
-            let (rows, cols) = (MR.min(m - r * MR), NR.min(d.n - p * NR));
-            let out = dst.at(r * MR * dst_rs + p * NR);
-            let scales = Scales {
-                x: sx.as_ptr().add(r * MR),
-                zeros: zx.as_ptr().add(r * MR),
-                w: wq.scales.as_ptr().add(p * NR),
-                sums: wq.sums.as_ptr().add(p * NR),
-            };
-            tile_avx512(a.as_ptr().add(r * MR * kq), kq, wq.panels.as_ptr().add(p * kq * NR), scales, out, dst_rs, rows, cols, accumulate);
+    pack_input(x, d.m, d.k, &mut a, &mut sx, &mut zx);
+    let row_tiles = d.m.div_ceil(MR);
+    let per_block = BLOCK_ROWS / MR;
+    let dst = Dst(dst.add(offset));
+    let tile = |t: usize| {
+        // Blocks of rows in order; within one, panel-major, so that consecutive tasks share a
+        // weight panel while it is in cache and a block's rows stay in cache across panels.
+        let block = t / (per_block * panels);
+        let local = t % (per_block * panels);
+        let tiles = per_block.min(row_tiles - block * per_block);
+        let (p, r) = (local / tiles, block * per_block + local % tiles);
+        let (rows, cols) = (MR.min(d.m - r * MR), NR.min(d.n - p * NR));
+        let out = dst.at(r * MR * dst_rs + p * NR);
+        let scales = Scales {
+            x: sx.as_ptr().add(r * MR),
+            zeros: zx.as_ptr().add(r * MR),
+            w: wq.scales.as_ptr().add(p * NR),
+            sums: wq.sums.as_ptr().add(p * NR),
         };
-        if threads > 1 {
-            (0..row_tiles * panels).into_par_iter().with_min_len(4).for_each(tile);
-        } else {
-            (0..row_tiles * panels).for_each(tile);
-        }
+        tile_avx512(a.as_ptr().add(r * MR * kq), kq, wq.panels.as_ptr().add(p * kq * NR), scales, out, dst_rs, rows, cols, accumulate);
+    };
+    if threads > 1 {
+        (0..row_tiles * panels).into_par_iter().with_min_len(4).for_each(tile);
+    } else {
+        (0..row_tiles * panels).for_each(tile);
     }
 }
 
