@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{Dims, Mat};
+use super::operands::{for_each_tile, Dims, Mat, TileDst};
 
 /// Rows of a tile: 24 accumulators, two right-hand loads and a broadcast fit the 32 registers.
 pub(crate) const MR: usize = 12;
@@ -297,21 +297,6 @@ fn pack_rhs(rhs: Mat<f32>, k: usize, n: usize) -> Vec<u16> {
     out
 }
 
-/// A destination several tiles write at once, each its own elements.
-#[derive(Clone, Copy)]
-struct Dst(*mut f32);
-// SAFETY: tiles write disjoint elements (`product`).
-unsafe impl Send for Dst {}
-unsafe impl Sync for Dst {}
-
-impl Dst {
-    /// The pointer, through the whole (Send) struct: a closure naming the field would capture
-    /// the bare pointer.
-    fn at(self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
 /// `dst[offset + i·dst_rs + j] = (lhs·rhs)[i, j]` (or `+=`), in bf16 products summed in f32,
 /// split over `threads` tasks.
 ///
@@ -331,32 +316,17 @@ pub(crate) unsafe fn product(
 ) {
     let b = pack_rhs(rhs, d.k, d.n);
     let panels = d.n.div_ceil(NR);
-    let per_block = BLOCK_ROWS / MR;
     // The left operand is packed PACK_ROWS rows at a time, so the packed copy stays small (a
-    // ViT-B/16 batch's 12,608 rows × 3,072 would be 77 MB at once), and each such part's tiles
-    // run as one parallel loop: a barrier per 192-row block made a thread that the OS had paused
-    // (another process on its core) stall the others once per block.
+    // ViT-B/16 batch's 12,608 rows × 3,072 would be 77 MB at once), each part's tiles one loop.
     for start in (0..d.m).step_by(PACK_ROWS) {
         let m = PACK_ROWS.min(d.m - start);
         let (a, kp) = pack_lhs(Mat { offset: lhs.offset + start * lhs.row_stride, ..lhs }, m, d.k);
-        let row_tiles = m.div_ceil(MR);
-        let dst = Dst(dst.add(offset + start * dst_rs));
-        let tile = |t: usize| {
-            // Blocks of rows in order; within one, panel-major, so that consecutive tasks share a
-            // right-hand panel while it is in cache and a block's rows stay in cache across panels.
-            let block = t / (per_block * panels);
-            let local = t % (per_block * panels);
-            let tiles = per_block.min(row_tiles - block * per_block);
-            let (p, r) = (local / tiles, block * per_block + local % tiles);
+        let dst = TileDst(dst.add(offset + start * dst_rs));
+        for_each_tile(m.div_ceil(MR), panels, BLOCK_ROWS / MR, threads, |p, r| {
             let (rows, cols) = (MR.min(m - r * MR), NR.min(d.n - p * NR));
             let out = dst.at(r * MR * dst_rs + p * NR);
             tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate);
-        };
-        if threads > 1 {
-            (0..row_tiles * panels).into_par_iter().with_min_len(4).for_each(tile);
-        } else {
-            (0..row_tiles * panels).for_each(tile);
-        }
+        });
     }
 }
 

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{Dims, Mat};
+use super::operands::{for_each_tile, Dims, Mat, TileDst};
 
 /// Rows of a tile: 24 accumulators, two weight loads and a broadcast fit the 32 registers.
 const MR: usize = 12;
@@ -44,12 +44,8 @@ pub fn available() -> bool {
     {
         static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *YES.get_or_init(|| {
-            ["avx512f", "avx512bw", "avx512vl", "avx512vnni"].iter().all(|f| match *f {
-                "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
-                "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
-                "avx512vl" => std::arch::is_x86_feature_detected!("avx512vl"),
-                _ => std::arch::is_x86_feature_detected!("avx512vnni"),
-            })
+            use std::arch::is_x86_feature_detected as has;
+            has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni")
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -239,21 +235,6 @@ unsafe fn pack_weight(w: Mat<f32>, k: usize, n: usize) -> Weight {
     Weight { panels, scales, sums }
 }
 
-/// A destination several tiles write at once, each its own elements.
-#[derive(Clone, Copy)]
-struct Dst(*mut f32);
-// SAFETY: tiles write disjoint elements (`product`).
-unsafe impl Send for Dst {}
-unsafe impl Sync for Dst {}
-
-impl Dst {
-    /// The pointer, through the whole (Send) struct: a closure naming the field would capture
-    /// the bare pointer.
-    fn at(self, offset: usize) -> *mut f32 {
-        self.0.wrapping_add(offset)
-    }
-}
-
 /// `dst[offset + i·dst_rs + j] = (x·Wᵀ)[i, j]` (or `+=`) in int8 products, for `x` `[m, k]` with
 /// contiguous rows (`col_stride` 1) and the weight read transposed (`row_stride` 1), split over
 /// `threads` tasks. A row or channel holding NaN gives NaN outputs.
@@ -276,22 +257,12 @@ pub(crate) unsafe fn product(
     let wq = pack_weight(w, d.k, d.n);
     let panels = d.n.div_ceil(NR);
     let kq = d.k.div_ceil(4);
-    // The whole input packed first (a quarter of its f32 size), then every tile as one parallel
-    // loop: a barrier per row block made a thread that the OS had paused (another process on its
-    // core) stall the others once per block.
+    // The whole input packed first (a quarter of its f32 size), then every tile as one loop.
     let rows = d.m.div_ceil(MR) * MR;
     let (mut a, mut sx, mut zx) = (vec![0u32; rows * kq], vec![0f32; rows], vec![0i32; rows]);
     pack_input(x, d.m, d.k, &mut a, &mut sx, &mut zx);
-    let row_tiles = d.m.div_ceil(MR);
-    let per_block = BLOCK_ROWS / MR;
-    let dst = Dst(dst.add(offset));
-    let tile = |t: usize| {
-        // Blocks of rows in order; within one, panel-major, so that consecutive tasks share a
-        // weight panel while it is in cache and a block's rows stay in cache across panels.
-        let block = t / (per_block * panels);
-        let local = t % (per_block * panels);
-        let tiles = per_block.min(row_tiles - block * per_block);
-        let (p, r) = (local / tiles, block * per_block + local % tiles);
+    let dst = TileDst(dst.add(offset));
+    for_each_tile(d.m.div_ceil(MR), panels, BLOCK_ROWS / MR, threads, |p, r| {
         let (rows, cols) = (MR.min(d.m - r * MR), NR.min(d.n - p * NR));
         let out = dst.at(r * MR * dst_rs + p * NR);
         let scales = Scales {
@@ -301,12 +272,7 @@ pub(crate) unsafe fn product(
             sums: wq.sums.as_ptr().add(p * NR),
         };
         tile_avx512(a.as_ptr().add(r * MR * kq), kq, wq.panels.as_ptr().add(p * kq * NR), scales, out, dst_rs, rows, cols, accumulate);
-    };
-    if threads > 1 {
-        (0..row_tiles * panels).into_par_iter().with_min_len(4).for_each(tile);
-    } else {
-        (0..row_tiles * panels).for_each(tile);
-    }
+    });
 }
 
 /// A tile's rows' scales and zero points, and its columns' scales and sums.
