@@ -353,6 +353,55 @@ mod sublayer_tests {
         }
     }
 
+    /// Inputs and parameters outside any graph take the forward-only op (parameters read in
+    /// place, nothing kept): the same outputs as the separate layers, and as the op on
+    /// variables. With bf16 products its tiles add the bias and residual and apply the
+    /// activation as they are stored; against the separate steps on the same rounded operands
+    /// that moves nothing beyond f32 rounding.
+    #[test]
+    fn the_forward_only_op_matches_the_separate_layers() {
+        let plain = |s: &Sublayer| Sublayer {
+            ln: LayerNorm { weight: s.ln.weight.detach(), bias: s.ln.bias.detach(), eps: s.ln.eps },
+            linears: s.linears.iter().map(|l| Linear { weight: l.weight.detach(), bias: l.bias.as_ref().map(|b| b.detach()) }).collect(),
+            vars: Vec::new(),
+        };
+        for (dtype, tol) in [(DType::F64, 1e-11), (DType::F32, 2e-5)] {
+            let tracked = sublayers(dtype);
+            let s = [plain(&tracked[0]), plain(&tracked[1])];
+            let x = randn(414, 0.2, 1.0, (2, 5, WIDTH), dtype, &Device::Cpu).unwrap();
+            let bias = mask(dtype, 2, 5);
+            let on_vars = cases(dtype, &tracked, &bias);
+            for ((what, ours, reference), (_, graph, _)) in cases(dtype, &s, &bias).into_iter().zip(on_vars) {
+                let (y, r) = (ours(&x), reference(&x));
+                assert!(max_diff(&y, &r) <= tol * max_abs(&r), "{what}: output");
+                assert!(max_diff(&y, &graph(&x)) <= tol * max_abs(&r), "{what}: against the op on variables");
+            }
+        }
+        if !crate::ops::kernels::bf16_gemm::available() {
+            eprintln!("skipped the bf16 half: this CPU has no AVX-512 BF16");
+            return;
+        }
+        // Wide enough that every product of the branch goes through bf16.
+        let (map, dev) = (VarMap::new(), Device::Cpu);
+        let vb = VarBuilder::from_varmap(&map, DType::F32, &dev);
+        let (width, hidden) = (256, 1024);
+        let ln = LayerNorm::new(width, 1e-5, vb.pp("ln")).unwrap();
+        let fc1 = layers::linear(width, hidden, true, Init::Const(0.0), vb.pp("fc1")).unwrap();
+        let fc2 = layers::linear(hidden, width, true, Init::Const(0.0), vb.pp("fc2")).unwrap();
+        for (seed, (_, v)) in map.data().lock().unwrap().iter().enumerate() {
+            v.set(&randn(420 + seed as u64, 0.0, 0.1, v.dims(), DType::F32, &dev).unwrap()).unwrap();
+        }
+        let x = Var::from_tensor(&randn(415, 0.0, 1.0, (4, 12, width), DType::F32, &dev).unwrap()).unwrap();
+        for act in [Activation::QuickGelu, Activation::GeluTanh] {
+            let (eval, graph) = crate::ops::kernels::bf16_gemm::with_bf16_products(|| {
+                let eval = layers::mlp_branch(&x.as_tensor().detach(), Norm::Pre, &ln, &fc1, &fc2, act);
+                (eval, layers::mlp_branch(&x, Norm::Pre, &ln, &fc1, &fc2, act))
+            });
+            let (eval, graph) = (eval.unwrap(), graph.unwrap());
+            assert!(max_diff(&eval, &graph) <= 1e-5 * max_abs(&graph), "bf16 {act:?}: {}", max_diff(&eval, &graph));
+        }
+    }
+
     #[test]
     fn gradients_match_finite_differences() {
         let s = sublayers(DType::F64);

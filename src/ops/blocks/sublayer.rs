@@ -16,7 +16,7 @@ use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
 use super::attention::{context, context_grad, scores, scores_grad, Geometry};
 use crate::ops::kernels::bias_act::{ActGrad, Activation, BiasAct};
 use crate::ops::kernels::layer_norm::{LayerNormGrad, LayerNormOp};
-use crate::ops::kernels::linear::{linear_grads, linear_onto, product, sum_into};
+use crate::ops::kernels::linear::{linear_act, linear_grads, linear_onto, product, sum_into};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{contiguous, output_buffer, Float};
 
@@ -83,29 +83,71 @@ impl Branch {
         }
     }
 
-    /// `x + F(fin)`; pushes what F's backward needs onto `saved`.
-    fn body_forward<T: Float>(&self, x: &[T], fin: &[T], p: &[T], key_bias: Option<&[f32]>, saved: &mut Vec<Vec<T>>) -> Result<Vec<T>> {
+    /// `x + F(fin)` with F's parameters `ps` (split as [`Branch::split`] does); pushes what F's
+    /// backward needs onto `saved` when there is a backward pass to come (`saved` is `Some`).
+    fn body_forward<T: Float>(
+        &self,
+        x: &[T],
+        fin: &[T],
+        ps: &[&[T]],
+        key_bias: Option<&[f32]>,
+        saved: Option<&mut Vec<Vec<T>>>,
+    ) -> Result<Vec<T>> {
         let (rows, w) = (x.len() / self.width, self.width);
-        let ps = self.split(p);
-        match self.body {
-            Body::Attention { .. } => {
+        match (self.body, saved) {
+            (Body::Attention { .. }, saved) => {
                 let g = self.geometry()?;
-                let project = |i: usize| linear_onto(None, fin, ps[2 * i], ps[2 * i + 1], (rows, w, w));
+                let project = |i: usize| linear_act(None, fin, ps[2 * i], ps[2 * i + 1], Activation::Identity, (rows, w, w));
                 let (q, k, v) = (project(0), project(1), project(2));
                 let probs = scores(g, attention_scale(g), key_bias, &q, &k);
                 let ctx = context(g, &probs, &v);
-                let out = linear_onto(Some(x), &ctx, ps[6], ps[7], (rows, w, w));
-                saved.extend([q, k, v, probs, ctx]);
+                let out = linear_act(Some(x), &ctx, ps[6], ps[7], Activation::Identity, (rows, w, w));
+                if let Some(saved) = saved {
+                    saved.extend([q, k, v, probs, ctx]);
+                }
                 Ok(out)
             }
-            Body::Mlp { hidden, act } => {
+            (Body::Mlp { hidden, act }, Some(saved)) => {
+                // The product before the bias and activation is what the backward pass reads.
                 let y = product(fin, ps[0], (rows, w, hidden));
                 let h = BiasAct(act).run(&y, ps[1], hidden);
                 let out = linear_onto(Some(x), &h, ps[2], ps[3], (rows, hidden, w));
                 saved.extend([y, h]);
                 Ok(out)
             }
+            (Body::Mlp { hidden, act }, None) => {
+                let h = linear_act(None, fin, ps[0], ps[1], act, (rows, w, hidden));
+                Ok(linear_act(Some(x), &h, ps[2], ps[3], Activation::Identity, (rows, hidden, w)))
+            }
         }
+    }
+
+    /// The branch's output from x and its parameters (`params` F's, then γ, β); with `saved`,
+    /// what the backward pass needs besides x and the parameters goes there.
+    fn forward<T: Float>(
+        &self,
+        x: &[T],
+        params: &[&[T]],
+        (gamma, beta): (&[T], &[T]),
+        key_bias: Option<&[f32]>,
+        mut saved: Option<&mut Vec<Vec<T>>>,
+    ) -> Result<Vec<T>> {
+        let ln_op = LayerNormOp { eps: self.eps };
+        Ok(match self.norm {
+            Norm::Pre => {
+                // Not kept: the backward pass recomputes it from x.
+                let normed = ln_op.run(x, gamma, beta);
+                self.body_forward(x, &normed, params, key_bias, saved)?
+            }
+            Norm::Post => {
+                let sum = self.body_forward(x, x, params, key_bias, saved.as_deref_mut())?;
+                let out = ln_op.run(&sum, gamma, beta);
+                if let Some(saved) = saved {
+                    saved.push(sum);
+                }
+                out
+            }
+        })
     }
 
     /// The gradient with respect to F's input from the gradient `dz` of F's output; F's
@@ -181,24 +223,9 @@ struct BranchOp {
 impl BranchOp {
     fn run<T: Float>(&self, x: &[T], p: &[T]) -> Result<Vec<T>> {
         let b = self.branch;
-        let w = b.width;
-        let (params, ln) = p.split_at(p.len() - 2 * w);
-        let (gamma, beta) = ln.split_at(w);
-        let ln_op = LayerNormOp { eps: b.eps };
+        let (params, ln) = p.split_at(p.len() - 2 * b.width);
         let mut saved = Vec::new();
-        let out = match b.norm {
-            Norm::Pre => {
-                // Not kept: the backward pass recomputes it from x.
-                let normed = ln_op.run(x, gamma, beta);
-                b.body_forward(x, &normed, params, self.key_bias.as_deref(), &mut saved)?
-            }
-            Norm::Post => {
-                let sum = b.body_forward(x, x, params, self.key_bias.as_deref(), &mut saved)?;
-                let out = ln_op.run(&sum, gamma, beta);
-                saved.push(sum);
-                out
-            }
-        };
+        let out = b.forward(x, &b.split(params), ln.split_at(b.width), self.key_bias.as_deref(), Some(&mut saved))?;
         let cpu = candle_core::Device::Cpu;
         let saved = saved
             .into_iter()
@@ -209,6 +236,52 @@ impl BranchOp {
             .collect::<Result<Vec<_>>>()?;
         *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(saved);
         Ok(out)
+    }
+}
+
+/// The forward op where nothing needs a gradient (embedding, scoring, evaluation): it reads the
+/// parameters where they are instead of concatenating them into one flat operand for every call
+/// (a ViT-B/32 batch copied 0.5 GB that way), keeps nothing, and lets int8 and bf16 products
+/// apply biases, residuals and activations as their tiles are stored.
+struct BranchEval {
+    branch: Branch,
+    key_bias: Option<Vec<f32>>,
+    /// In [`Branch::param_layout`]'s order, each contiguous.
+    params: Vec<Tensor>,
+}
+
+impl Kernel<1> for BranchEval {
+    const NAME: &'static str = "residual-branch-eval";
+    const PROFILE: &'static str = "op/attention-branch";
+    type Geometry = ();
+
+    fn profile(&self) -> &'static str {
+        match self.branch.body {
+            Body::Attention { .. } => "op/attention-branch",
+            Body::Mlp { .. } => "op/mlp-branch",
+        }
+    }
+
+    fn geometry(&self, [x]: [&Layout; 1]) -> Result<(Self::Geometry, Shape)> {
+        let lens: Vec<usize> = self.params.iter().map(|p| p.elem_count()).collect();
+        if lens != self.branch.param_layout() {
+            candle_core::bail!("residual branch: parameters of {lens:?} values, expected {:?}", self.branch.param_layout());
+        }
+        self.branch.check(x.dims(), &[self.branch.param_len()])?;
+        Ok(((), x.shape().clone()))
+    }
+
+    fn cpu<T: Float>(&self, _: &Self::Geometry, [x]: [&[T]; 1]) -> Result<Vec<T>> {
+        let guards: Vec<_> = self.params.iter().map(|t| t.storage_and_layout()).collect();
+        let parts = guards
+            .iter()
+            .map(|(s, l)| match &**s {
+                Storage::Cpu(c) => contiguous(c.as_slice::<T>()?, l, "residual branch parameter"),
+                _ => candle_core::bail!("residual branch parameters must be on the CPU"),
+            })
+            .collect::<Result<Vec<&[T]>>>()?;
+        let [params @ .., gamma, beta] = &parts[..] else { candle_core::bail!("residual branch: no LayerNorm parameters") };
+        self.branch.forward(x, params, (gamma, beta), self.key_bias.as_deref(), None)
     }
 }
 
@@ -371,8 +444,17 @@ pub fn attention_branch(
         None => None,
     };
     let [(wq, bq), (wk, bk), (wv, bv), (wo, bo)] = proj;
-    let p = flat(&[wq, bq, wk, bk, wv, bv, wo, bo, gamma, beta])?;
-    x.contiguous()?.apply_op2(&p, Op(BranchOp { branch, key_bias, saved: Mutex::new(None) }))
+    apply(x, branch, key_bias, &[wq, bq, wk, bk, wv, bv, wo, bo, gamma, beta])
+}
+
+/// The branch as [`BranchEval`] where nothing needs a gradient, else as [`BranchOp`].
+fn apply(x: &Tensor, branch: Branch, key_bias: Option<Vec<f32>>, params: &[&Tensor]) -> Result<Tensor> {
+    let x = x.contiguous()?;
+    if !x.track_op() && params.iter().all(|p| !p.track_op()) {
+        let params = params.iter().map(|p| p.contiguous()).collect::<Result<Vec<_>>>()?;
+        return x.apply_op1(Op(BranchEval { branch, key_bias, params }));
+    }
+    x.apply_op2(&flat(params)?, Op(BranchOp { branch, key_bias, saved: Mutex::new(None) }))
 }
 
 /// The MLP branch on `x` `[.., width]`: `fc1` `[hidden, width]`, `act`, `fc2` `[width, hidden]`.
@@ -388,6 +470,5 @@ pub fn mlp_branch(
     let width = x.dim(candle_core::D::Minus1)?;
     let hidden = fc1.0.dim(0)?;
     let branch = Branch { norm, body: Body::Mlp { hidden, act }, width, eps };
-    let p = flat(&[fc1.0, fc1.1, fc2.0, fc2.1, gamma, beta])?;
-    x.contiguous()?.apply_op2(&p, Op(BranchOp { branch, key_bias: None, saved: Mutex::new(None) }))
+    apply(x, branch, None, &[fc1.0, fc1.1, fc2.0, fc2.1, gamma, beta])
 }

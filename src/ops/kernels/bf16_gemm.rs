@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{for_each_tile, Dims, Mat, TileDst};
+use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileDst};
 
 /// Rows of a tile: 24 accumulators, two right-hand loads and a broadcast fit the 32 registers.
 pub(crate) const MR: usize = 12;
@@ -298,7 +298,7 @@ fn pack_rhs(rhs: Mat<f32>, k: usize, n: usize) -> Vec<u16> {
 }
 
 /// `dst[offset + i·dst_rs + j] = (lhs·rhs)[i, j]` (or `+=`), in bf16 products summed in f32,
-/// split over `threads` tasks.
+/// split over `threads` tasks; then the `epilogue`, if any, on each tile as it is stored.
 ///
 /// # Safety
 /// [`available`] must hold, and `dst` must be valid for every element written (the caller,
@@ -313,6 +313,7 @@ pub(crate) unsafe fn product(
     rhs: Mat<f32>,
     accumulate: bool,
     threads: usize,
+    epilogue: Option<Epilogue>,
 ) {
     let b = pack_rhs(rhs, d.k, d.n);
     let panels = d.n.div_ceil(NR);
@@ -326,6 +327,9 @@ pub(crate) unsafe fn product(
             let (rows, cols) = (MR.min(m - r * MR), NR.min(d.n - p * NR));
             let out = dst.at(r * MR * dst_rs + p * NR);
             tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate);
+            if let Some(e) = epilogue {
+                e.apply(out, dst_rs, start + r * MR, p * NR, rows, cols, d.n);
+            }
         });
     }
 }
@@ -436,7 +440,7 @@ mod tests {
                 let dst_rs = n + 5;
                 let start: Vec<f32> = (0..m * dst_rs).map(|i| (i % 7) as f32 - 3.0).collect();
                 let mut dst = start.clone();
-                unsafe { product(dst.as_mut_ptr(), 0, dst_rs, Dims { m, n, k }, lhs, rhs, accumulate, 2) };
+                unsafe { product(dst.as_mut_ptr(), 0, dst_rs, Dims { m, n, k }, lhs, rhs, accumulate, 2, None) };
                 for i in 0..m {
                     for j in 0..dst_rs {
                         let got = dst[i * dst_rs + j] as f64;

@@ -36,13 +36,40 @@ impl Activation {
 
     /// The activation of `z`.
     #[inline(always)]
-    fn of<T: Float>(self, z: T) -> T {
+    pub(crate) fn of<T: Float>(self, z: T) -> T {
         match self {
             Activation::Identity => z,
             Activation::GeluErf => gelu(z),
             Activation::QuickGelu => z / (T::from(1.0) + (T::from(-QUICK) * z).exp()),
             Activation::GeluTanh => T::from(0.5) * z * (T::from(1.0) + tanh(T::from(TANH_C) * (z + T::from(TANH_A) * z * z * z))),
         }
+    }
+
+    /// `y = act(y)` element by element, in parallel chunks.
+    pub(crate) fn apply_in_place<T: Float>(self, y: &mut [T]) {
+        if self == Activation::Identity {
+            return;
+        }
+        y.par_chunks_mut(TASK_ELEMS).for_each(|y| {
+            simd(
+                #[inline(always)]
+                || {
+                    macro_rules! each {
+                        ($act:expr) => {
+                            for v in y.iter_mut() {
+                                *v = $act.of(*v);
+                            }
+                        };
+                    }
+                    match self {
+                        Activation::Identity => {}
+                        Activation::GeluErf => each!(Activation::GeluErf),
+                        Activation::QuickGelu => each!(Activation::QuickGelu),
+                        Activation::GeluTanh => each!(Activation::GeluTanh),
+                    }
+                },
+            )
+        });
     }
 
     /// d act(z) / dz.

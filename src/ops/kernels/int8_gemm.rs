@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{for_each_tile, Dims, Mat, TileDst};
+use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileDst};
 
 /// Rows of a tile: 24 accumulators, two weight loads and a broadcast fit the 32 registers.
 const MR: usize = 12;
@@ -237,7 +237,8 @@ unsafe fn pack_weight(w: Mat<f32>, k: usize, n: usize) -> Weight {
 
 /// `dst[offset + i·dst_rs + j] = (x·Wᵀ)[i, j]` (or `+=`) in int8 products, for `x` `[m, k]` with
 /// contiguous rows (`col_stride` 1) and the weight read transposed (`row_stride` 1), split over
-/// `threads` tasks. A row or channel holding NaN gives NaN outputs.
+/// `threads` tasks; then the `epilogue`, if any, on each tile as it is stored. A row or channel
+/// holding NaN gives NaN outputs.
 ///
 /// # Safety
 /// [`available`] must hold, and `dst` must be valid for every element written (the caller,
@@ -252,6 +253,7 @@ pub(crate) unsafe fn product(
     w: Mat<f32>,
     accumulate: bool,
     threads: usize,
+    epilogue: Option<Epilogue>,
 ) {
     assert!(available() && x.col_stride == 1 && w.row_stride == 1 && d.k <= MAX_K, "int8 product of unsupported operands");
     let wq = pack_weight(w, d.k, d.n);
@@ -272,6 +274,9 @@ pub(crate) unsafe fn product(
             sums: wq.sums.as_ptr().add(p * NR),
         };
         tile_avx512(a.as_ptr().add(r * MR * kq), kq, wq.panels.as_ptr().add(p * kq * NR), scales, out, dst_rs, rows, cols, accumulate);
+        if let Some(e) = epilogue {
+            e.apply(out, dst_rs, r * MR, p * NR, rows, cols, d.n);
+        }
     });
 }
 
@@ -418,7 +423,7 @@ mod tests {
                 let start: Vec<f32> = (0..m * dst_rs).map(|i| (i % 7) as f32 - 3.0).collect();
                 let mut dst = start.clone();
                 let d = Dims { m, n, k };
-                unsafe { product(dst.as_mut_ptr(), 0, dst_rs, d, Mat::rows(&x, 2, k + 3), Mat::transposed(&w, 0, k), accumulate, 2) };
+                unsafe { product(dst.as_mut_ptr(), 0, dst_rs, d, Mat::rows(&x, 2, k + 3), Mat::transposed(&w, 0, k), accumulate, 2, None) };
                 let rows: Vec<_> = (0..m).map(|i| reference_input(&x[2 + i * (k + 3)..2 + i * (k + 3) + k])).collect();
                 let cols: Vec<_> = (0..n).map(|j| reference_weight(&w[j * k..(j + 1) * k])).collect();
                 for i in 0..m {
@@ -453,7 +458,7 @@ mod tests {
         let x = randn(700, m * k);
         let w = randn(701, n * k);
         let mut y = vec![0f32; m * n];
-        unsafe { product(y.as_mut_ptr(), 0, n, Dims { m, n, k }, Mat::rows(&x, 0, k), Mat::transposed(&w, 0, k), false, 2) };
+        unsafe { product(y.as_mut_ptr(), 0, n, Dims { m, n, k }, Mat::rows(&x, 0, k), Mat::transposed(&w, 0, k), false, 2, None) };
         for i in 0..m {
             let xr = &x[i * k..(i + 1) * k];
             let sx = reference_input(xr).2;

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use super::bf16_gemm::Scope;
 use super::bias_act::{bias_act, Activation};
 use super::column_sums::column_sums;
-use super::matmul::{gemm_into, gemm_serial, weight_product_into};
+use super::matmul::{fused_linear, gemm_into, gemm_serial, weight_product_into};
 use super::operands::{Dims, Mat};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{output_buffer, simd, Float};
@@ -231,9 +231,15 @@ pub(crate) fn product<T: Float>(x: &[T], w: &[T], (rows, inp, out): (usize, usiz
 
 /// `(residual +) x·Wᵀ + b`: the residual (if any) and the bias are written first and the product
 /// accumulated onto them inside the matmul kernel.
-pub(crate) fn linear_onto<T: Float>(residual: Option<&[T]>, x: &[T], w: &[T], b: &[T], (rows, inp, out): (usize, usize, usize)) -> Vec<T> {
-    // SAFETY: the row loop writes every element before the product reads them.
-    let mut y = unsafe { output_buffer::<T>(rows * out) };
+pub(crate) fn linear_onto<T: Float>(residual: Option<&[T]>, x: &[T], w: &[T], b: &[T], dims: (usize, usize, usize)) -> Vec<T> {
+    // SAFETY: `linear_into` writes every element.
+    let mut y = unsafe { output_buffer::<T>(dims.0 * dims.2) };
+    linear_into(&mut y, residual, x, w, b, dims);
+    y
+}
+
+/// [`linear_onto`] into `y` (`[rows, out]`).
+fn linear_into<T: Float>(y: &mut [T], residual: Option<&[T]>, x: &[T], w: &[T], b: &[T], (rows, inp, out): (usize, usize, usize)) {
     let task = out * (16 * 1024 / out.max(1)).max(1);
     y.par_chunks_mut(task).enumerate().for_each(|(t, y)| {
         let r = residual.map(|r| &r[t * task..t * task + y.len()]);
@@ -253,7 +259,26 @@ pub(crate) fn linear_onto<T: Float>(residual: Option<&[T]>, x: &[T], w: &[T], b:
             },
         )
     });
-    weight_product_into(&mut y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), true);
+    weight_product_into(y, out, Dims { m: rows, n: out, k: inp }, Mat::rows(x, 0, inp), Mat::transposed(w, 0, inp), true);
+}
+
+/// `act((residual +) x·Wᵀ + b)`, for forward passes that keep nothing for a backward pass: where
+/// the product runs in int8 or bf16 its tiles add, activate and store at once
+/// ([`fused_linear`]); elsewhere [`linear_onto`], then the activation in place.
+pub(crate) fn linear_act<T: Float>(
+    residual: Option<&[T]>,
+    x: &[T],
+    w: &[T],
+    b: &[T],
+    act: Activation,
+    (rows, inp, out): (usize, usize, usize),
+) -> Vec<T> {
+    // SAFETY: either path writes every element.
+    let mut y = unsafe { output_buffer::<T>(rows * out) };
+    if !fused_linear(&mut y, Dims { m: rows, n: out, k: inp }, x, w, b, residual, act) {
+        linear_into(&mut y, residual, x, w, b, (rows, inp, out));
+        act.apply_in_place(&mut y);
+    }
     y
 }
 

@@ -2,7 +2,8 @@
 //! operands transposed or as column slices in place, accumulate into an existing buffer, or run
 //! many small products as parallel tasks.
 
-use super::operands::{Dims, Mat};
+use super::bias_act::Activation;
+use super::operands::{Dims, Epilogue, Mat};
 use crate::ops::Float;
 
 /// A destination for products that several tasks write at once, each into its own rows or
@@ -57,7 +58,7 @@ unsafe fn gemm_raw<T: Float>(
         if let (Some(dst32), Some(lhs32), Some(rhs32)) = (as_f32_ptr(dst.0), as_f32(lhs), as_f32(rhs)) {
             // `wanted` holds only where the instructions are (`set_forward_bf16`,
             // `with_bf16_products`).
-            return super::bf16_gemm::product(dst32, offset, dst_rs, d, lhs32, rhs32, accumulate, threads);
+            return super::bf16_gemm::product(dst32, offset, dst_rs, d, lhs32, rhs32, accumulate, threads, None);
         }
     }
     let parallelism = if threads > 1 { gemm::Parallelism::Rayon(threads) } else { gemm::Parallelism::None };
@@ -116,10 +117,58 @@ pub(crate) fn weight_product_into<T: Float>(dst: &mut [T], dst_rs: usize, d: Dim
             assert!((d.m - 1) * dst_rs + d.n <= dst.len(), "matrix product outside its destination");
             // SAFETY: `wanted` holds only where the instructions are (`set_forward_int8`); the
             // bounds are checked above and `dst` is borrowed exclusively.
-            return unsafe { super::int8_gemm::product(dst32, 0, dst_rs, d, x32, w32, accumulate, rayon::current_num_threads()) };
+            return unsafe { super::int8_gemm::product(dst32, 0, dst_rs, d, x32, w32, accumulate, rayon::current_num_threads(), None) };
         }
     }
     gemm_into(dst, dst_rs, d, x, w, accumulate)
+}
+
+/// `dst = act(x·Wᵀ + bias (+ residual))` for a linear layer's input `x` `[m, k]` and weight `W`
+/// `[n, k]`, both row-major, when the product goes through int8 or bf16, whose tiles apply the
+/// rest as they are stored (`operands::Epilogue`). Returns false, with `dst` untouched, where the
+/// product would go through gemm: the caller composes the rest.
+pub(crate) fn fused_linear<T: Float>(
+    dst: &mut [T],
+    d: Dims,
+    x: &[T],
+    w: &[T],
+    bias: &[T],
+    residual: Option<&[T]>,
+    act: Activation,
+) -> bool {
+    if d.m == 0 || d.n == 0 || d.k == 0 {
+        return false;
+    }
+    let (Some(x), Some(w), Some(bias)) = (slice_f32(x), slice_f32(w), slice_f32(bias)) else { return false };
+    let residual = match residual.map(slice_f32) {
+        Some(None) => return false,
+        r => r.flatten(),
+    };
+    let Some(dst) = as_f32_ptr(dst.as_mut_ptr()).map(|p| (p, dst.len())) else { return false };
+    assert!(x.len() >= d.m * d.k && w.len() >= d.n * d.k && bias.len() >= d.n, "linear layer operand too short");
+    assert!(dst.1 >= d.m * d.n && residual.is_none_or(|r| r.len() >= d.m * d.n), "linear layer output too short");
+    let (x, w) = (Mat::rows(x, 0, d.k), Mat::transposed(w, 0, d.k));
+    let epilogue = Some(Epilogue { bias: Some(bias), residual, act });
+    let threads = rayon::current_num_threads();
+    // SAFETY: each path runs only where its instructions are (`wanted`); the bounds are checked
+    // above and `dst` is borrowed exclusively.
+    unsafe {
+        if super::int8_gemm::wanted(d) {
+            super::int8_gemm::product(dst.0, 0, d.n, d, x, w, false, threads, epilogue);
+        } else if super::bf16_gemm::wanted(d) {
+            super::bf16_gemm::product(dst.0, 0, d.n, d, x, w, false, threads, epilogue);
+        } else {
+            return false;
+        }
+    }
+    true
+}
+
+/// `s` as f32, when that is its type.
+fn slice_f32<T: 'static>(s: &[T]) -> Option<&[f32]> {
+    // SAFETY: T is f32 where this returns Some.
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
+        .then(|| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) })
 }
 
 /// `dst = lhs·rhs` (or `+=` with `accumulate`) on the calling thread, for products that are
