@@ -180,6 +180,9 @@ enum BenchCommand {
     Loss(cli::bench::LossArgs),
     /// EfficientNet's depthwise layers: our op against candle's grouped convolution.
     Depthwise(cli::bench::DepthwiseArgs),
+    /// The CPU's matrix product kernels (f32, bf16, int8) on a model's shapes: multiply-adds per
+    /// second, against their instruction's rate issued back to back.
+    Products(cli::bench::ProductsArgs),
     /// What each rank holds of the optimizer state and summed gradients with `train.shard`, at
     /// several numbers of thread ranks.
     Shard(cli::bench::ShardArgs),
@@ -257,6 +260,7 @@ fn run() -> Result<()> {
         Command::Bench(BenchCommand::Loader(a)) => cli::bench::loader(&a),
         Command::Bench(BenchCommand::Model(a)) => cli::bench::model(&a),
         Command::Bench(BenchCommand::Depthwise(a)) => cli::bench::depthwise(&a),
+        Command::Bench(BenchCommand::Products(a)) => cli::bench::products(&a),
         Command::Bench(BenchCommand::Loss(a)) => cli::bench::loss(&a),
         Command::Bench(BenchCommand::Shard(a)) => cli::bench::shard(&a),
         Command::Bench(BenchCommand::Embed(a)) => cli::bench::embed(&a),

@@ -1,7 +1,8 @@
 //! `align bench`: the training step (`model`), forward-only embedding (`embed`), the sigmoid loss across ranks (`loss`),
 //! what each rank holds with sharded optimizer state (`shard`), the
-//! loader (`loader`), EfficientNet's depthwise layers (`depthwise`) and every per-op kernel on a
-//! device against the CPU (`ops`).
+//! loader (`loader`), EfficientNet's depthwise layers (`depthwise`), the matrix product kernels
+//! against the CPU's ceiling (`products`) and every per-op kernel on a device against the CPU
+//! (`ops`).
 
 mod depthwise;
 mod embed;
@@ -9,6 +10,7 @@ mod loader;
 mod loss;
 mod model;
 mod ops;
+mod products;
 mod shard;
 
 pub use depthwise::{depthwise, DepthwiseArgs};
@@ -16,6 +18,7 @@ pub use embed::{embed, EmbedArgs};
 pub use loader::{loader, LoaderArgs};
 pub use loss::{loss, LossArgs};
 pub use model::{model, ModelArgs};
+pub use products::{products, ProductsArgs};
 pub use shard::{shard, ShardArgs};
 
 use align::util::progress::Progress;

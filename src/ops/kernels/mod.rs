@@ -14,6 +14,7 @@ pub(crate) mod matmul;
 pub mod moments;
 pub(crate) mod nchw;
 pub(crate) mod operands;
+pub mod peak;
 pub mod pointwise;
 pub mod softmax;
 pub mod spatial_mean;
