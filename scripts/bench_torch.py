@@ -29,6 +29,12 @@ one JSON object.
     python3 scripts/bench_torch.py --image-tower vit-ti16 --batch 32 --image-size 224 --steps 5
     align bench model --image-tower vit-ti16 --text-tower bert-mini --batch 32 --image-size 224 \\
         --steps 5 --set 'optimizer.kind="adamw"' --set model.embed_dim=320
+    # ViT-Ti with 8-pixel patches at 64 px (64 patches) + BERT-tiny (2 layers), batch 128
+    python3 scripts/bench_torch.py --image-tower vit-ti16 --patch-size 8 --image-size 64 \\
+        --text-tower bert-tiny --batch 128 --embed-dim 320 --steps 5
+    align bench model --image-tower vit-ti16 --text-tower bert-tiny --batch 128 --image-size 64 \\
+        --steps 5 --set model.vit.patch_size=8 --set 'optimizer.kind="adamw"' --set model.image_projection=true \\
+        --set model.embed_dim=320
 
     # On a GPU: ViT-B/16 + BERT-base in bf16, as scripts/gpu-proof.sh runs it
     python3 scripts/bench_torch.py --device cuda --image-tower vit-b16 --text-tower bert-base \\
@@ -74,6 +80,8 @@ def parser():
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--image-tower", choices=sorted(set(LEGACY_IMAGE_TOWERS) | set(TIMM_IMAGE_TOWERS)), default="efficientnet-b0")
     p.add_argument("--text-tower", choices=sorted(BERT_TOWERS), default=LEGACY_TEXT_TOWER)
+    p.add_argument("--patch-size", type=int, default=0,
+                   help="a timm ViT's patch size in place of its preset's (align: --set model.vit.patch_size=N)")
     p.add_argument("--embed-dim", type=int, default=640, help="shared embedding width (timm towers; the legacy pair uses 320)")
     p.add_argument("--impl", choices=["auto", "hf", "timm"], default="auto",
                    help="auto: Hugging Face's AlignModel for efficientnet-b0 / vit-ti16 with bert-mini (the CPU figures), timm otherwise")
@@ -93,6 +101,10 @@ def uses_legacy(a):
         if a.image_tower not in LEGACY_IMAGE_TOWERS or a.text_tower != LEGACY_TEXT_TOWER:
             raise SystemExit(f"--impl hf has only {' / '.join(LEGACY_IMAGE_TOWERS)} with {LEGACY_TEXT_TOWER}")
         return True
+    if a.patch_size and a.image_tower.startswith("vit"):
+        if a.impl == "hf":
+            raise SystemExit("--patch-size needs the timm towers (--impl timm or auto)")
+        return False
     return a.impl == "auto" and a.image_tower in LEGACY_IMAGE_TOWERS and a.text_tower == LEGACY_TEXT_TOWER
 
 
@@ -139,7 +151,8 @@ def timm_model(a):
     name = TIMM_IMAGE_TOWERS[a.image_tower]
     if a.image_tower.startswith("vit"):
         # num_classes=0: the forward pass returns the [CLS] state after the final LayerNorm.
-        image = timm.create_model(name, pretrained=False, num_classes=0, img_size=a.image_size)
+        patch = {"patch_size": a.patch_size} if a.patch_size else {}
+        image = timm.create_model(name, pretrained=False, num_classes=0, img_size=a.image_size, **patch)
     else:
         image = timm.create_model(name, pretrained=False, num_classes=0, drop_rate=0.0, drop_path_rate=0.2)
         # ALIGN pools the last block's output: no 1x1 head convolution (and its BatchNorm).
