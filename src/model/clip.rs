@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::layers::{scaled_normal, LayerNorm, Mask};
 use super::prenorm::{Encoder, EncoderConfig};
+use crate::ops::kernels::linear::linear_no_bias;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ClipTextConfig {
@@ -219,7 +220,7 @@ impl ClipVision {
         let width = self.config.encoder.width;
         let patches = super::vit::patchify(images, p)?;
         let np = patches.dim(1)?;
-        let tokens = patches.reshape((b * np, ()))?.matmul(&self.patch_weight.reshape((width, ()))?.t()?)?.reshape((b, np, width))?;
+        let tokens = linear_no_bias(&patches.reshape((b * np, ()))?, &self.patch_weight.reshape((width, ()))?)?.reshape((b, np, width))?;
         let cls = self.class_embedding.reshape((1, 1, width))?.broadcast_as((b, 1, width))?;
         let x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.position.unsqueeze(0)?)?;
         let x = match &self.pre_norm {

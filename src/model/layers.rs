@@ -11,7 +11,7 @@ use crate::ops::blocks::sublayer;
 pub use crate::ops::blocks::sublayer::Norm;
 pub use crate::ops::kernels::bias_act::Activation;
 use crate::ops::kernels::layer_norm::layer_norm;
-use crate::ops::kernels::linear::linear_bias;
+use crate::ops::kernels::linear::{linear_bias, linear_no_bias};
 
 /// LayerNorm over the last dimension (our fused op with its own backward).
 #[derive(Debug, Clone)]
@@ -74,13 +74,13 @@ impl Linear {
         let y = match (&self.bias, act) {
             (Some(b), Activation::Identity) => linear_bias(&x, &self.weight, b)?,
             (Some(b), act) => linear_bias_act(&x, &self.weight, b, act)?,
-            (None, Activation::Identity) => x.matmul(&self.weight.t()?)?,
-            (None, Activation::GeluErf) => x.matmul(&self.weight.t()?)?.gelu_erf()?,
+            (None, Activation::Identity) => linear_no_bias(&x, &self.weight)?,
+            (None, Activation::GeluErf) => linear_no_bias(&x, &self.weight)?.gelu_erf()?,
             (None, Activation::QuickGelu) => {
-                let y = x.matmul(&self.weight.t()?)?;
+                let y = linear_no_bias(&x, &self.weight)?;
                 (&y * candle_nn::ops::sigmoid(&(&y * 1.702)?)?)?
             }
-            (None, Activation::GeluTanh) => x.matmul(&self.weight.t()?)?.gelu()?,
+            (None, Activation::GeluTanh) => linear_no_bias(&x, &self.weight)?.gelu()?,
         };
         y.reshape(shape)
     }

@@ -55,16 +55,47 @@ impl Kernel<3> for LinearBias {
     }
 
     fn backward(&self, [x, w, _b]: [&Tensor; 3], _out: &Tensor, grad: &Tensor) -> Result<[Option<Tensor>; 3]> {
+        let (dx, dw, db) = grads(x, w, grad)?;
+        Ok([dx, Some(dw), Some(db)])
+    }
+}
+
+/// The gradients `(dx, dW, db)` of `x·Wᵀ (+ b)` from the output's.
+fn grads(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Tensor, Tensor)> {
+    let (rows, inp, out) = shapes(x.dims(), w.dims())?;
+    // An input outside the graph (a ViT's image patches) needs no gradient: its product, as
+    // large as the layer's weight gradient, is skipped.
+    let input_grad = x.track_op();
+    let dx_len = if input_grad { rows * inp } else { 0 };
+    // One storage holding [dx (rows·in) | dW (out·in) | db (out)]; the gradients are views.
+    let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &Op(LinearBiasGrad { input_grad }))?;
+    let dx = if input_grad { Some(all.narrow(0, 0, dx_len)?.reshape((rows, inp))?) } else { None };
+    let dw = all.narrow(0, dx_len, out * inp)?.reshape((out, inp))?;
+    Ok((dx, dw, all.narrow(0, dx_len + out * inp, out)?))
+}
+
+/// `x·Wᵀ`, a linear layer without a bias (CLIP's patch embedding and projections).
+pub(crate) struct LinearNoBias;
+
+impl Kernel<2> for LinearNoBias {
+    const NAME: &'static str = "linear-no-bias";
+    const PROFILE: &'static str = "op/linear";
+    /// Rows, inputs and outputs.
+    type Geometry = (usize, usize, usize);
+
+    fn geometry(&self, [x, w]: [&Layout; 2]) -> Result<(Self::Geometry, Shape)> {
         let (rows, inp, out) = shapes(x.dims(), w.dims())?;
-        // An input outside the graph (a ViT's image patches) needs no gradient: its product,
-        // as large as the layer's weight gradient, is skipped.
-        let input_grad = x.track_op();
-        let dx_len = if input_grad { rows * inp } else { 0 };
-        // One storage holding [dx (rows·in) | dW (out·in) | db (out)]; the gradients are views.
-        let all = x.apply_op3_no_bwd(w, &grad.contiguous()?, &Op(LinearBiasGrad { input_grad }))?;
-        let dx = if input_grad { Some(all.narrow(0, 0, dx_len)?.reshape((rows, inp))?) } else { None };
-        let dw = all.narrow(0, dx_len, out * inp)?.reshape((out, inp))?;
-        Ok([dx, Some(dw), Some(all.narrow(0, dx_len + out * inp, out)?)])
+        Ok(((rows, inp, out), Shape::from((rows, out))))
+    }
+
+    fn cpu<T: Float>(&self, &dims: &Self::Geometry, [x, w]: [&[T]; 2]) -> Result<Vec<T>> {
+        Ok(product(x, w, dims))
+    }
+
+    fn backward(&self, [x, w]: [&Tensor; 2], _out: &Tensor, grad: &Tensor) -> Result<[Option<Tensor>; 2]> {
+        // The bias gradient the shared kernel also sums is a row of `out` numbers, dropped.
+        let (dx, dw, _) = grads(x, w, grad)?;
+        Ok([dx, Some(dw)])
     }
 }
 
@@ -286,6 +317,16 @@ pub(crate) fn fusable(x: &Tensor, w: &Tensor, b: &Tensor) -> bool {
     crate::ops::fusable(x, &[w, b])
 }
 
+/// `x·Wᵀ` for `x` `[rows, in]`, `w` `[out, in]`: on the CPU in f32 / f64 the kernels' product
+/// (bf16 or int8 where the precision asks for it, as every linear layer with a bias has), elsewhere
+/// candle's matmul.
+pub fn linear_no_bias(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if !crate::ops::fusable(x, &[w]) {
+        return x.matmul(&w.t()?);
+    }
+    x.contiguous()?.apply_op2(&w.contiguous()?, Op(LinearNoBias))
+}
+
 /// `x·Wᵀ + b` for `x` `[rows, in]`, `w` `[out, in]`, `b` `[out]`: one op on the CPU in f32 / f64,
 /// elsewhere candle's matmul and the bias op (whose bias gradient is the column-sum kernel on a
 /// GPU, not candle's reduce).
@@ -353,6 +394,19 @@ pub(crate) mod tests {
             |x, w, b| x.matmul(&w.t().unwrap()).unwrap().broadcast_add(b).unwrap(),
             1e-5,
         );
+    }
+
+    #[test]
+    fn without_a_bias_matches_matmul_and_finite_differences() {
+        check_against(
+            |x, w, b| linear_no_bias(x, w).unwrap().broadcast_add(b).unwrap(),
+            |x, w, b| x.matmul(&w.t().unwrap()).unwrap().broadcast_add(b).unwrap(),
+            1e-5,
+        );
+        let [x, w, _] = inputs(DType::F64, (6, 4, 3));
+        let plain = x.as_tensor().detach();
+        let g = linear_no_bias(&plain, &w).unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(g.get(&plain).is_none() && g.get(&w).is_some(), "an untracked input gets no gradient");
     }
 
     /// Tall inputs take the weight gradient in per-thread row blocks: the same gradients as one
