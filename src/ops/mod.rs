@@ -103,9 +103,22 @@ fn with_cpu_slice<T: Float + candle_core::WithDType, R>(
     what: &str,
     f: impl FnOnce(&[T]) -> Result<R>,
 ) -> Result<R> {
-    let (storage, layout) = t.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else { candle_core::bail!("{what} must be on the CPU") };
-    f(contiguous(cpu.as_slice::<T>()?, layout, what)?)
+    let held = [t.storage_and_layout()];
+    f(cpu_slices(&held, what)?[0])
+}
+
+/// [`with_cpu_slice`] for several tensors: `held` their `storage_and_layout()` guards, kept by
+/// the caller while the slices are in use.
+fn cpu_slices<'a, T: Float + candle_core::WithDType>(
+    held: &'a [(candle_core::StorageRef<'_>, &Layout)],
+    what: &str,
+) -> Result<Vec<&'a [T]>> {
+    held.iter()
+        .map(|(storage, layout)| {
+            let candle_core::Storage::Cpu(cpu) = &**storage else { candle_core::bail!("{what} must be on the CPU") };
+            contiguous(cpu.as_slice::<T>()?, layout, what)
+        })
+        .collect()
 }
 
 /// A kernel's output buffer of `n` elements, left unfilled.

@@ -11,14 +11,14 @@
 
 use std::sync::Mutex;
 
-use candle_core::{DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{DType, Layout, Result, Shape, Tensor};
 
 use super::attention::{context, context_grad, scores, scores_grad, Geometry};
 use crate::ops::kernels::bias_act::{ActGrad, Activation, BiasAct};
 use crate::ops::kernels::layer_norm::{LayerNormGrad, LayerNormOp};
 use crate::ops::kernels::linear::{linear_act, linear_grads, linear_onto, product, sum_into};
 use crate::ops::op::{Kernel, Op};
-use crate::ops::{contiguous, output_buffer, Float};
+use crate::ops::{cpu_slices, output_buffer, Float};
 
 /// Where the branch's LayerNorm sits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +55,14 @@ impl Branch {
         match self.body {
             Body::Attention { .. } => vec![w * w, w, w * w, w, w * w, w, w * w, w, w, w],
             Body::Mlp { hidden, .. } => vec![hidden * w, hidden, w * hidden, w, w, w],
+        }
+    }
+
+    /// The profile region of its forward pass.
+    fn profile(&self) -> &'static str {
+        match self.body {
+            Body::Attention { .. } => "op/attention-branch",
+            Body::Mlp { .. } => "op/mlp-branch",
         }
     }
 
@@ -256,10 +264,7 @@ impl Kernel<1> for BranchEval {
     type Geometry = ();
 
     fn profile(&self) -> &'static str {
-        match self.branch.body {
-            Body::Attention { .. } => "op/attention-branch",
-            Body::Mlp { .. } => "op/mlp-branch",
-        }
+        self.branch.profile()
     }
 
     fn geometry(&self, [x]: [&Layout; 1]) -> Result<(Self::Geometry, Shape)> {
@@ -272,14 +277,8 @@ impl Kernel<1> for BranchEval {
     }
 
     fn cpu<T: Float>(&self, _: &Self::Geometry, [x]: [&[T]; 1]) -> Result<Vec<T>> {
-        let guards: Vec<_> = self.params.iter().map(|t| t.storage_and_layout()).collect();
-        let parts = guards
-            .iter()
-            .map(|(s, l)| match &**s {
-                Storage::Cpu(c) => contiguous(c.as_slice::<T>()?, l, "residual branch parameter"),
-                _ => candle_core::bail!("residual branch parameters must be on the CPU"),
-            })
-            .collect::<Result<Vec<&[T]>>>()?;
+        let held: Vec<_> = self.params.iter().map(|t| t.storage_and_layout()).collect();
+        let parts = cpu_slices::<T>(&held, "residual branch parameter")?;
         let [params @ .., gamma, beta] = &parts[..] else { candle_core::bail!("residual branch: no LayerNorm parameters") };
         self.branch.forward(x, params, (gamma, beta), self.key_bias.as_deref(), None)
     }
@@ -291,10 +290,7 @@ impl Kernel<2> for BranchOp {
     type Geometry = ();
 
     fn profile(&self) -> &'static str {
-        match self.branch.body {
-            Body::Attention { .. } => "op/attention-branch",
-            Body::Mlp { .. } => "op/mlp-branch",
-        }
+        self.branch.profile()
     }
 
     fn geometry(&self, [x, p]: [&Layout; 2]) -> Result<(Self::Geometry, Shape)> {
@@ -343,14 +339,8 @@ struct BranchGrad {
 
 impl BranchGrad {
     fn run<T: Float>(&self, x: &[T], p: &[T], dy: &[T]) -> Result<Vec<T>> {
-        let guards: Vec<_> = self.saved.iter().map(|t| t.storage_and_layout()).collect();
-        let saved = guards
-            .iter()
-            .map(|(s, l)| match &**s {
-                Storage::Cpu(c) => contiguous(c.as_slice::<T>()?, l, "residual branch state"),
-                _ => candle_core::bail!("residual branch state must be on the CPU"),
-            })
-            .collect::<Result<Vec<&[T]>>>()?;
+        let held: Vec<_> = self.saved.iter().map(|t| t.storage_and_layout()).collect();
+        let saved = cpu_slices::<T>(&held, "residual branch state")?;
         let b = self.branch;
         let (n, w) = (x.len(), b.width);
         let (params, ln) = p.split_at(p.len() - 2 * w);

@@ -50,26 +50,26 @@ impl Activation {
         if self == Activation::Identity {
             return;
         }
-        y.par_chunks_mut(TASK_ELEMS).for_each(|y| {
-            simd(
-                #[inline(always)]
-                || {
-                    macro_rules! each {
-                        ($act:expr) => {
-                            for v in y.iter_mut() {
-                                *v = $act.of(*v);
-                            }
-                        };
-                    }
-                    match self {
-                        Activation::Identity => {}
-                        Activation::GeluErf => each!(Activation::GeluErf),
-                        Activation::QuickGelu => each!(Activation::QuickGelu),
-                        Activation::GeluTanh => each!(Activation::GeluTanh),
-                    }
-                },
-            )
-        });
+        y.par_chunks_mut(TASK_ELEMS).for_each(|y| simd(|| self.apply_to(y)));
+    }
+
+    /// `y = act(y)` on the calling thread, for callers inside a [`simd`] region (one loop per
+    /// activation, each vectorised on its own).
+    #[inline(always)]
+    pub(crate) fn apply_to<T: Float>(self, y: &mut [T]) {
+        macro_rules! each {
+            ($act:expr) => {
+                for v in y.iter_mut() {
+                    *v = $act.of(*v);
+                }
+            };
+        }
+        match self {
+            Activation::Identity => {}
+            Activation::GeluErf => each!(Activation::GeluErf),
+            Activation::QuickGelu => each!(Activation::QuickGelu),
+            Activation::GeluTanh => each!(Activation::GeluTanh),
+        }
     }
 
     /// d act(z) / dz.

@@ -27,10 +27,16 @@ pub(crate) struct LinearBias;
 
 /// `(rows, in, out)` and the output's shape of a layer on operands `[x, W, b]`.
 pub(crate) fn geometry([x, w, b]: [&Layout; 3]) -> Result<((usize, usize, usize), Shape)> {
-    let (rows, inp, out) = shapes(x.dims(), w.dims())?;
-    if b.dims() != [out] {
-        candle_core::bail!("linear layer: bias {:?} for {out} outputs", b.dims());
+    let g = product_geometry(x, w)?;
+    if b.dims() != [g.0 .2] {
+        candle_core::bail!("linear layer: bias {:?} for {} outputs", b.dims(), g.0 .2);
     }
+    Ok(g)
+}
+
+/// `(rows, in, out)` and the output's shape of `x·Wᵀ`.
+fn product_geometry(x: &Layout, w: &Layout) -> Result<((usize, usize, usize), Shape)> {
+    let (rows, inp, out) = shapes(x.dims(), w.dims())?;
     Ok(((rows, inp, out), Shape::from((rows, out))))
 }
 
@@ -84,8 +90,7 @@ impl Kernel<2> for LinearNoBias {
     type Geometry = (usize, usize, usize);
 
     fn geometry(&self, [x, w]: [&Layout; 2]) -> Result<(Self::Geometry, Shape)> {
-        let (rows, inp, out) = shapes(x.dims(), w.dims())?;
-        Ok(((rows, inp, out), Shape::from((rows, out))))
+        product_geometry(x, w)
     }
 
     fn cpu<T: Float>(&self, &dims: &Self::Geometry, [x, w]: [&[T]; 2]) -> Result<Vec<T>> {

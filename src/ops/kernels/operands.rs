@@ -113,20 +113,7 @@ impl Epilogue<'_> {
                             *o += x;
                         }
                     }
-                    // One loop per activation, each vectorised on its own.
-                    macro_rules! each {
-                        ($act:expr) => {
-                            for o in out.iter_mut() {
-                                *o = $act.of(*o);
-                            }
-                        };
-                    }
-                    match e.act {
-                        Activation::Identity => {}
-                        Activation::GeluErf => each!(Activation::GeluErf),
-                        Activation::QuickGelu => each!(Activation::QuickGelu),
-                        Activation::GeluTanh => each!(Activation::GeluTanh),
-                    }
+                    e.act.apply_to(out);
                 }
             },
         )
