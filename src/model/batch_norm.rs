@@ -12,6 +12,7 @@ use candle_core::{DType, Result, Tensor, Var};
 
 use super::Ctx;
 use crate::ops::blocks::conv_norm::{conv_norm, Conv, ConvNormStage, Norm};
+use crate::ops::blocks::mbconv_eval::Affine;
 use crate::ops::kernels::batch_norm::{batch_norm_act, Statistics};
 use crate::ops::kernels::moments::channel_moments;
 use candle_nn::{Init, VarBuilder};
@@ -91,6 +92,16 @@ impl BatchNorm2d {
         let (mean, var, batch_stats) = self.statistics(&z, ctx)?;
         let stats = Statistics { mean: &mean, var: &var, eps: self.eps, from_batch: batch_stats };
         f(z, &Norm { stats: &stats, gamma: &self.weight, beta: &self.bias, silu })
+    }
+
+    /// What this BatchNorm computes with its running statistics: `scale·z + shift` per channel.
+    pub(crate) fn running_affine(&self) -> Result<Affine> {
+        let host = |t: &Tensor| t.to_dtype(DType::F64)?.to_vec1::<f64>();
+        let (gamma, beta) = (host(&self.weight)?, host(&self.bias)?);
+        let (mean, var) = (host(self.running_mean.as_tensor())?, host(self.running_var.as_tensor())?);
+        let scale: Vec<f64> = gamma.iter().zip(&var).map(|(g, v)| g / (v + self.eps).sqrt()).collect();
+        let shift = beta.iter().zip(&mean).zip(&scale).map(|((b, m), s)| b - m * s).collect();
+        Ok(Affine { scale, shift })
     }
 
     /// γ and β.

@@ -21,6 +21,7 @@ use super::recompute::Checkpointing;
 use super::Ctx;
 use crate::ops::blocks::conv_norm::Conv;
 use crate::ops::blocks::mbconv::{mbconv, ConvParams, MbConvParams, MbConvStages, Shortcut};
+use crate::ops::blocks::mbconv_eval::{mbconv_eval, MbConvEval};
 use crate::ops::blocks::squeeze_excite::{self, SqueezeExciteStage};
 use crate::ops::kernels::channel_scale::channel_scale;
 use crate::ops::kernels::depthwise::Padding;
@@ -309,6 +310,10 @@ impl Block {
     fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let params = self.params();
         if self.depthwise == DepthwiseImpl::Fused && crate::ops::fusable(x, &params.tensors()) {
+            let nothing_tracked = !x.track_op() && params.tensors().iter().all(|t| !t.track_op());
+            if nothing_tracked && !ctx.train {
+                return self.forward_eval(x);
+            }
             self.forward_fused(x, &params, ctx)
         } else {
             self.forward_composed(x, ctx)
@@ -326,6 +331,21 @@ impl Block {
             excite: [&self.se_reduce.0, &self.se_reduce.1, &self.se_expand.0, &self.se_expand.1],
             project: conv(&self.project, &self.project_bn),
         }
+    }
+
+    /// The block where nothing needs a gradient, its BatchNorms folded into the convolutions
+    /// (`ops::mbconv_eval`).
+    fn forward_eval(&self, x: &Tensor) -> Result<Tensor> {
+        let block = MbConvEval {
+            expand: self.expand.as_ref().map(|(w, bn)| Ok::<_, candle_core::Error>((w.clone(), bn.running_affine()?))).transpose()?,
+            depthwise: (self.dw_weight.clone(), self.dw_norm.running_affine()?),
+            stride: self.stride,
+            pad: self.pad,
+            excite: [self.se_reduce.0.clone(), self.se_reduce.1.clone(), self.se_expand.0.clone(), self.se_expand.1.clone()],
+            project: (self.project.clone(), self.project_bn.running_affine()?),
+            residual: self.residual,
+        };
+        mbconv_eval(x, block)
     }
 
     /// The block as one graph node (`ops::mbconv`).
@@ -689,6 +709,64 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The forward-only block (BatchNorms folded into the convolutions) against the block as one
+    /// op with running statistics, on the three blocks of `run_block` (expansion and shortcut; a
+    /// 5×5 kernel; strided without either) at two image sizes, in f64 and in f32.
+    #[test]
+    fn the_forward_only_block_matches_the_block_with_running_statistics() {
+        let dev = Device::Cpu;
+        for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+            for (case, (inp, out, k, stride, ratio, first)) in
+                [(8, 8, 3, 1, 6, false), (8, 8, 5, 1, 4, false), (8, 12, 5, 2, 1, true)].into_iter().enumerate()
+            {
+                let vm = VarMap::new();
+                let block =
+                    Block::new(&tiny(), 3, inp, out, k, stride, ratio, first, SeededVars::builder_dtype(&vm, 9, dtype, &dev)).unwrap();
+                for (j, (name, v)) in vm.data().lock().unwrap().iter().enumerate() {
+                    let r = crate::util::rng::randn(720 + j as u64, 0.0, 0.5, v.shape(), dtype, &dev).unwrap();
+                    v.set(&if name.ends_with("running_var") { (r.abs().unwrap() + 0.5).unwrap() } else { r }).unwrap();
+                }
+                // 9×9: squeeze-excitation scales the projection's weights; 2×2 (fewer pixels than
+                // channels out): the planes.
+                for size in [9, 2] {
+                    let x = crate::util::rng::randn(610 + case as u64, 0.0, 1.0, (3, inp, size, size), dtype, &dev).unwrap();
+                    let ours = block.forward_eval(&x).unwrap();
+                    let reference = block.forward_fused(&x, &block.params(), &Ctx::EVAL).unwrap();
+                    assert_eq!(ours.dims(), reference.dims());
+                    let d = crate::ops::testing::max_diff(&ours, &reference);
+                    let scale = crate::ops::testing::max_abs(&reference);
+                    assert!(d <= tol * scale, "case {case} {dtype:?} {size}x{size}: differs by {d} (scale {scale})");
+                }
+            }
+        }
+    }
+
+    /// A network whose weights are plain tensors (a loaded checkpoint) runs its blocks forward
+    /// only in evaluation and gives the features the same network as variables gives.
+    #[test]
+    fn a_network_of_plain_tensors_evaluates_as_the_trainable_one_does() {
+        let dev = Device::Cpu;
+        let vm = VarMap::new();
+        let trainable = EfficientNet::new(&tiny(), SeededVars::builder_dtype(&vm, 4, DType::F64, &dev)).unwrap();
+        let mut plain = std::collections::HashMap::new();
+        for (j, (name, v)) in vm.data().lock().unwrap().iter().enumerate() {
+            let r = crate::util::rng::randn(740 + j as u64, 0.0, 0.3, v.shape(), DType::F64, &dev).unwrap();
+            v.set(&if name.ends_with("running_var") { (r.abs().unwrap() + 0.5).unwrap() } else { r }).unwrap();
+            plain.insert(name.clone(), v.as_tensor().detach());
+        }
+        let loaded = EfficientNet::new(&tiny(), VarBuilder::from_tensors(plain, DType::F64, &dev)).unwrap();
+        let x = crate::util::rng::randn(131, 0.0, 1.0, (2, 3, 32, 32), DType::F64, &dev).unwrap();
+        crate::util::profile::enable(true);
+        let _ = crate::util::profile::take();
+        let ours = loaded.pooled(&x, &Ctx::EVAL).unwrap();
+        let regions = crate::util::profile::take();
+        crate::util::profile::enable(false);
+        let reference = trainable.pooled(&x, &Ctx::EVAL).unwrap();
+        let d = crate::ops::testing::max_diff(&ours, &reference);
+        assert!(d <= 1e-12 * crate::ops::testing::max_abs(&reference), "differs by {d}");
+        assert!(regions.contains_key("op/mbconv-eval"), "the loaded network's blocks ran forward only: {regions:?}");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod conv_norm;
 pub mod mbconv;
+pub mod mbconv_eval;
 pub mod mlp;
 pub mod squeeze_excite;
 pub(crate) mod stage;

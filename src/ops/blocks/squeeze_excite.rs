@@ -50,6 +50,21 @@ struct Saved {
     s: Vec<f64>,
 }
 
+/// The channel factors `[N, C]` of `n` images from their spatial means `pool` `[N, C]`, with the
+/// reduce weight `w1` `[R, C]` and bias, and the expand weight `w2` `[C, R]` and bias.
+pub(crate) fn factors<T: Float>(n: usize, pool: &[f64], (w1, b1): (&[T], &[T]), (w2, b2): (&[T], &[T])) -> Result<Vec<f64>> {
+    let (c, r) = (pool.len() / n.max(1), b1.len());
+    if pool.len() != n * c || w1.len() != r * c || w2.len() != c * r || b2.len() != c {
+        candle_core::bail!(
+            "squeeze-excitation: weights of {}, {r}, {} and {} values do not fit {c} channels",
+            w1.len(),
+            w2.len(),
+            b2.len()
+        );
+    }
+    Ok(excite(Dims { n, c, hw: 1, r }, pool, w1, b1, w2, b2).2)
+}
+
 /// `(a1 = silu(z1), z1, s)` from the spatial means: `z1 = pool·W1ᵀ + b1`, `s = σ(a1·W2ᵀ + b2)`.
 fn excite<T: Float>(d: Dims, pool: &[f64], w1: &[T], b1: &[T], w2: &[T], b2: &[T]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (mut a1, mut z1, mut s) = (vec![0.0; d.n * d.r], vec![0.0; d.n * d.r], vec![0.0; d.n * d.c]);

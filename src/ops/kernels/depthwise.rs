@@ -16,6 +16,7 @@ use rayon::prelude::*;
 use crate::ops::gpu::depthwise::Pass;
 use crate::ops::gpu::program::DepthwiseParams;
 use crate::ops::gpu::{Limits, Program};
+use crate::ops::kernels::batch_norm::sigmoid;
 use crate::ops::op::{GpuPlan, Kernel, Op};
 use crate::ops::{lane_sum, output_buffer, simd, Float};
 
@@ -167,34 +168,84 @@ fn merge_rows<T: Copy>(g: &Geometry, src: &[T], dst: &mut [T]) {
     }
 }
 
-// Loop order: output row outermost, so the row being accumulated stays in L1 while the k×k
-// taps stream over at most k input rows.
 fn forward<T: Float>(g: &Geometry, x: &[T], kernel: &[T]) -> Vec<T> {
+    forward_then(g, x, kernel, |_, _| 0.0).0
+}
+
+/// The convolution with a BatchNorm that normalises with running statistics folded in (`kernel`
+/// scaled per channel, `shift` `[C]` what the BatchNorm adds), then SiLU: each output plane is
+/// finished while it is still in cache. Also returns each plane's mean after SiLU (what
+/// squeeze-excitation pools) and the output's height and width.
+pub(crate) fn forward_folded<T: Float>(
+    x: &[T],
+    dims: [usize; 4],
+    kernel: &[T],
+    (k, stride, pad): (usize, usize, Padding),
+    shift: &[T],
+) -> Result<(Vec<T>, Vec<f64>, [usize; 2])> {
+    let g = Geometry::new(&dims, &[dims[1], 1, k, k], stride, pad)?;
+    if x.len() != dims.iter().product::<usize>() || kernel.len() != g.c * k * k || shift.len() != g.c {
+        candle_core::bail!(
+            "depthwise conv: {} inputs, {} kernel values and {} shifts for {dims:?} and a {k}x{k} kernel",
+            x.len(),
+            kernel.len(),
+            shift.len()
+        );
+    }
+    let (out, sums) = forward_then(
+        &g,
+        x,
+        kernel,
+        #[inline(always)]
+        |p, o: &mut [T]| {
+            let b = shift[p % g.c];
+            for v in o.iter_mut() {
+                let z = *v + b;
+                *v = z * sigmoid(z);
+            }
+            lane_sum(o).f()
+        },
+    );
+    let plane = (g.ho * g.wo) as f64;
+    Ok((out, sums.into_iter().map(|s| s / plane).collect(), [g.ho, g.wo]))
+}
+
+/// The convolution, each output plane then handed to `finish` (with its index, image-major) on
+/// the thread that wrote it; `finish`'s results in plane order.
+///
+/// Loop order: output row outermost, so the row being accumulated stays in L1 while the k×k
+/// taps stream over at most k input rows.
+fn forward_then<T: Float>(g: &Geometry, x: &[T], kernel: &[T], finish: impl Fn(usize, &mut [T]) -> f64 + Sync) -> (Vec<T>, Vec<f64>) {
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
     let taps = g.taps();
     // SAFETY: each task zeroes its own plane before accumulating into it (zeroing there, on
     // the task's thread and just before use, rather than all up front on one).
     let mut out = unsafe { output_buffer::<T>(g.n * g.c * plane_out) };
-    out.par_chunks_mut(plane_out).enumerate().for_each_init(
-        || if g.stride > 1 { vec![T::default(); plane_in] } else { Vec::new() },
-        |split, (p, o)| {
-            let xp = &x[p * plane_in..(p + 1) * plane_in];
-            let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
-            simd(
-                #[inline(always)]
-                || {
-                    o.fill(T::default());
-                    if g.stride > 1 {
-                        split_rows(g, xp, split);
-                        forward_plane(g, &taps, split, kp, o)
-                    } else {
-                        forward_plane(g, &taps, xp, kp, o)
-                    }
-                },
-            )
-        },
-    );
-    out
+    let finished = out
+        .par_chunks_mut(plane_out)
+        .enumerate()
+        .map_init(
+            || if g.stride > 1 { vec![T::default(); plane_in] } else { Vec::new() },
+            |split, (p, o)| {
+                let xp = &x[p * plane_in..(p + 1) * plane_in];
+                let kp = &kernel[(p % g.c) * kk..(p % g.c + 1) * kk];
+                simd(
+                    #[inline(always)]
+                    || {
+                        o.fill(T::default());
+                        if g.stride > 1 {
+                            split_rows(g, xp, split);
+                            forward_plane(g, &taps, split, kp, o);
+                        } else {
+                            forward_plane(g, &taps, xp, kp, o);
+                        }
+                        finish(p, o)
+                    },
+                )
+            },
+        )
+        .collect();
+    (out, finished)
 }
 
 /// `xp` is the input plane, its rows split by phase when the stride is over 1.
@@ -474,6 +525,33 @@ mod tests {
         (2, 2, 10, 11, 3, 3, Padding { top: 1, bottom: 1, left: 1, right: 1 }),
     ];
 
+    /// The convolution with the BatchNorm folded in against the plain convolution followed by the
+    /// shift and SiLU, and the planes' means, on every case (both strides, uneven padding).
+    #[test]
+    fn the_folded_convolution_is_the_convolution_then_the_shift_and_silu() {
+        let dev = Device::Cpu;
+        for (i, &(n, c, h, w, k, stride, pad)) in CASES.iter().enumerate() {
+            let seed = 190 + 3 * i as u64;
+            let x = crate::util::rng::randn(seed, 0.0, 1.0, n * c * h * w, DType::F64, &dev).unwrap().to_vec1::<f64>().unwrap();
+            let kernel = crate::util::rng::randn(seed + 1, 0.0, 0.5, c * k * k, DType::F64, &dev).unwrap().to_vec1::<f64>().unwrap();
+            let shift = crate::util::rng::randn(seed + 2, 0.0, 1.0, c, DType::F64, &dev).unwrap().to_vec1::<f64>().unwrap();
+            let g = Geometry::new(&[n, c, h, w], &[c, 1, k, k], stride, pad).unwrap();
+            let plain = forward(&g, &x, &kernel);
+            let (ours, means, [ho, wo]) = forward_folded(&x, [n, c, h, w], &kernel, (k, stride, pad), &shift).unwrap();
+            assert_eq!((ho, wo), (g.ho, g.wo));
+            let plane = ho * wo;
+            for (p, (o, z)) in ours.chunks(plane).zip(plain.chunks(plane)).enumerate() {
+                let want: Vec<f64> = z.iter().map(|&z| (z + shift[p % c]) / (1.0 + (-(z + shift[p % c])).exp())).collect();
+                for (a, b) in o.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-12, "case {i} plane {p}: {a} vs {b}");
+                }
+                let mean = want.iter().sum::<f64>() / plane as f64;
+                assert!((means[p] - mean).abs() < 1e-12, "case {i} plane {p}: mean {} vs {mean}", means[p]);
+            }
+        }
+        let err = forward_folded(&[0.0f64; 12], [1, 3, 2, 2], &[0.0; 27], (3, 1, Padding::same(3)), &[0.0; 2]).unwrap_err();
+        assert!(err.to_string().contains("2 shifts"), "{err}");
+    }
     #[test]
     fn forward_and_backward_match_candles_grouped_convolution() {
         let dev = Device::Cpu;

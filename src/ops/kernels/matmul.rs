@@ -21,6 +21,16 @@ impl<T> SharedDst<T> {
     pub fn new(buf: &mut [T]) -> Self {
         SharedDst { ptr: buf.as_mut_ptr(), len: buf.len() }
     }
+
+    /// `len` elements from `offset`, for a task to finish what its product wrote.
+    ///
+    /// # Safety
+    /// No other task may touch these elements while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self, offset: usize, len: usize) -> &mut [T] {
+        assert!(offset + len <= self.len, "slice outside the shared destination");
+        std::slice::from_raw_parts_mut(self.ptr.add(offset), len)
+    }
 }
 
 /// `dst[offset + i·dst_rs + j] = (lhs·rhs)[i, j]`, or `+=` with `accumulate`, on `threads`.
