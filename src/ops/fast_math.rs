@@ -16,10 +16,14 @@ const ROUNDER: f32 = 12_582_912.0;
 pub fn exp(x: f32) -> f32 {
     let underflow = x < -87.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + ROUNDER) - ROUNDER;
+    let shifted = x * std::f32::consts::LOG2_E + ROUNDER;
+    let n = shifted - ROUNDER;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `shifted`'s low mantissa bits hold n + 2²², and shifting n + 127 into the exponent pushes
+    // the rest out: 2ⁿ with integer operations only (`n as i32` is a saturating conversion,
+    // compares and blends more per vector).
+    let scale = f32::from_bits(shifted.to_bits().wrapping_add(127) << 23);
     if underflow {
         0.0
     } else {
@@ -61,6 +65,21 @@ mod tests {
         assert!(worst < 4e-7, "largest relative error {worst}");
         assert_eq!(exp(0.0), 1.0);
         assert_eq!(exp(-1e9), 0.0);
+    }
+
+    /// 2ⁿ from `shifted`'s bits is 2ⁿ from n converted to an integer, on a grid over the clamped
+    /// range (every n from −126 to 127).
+    #[test]
+    fn the_power_of_two_from_the_rounder_bits_is_the_integer_ones() {
+        for i in -87_000..=88_000 {
+            for x in [i as f32 * 1e-3, (i as f32 * 1e-3).next_up()] {
+                let x = x.clamp(-87.0, 88.0);
+                let shifted = x * std::f32::consts::LOG2_E + ROUNDER;
+                let n = shifted - ROUNDER;
+                let from_int = f32::from_bits(((n as i32 + 127) as u32) << 23);
+                assert_eq!(f32::from_bits(shifted.to_bits().wrapping_add(127) << 23), from_int, "x = {x}");
+            }
+        }
     }
 
     #[test]
