@@ -13,6 +13,7 @@ use candle_core::{Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::squeeze_excite::factors;
+use crate::ops::kernels::channel_scale::scale_planes;
 use crate::ops::kernels::depthwise::{self, Padding};
 use crate::ops::kernels::pointwise;
 use crate::ops::op::{Kernel, Op};
@@ -88,16 +89,14 @@ impl MbConvEval {
             candle_core::bail!("MBConv block: projection of {} values for {mid} channels in and {out} out", wp.len());
         }
         let folded = norm.fold(wp);
-        let gates: Vec<T> = gates.into_iter().map(T::from).collect();
         let plane = ho * wo;
         // The factors scale whichever is smaller: the projection's weights, one copy per image
         // (early blocks: large planes, few channels out), or the planes themselves.
         let (input, weights, per_image) = if out <= plane {
+            let gates: Vec<T> = gates.into_iter().map(T::from).collect();
             (hidden, per_image_weights(&folded, &gates, mid), true)
         } else {
-            let mut hidden = hidden;
-            scale_planes_in_place(&mut hidden, &gates, plane);
-            (hidden, folded, false)
+            (scale_planes(&hidden, &gates, None, plane), folded, false)
         };
         let residual = self.residual.then_some(x);
         Ok(pointwise::forward_folded(&input, (n, mid, plane), &weights, per_image, &norm.shift(), false, residual))
@@ -150,20 +149,6 @@ fn per_image_weights<T: Float>(w: &[T], gates: &[T], c: usize) -> Vec<T> {
         )
     });
     out
-}
-
-/// Each plane (`plane` values) of `x` times its factor.
-fn scale_planes_in_place<T: Float>(x: &mut [T], factors: &[T], plane: usize) {
-    x.par_chunks_mut(plane.max(1)).zip(factors.par_iter()).for_each(|(p, &f)| {
-        simd(
-            #[inline(always)]
-            || {
-                for v in p.iter_mut() {
-                    *v *= f;
-                }
-            },
-        )
-    });
 }
 
 impl Kernel<1> for MbConvEval {

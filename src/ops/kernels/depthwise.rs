@@ -219,7 +219,8 @@ fn forward_then<T: Float>(g: &Geometry, x: &[T], kernel: &[T], finish: impl Fn(u
     let (plane_in, plane_out, kk) = (g.h * g.w, g.ho * g.wo, g.k * g.k);
     let taps = g.taps();
     // SAFETY: each task zeroes its own plane before accumulating into it (zeroing there, on
-    // the task's thread and just before use, rather than all up front on one).
+    // the task's thread and just before use, rather than all up front on one), or, for a small
+    // plane, copies every row of it out of its padded accumulator.
     let mut out = unsafe { output_buffer::<T>(g.n * g.c * plane_out) };
     let finished = out
         .par_chunks_mut(plane_out)
