@@ -207,7 +207,7 @@ class Bench:
         doc = {
             "device": self.a.device,
             "settings": self.s,
-            "align_kernels": os.environ.get("ALIGN_KERNELS") or "candle (default)",
+            "align_kernels": os.environ.get("ALIGN_KERNELS") or "align (default)",
             "peak_tflops": {"f32": self.a.peak_f32, "bf16": self.a.peak_bf16},
             "external_memory": self.mem.lib is not None,
             "torch_skipped": self.torch_skipped,

@@ -6,6 +6,7 @@
 //!   depthwise / 1×1 / dense convolution, linear layers).
 //! - `blocks/`: ops that chain kernels into a whole block and run its backward pass themselves
 //!   (attention, the transformer's sub-layers, MBConv, squeeze-and-excitation, conv + BatchNorm).
+//! - `gemm_layout`: the operand layouts a GPU product takes as they lie.
 //! - `op`: the plumbing every op shares, written once ([`op::Kernel`] → candle's custom ops).
 //! - `gpu/`: the one GPU launch path: launch plans per `.cu` file, their PTX, the CUDA executor
 //!   and the tests' host emulation of the CUDA sources.
@@ -17,6 +18,7 @@ use candle_core::{Layout, Result};
 pub mod blocks;
 pub(crate) mod fast_math;
 mod float;
+pub mod gemm_layout;
 pub mod gpu;
 pub mod kernels;
 pub(crate) mod op;
@@ -41,34 +43,42 @@ pub fn fusable(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool
 /// Whether the per-op kernels run on `x` and `params`: the row-wise ops (LayerNorm, the
 /// attention softmax, bias + GELU, column sums) and the per-channel ops (batch moments, BatchNorm
 /// with SiLU, channel scaling, spatial means, the scaled residual). They exist on the CPU and,
-/// with the `cuda` feature and `ALIGN_KERNELS=align` ([`gpu_kernels`]), on CUDA GPUs
+/// with the `cuda` feature and unless `ALIGN_KERNELS=candle` ([`gpu_kernels`]), on CUDA GPUs
 /// (`kernels/rows.cu`, `kernels/channels.cu`), in f32 or f64 of one dtype.
 pub fn has_kernels(x: &candle_core::Tensor, params: &[&candle_core::Tensor]) -> bool {
     (x.device().is_cpu() || (x.device().is_cuda() && gpu_kernels() == GpuKernels::Align)) && float_operands(x, params)
 }
 
 /// Whose ops run on CUDA GPUs: align's kernels (`kernels/*.cu`, the depthwise convolution and
-/// the optimizer update), or candle's own ops composed (`ALIGN_KERNELS=candle`, the default until
-/// align's kernels have passed `scripts/gpu-proof.sh` on a GPU). Either way the CPU runs align's.
+/// the optimizer update; the default, since every one matched the CPU on an H200 in
+/// `scripts/gpu-proof.sh`, as did training on them), or candle's own ops composed
+/// (`ALIGN_KERNELS=candle`, the fallback). Either way the CPU runs align's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GpuKernels {
     Candle,
     Align,
 }
 
+/// The choice `ALIGN_KERNELS` makes (None: unset), and a warning for a value that is neither.
+fn kernels_from_env(value: Option<&str>) -> (GpuKernels, Option<String>) {
+    match value {
+        None | Some("") | Some("align") => (GpuKernels::Align, None),
+        Some("candle") => (GpuKernels::Candle, None),
+        Some(other) => {
+            (GpuKernels::Align, Some(format!("ALIGN_KERNELS={other:?} is neither \"align\" nor \"candle\"; using align's kernels on GPUs")))
+        }
+    }
+}
+
 static GPU_KERNELS: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
 
 fn gpu_kernels_flag() -> &'static std::sync::atomic::AtomicBool {
     GPU_KERNELS.get_or_init(|| {
-        let align = match std::env::var("ALIGN_KERNELS").as_deref() {
-            Ok("align") => true,
-            Ok("candle") | Ok("") | Err(_) => false,
-            Ok(other) => {
-                crate::util::log::warn(format!("ALIGN_KERNELS={other:?} is neither \"align\" nor \"candle\"; using candle's ops on GPUs"));
-                false
-            }
-        };
-        std::sync::atomic::AtomicBool::new(align)
+        let (choice, warning) = kernels_from_env(std::env::var("ALIGN_KERNELS").ok().as_deref());
+        if let Some(w) = warning {
+            crate::util::log::warn(w);
+        }
+        std::sync::atomic::AtomicBool::new(choice == GpuKernels::Align)
     })
 }
 
@@ -156,6 +166,18 @@ mod tests {
         }
         set_gpu_kernels(GpuKernels::Candle);
         assert!(!has_kernels(&x.to_dtype(candle_core::DType::BF16).unwrap(), &[]));
+    }
+
+    #[test]
+    fn gpus_run_aligns_kernels_unless_told_candle() {
+        for unset in [None, Some("")] {
+            assert_eq!(kernels_from_env(unset), (GpuKernels::Align, None));
+        }
+        assert_eq!(kernels_from_env(Some("align")), (GpuKernels::Align, None));
+        assert_eq!(kernels_from_env(Some("candle")), (GpuKernels::Candle, None));
+        let (choice, warning) = kernels_from_env(Some("Candle "));
+        assert_eq!(choice, GpuKernels::Align);
+        assert!(warning.unwrap().contains("\"Candle \" is neither"));
     }
 }
 

@@ -59,6 +59,12 @@ fn block(x: &Tensor, y: &Tensor, t: f64, b: f64, diagonal: Option<usize>, per_ra
     Ok([loss, g, d_t, d_b])
 }
 
+/// The texts of a travelling `[texts | their gradients]` block: its first `m` rows and `d`
+/// columns, packed, since a GPU product refuses a column block of the wider matrix.
+fn ring_block(travelling: &Tensor, m: usize, d: usize) -> Result<Tensor> {
+    crate::ops::gemm_layout::packed(&travelling.narrow(0, 0, m)?.narrow(1, 0, d)?)
+}
+
 /// The sigmoid loss of this rank's pairs. `img`, `txt`: this rank's L2-normalised embeddings
 /// (`n × d`, `n` the rank's own); `logit_scale`: t (0-d), `logit_bias`: b (0-d), both joined
 /// to their parameters in the graph. Computed in f32 (f64 when the embeddings are f64).
@@ -107,7 +113,7 @@ pub fn sigmoid_loss(
                 }
                 // At step k the block is rank (r − k)'s.
                 let m = counts[(rank + world - k) % world];
-                let y = travelling.narrow(0, 0, m)?.narrow(1, 0, d)?;
+                let y = ring_block(&travelling, m, d)?;
                 let g = add(block(&x, &y, t, b, (k == 0).then_some(0), per_rank)?)?;
                 d_x = (d_x + (g.matmul(&y)? * t)?)?;
                 let d_y = (travelling.narrow(0, 0, m)?.narrow(1, d, d)? + (g.t()?.matmul(&x)? * t)?)?;
@@ -155,6 +161,18 @@ mod tests {
     use crate::train::collective::{on_thread_ranks, SingleProcess};
     use crate::train::gather::tests::normalised;
     use candle_core::{Device, Var};
+
+    #[test]
+    fn the_ring_hands_its_products_texts_a_gpu_takes_as_they_lie() {
+        use crate::ops::gemm_layout::gpu_accepts;
+        // [texts | gradients], 5 real rows of a block padded to 6, 4 columns each.
+        let travelling = Tensor::arange(0f32, 48.0, &Device::Cpu).unwrap().reshape((6, 8)).unwrap();
+        let y = ring_block(&travelling, 5, 4).unwrap();
+        assert!(gpu_accepts(&y) && gpu_accepts(&y.t().unwrap()), "{:?}", y.stride());
+        let rows = y.to_vec2::<f32>().unwrap();
+        assert_eq!(rows.len(), 5);
+        assert_eq!(rows[4], [32.0, 33.0, 34.0, 35.0]);
+    }
 
     /// Plain f64: the loss of all pairs divided by the batch, from the definition.
     fn reference(img: &[Vec<f64>], txt: &[Vec<f64>], t: f64, b: f64) -> f64 {
