@@ -56,7 +56,7 @@ impl Grads {
 
     /// Each gradient's sum of squares (0 where there is none), in parameter order.
     pub fn squares(&self) -> Result<Vec<f64>> {
-        self.0.iter().map(|g| g.as_ref().map_or(Ok(0.0), squared_sum)).collect()
+        squared_sums(&self.0, |_| true)
     }
 
     pub fn all_finite(&self) -> Result<bool> {
@@ -64,23 +64,44 @@ impl Grads {
     }
 }
 
-/// A tensor's sum of squares, the same bits every time: CPU f32 tensors are summed straight from
-/// their buffers, f32 partial sums per chunk added in chunk order in f64 (whatever order the
-/// threads finish in, so a clipped step or a LAMB trust ratio never depends on scheduling).
-fn squared_sum(g: &Tensor) -> Result<f64> {
+/// Each gradient's sum of squares, the same bits every time (0 where there is none or where
+/// `wanted` says no), in parameter order. CPU f32 tensors are summed straight from their buffers,
+/// f32 partial sums per chunk added in chunk order in f64 (whatever order the threads finish in,
+/// so a clipped step or a LAMB trust ratio never depends on scheduling). Any other tensor (a
+/// GPU's, a bf16 one) is summed in f64 where it lies, and all those sums come back to the host
+/// in one read per device: one wait for a GPU per step, not one per parameter.
+fn squared_sums(grads: &[Option<Tensor>], wanted: impl Fn(usize) -> bool) -> Result<Vec<f64>> {
+    let mut out = vec![0.0; grads.len()];
+    let mut elsewhere: Vec<(usize, Tensor)> = Vec::new();
+    for (i, g) in grads.iter().enumerate() {
+        let Some(g) = g.as_ref().filter(|_| wanted(i)) else { continue };
+        match host_squared_sum(g) {
+            Some(s) => out[i] = s,
+            None => elsewhere.push((i, g.to_dtype(DType::F64)?.sqr()?.sum_all()?)),
+        }
+    }
+    while let Some((_, first)) = elsewhere.first() {
+        let location = first.device().location();
+        let (here, rest): (Vec<_>, Vec<_>) = elsewhere.into_iter().partition(|(_, t)| t.device().location() == location);
+        let sums = Tensor::stack(&here.iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?.to_vec1::<f64>()?;
+        for ((i, _), s) in here.iter().zip(sums) {
+            out[*i] = s;
+        }
+        elsewhere = rest;
+    }
+    Ok(out)
+}
+
+/// The sum of squares of a contiguous CPU f32 tensor, from its buffer; None for any other.
+fn host_squared_sum(g: &Tensor) -> Option<f64> {
     use rayon::prelude::*;
     let (storage, layout) = g.storage_and_layout();
-    let direct = match (&*storage, layout.contiguous_offsets()) {
+    match (&*storage, layout.contiguous_offsets()) {
         (candle_core::Storage::Cpu(CpuStorage::F32(d)), Some((a, b))) => {
             let partials: Vec<f64> = d[a..b].par_chunks(CHUNK).map(|c| c.iter().map(|x| x * x).sum::<f32>() as f64).collect();
             Some(partials.iter().fold(0.0, |s, p| s + p))
         }
         _ => None,
-    };
-    drop(storage);
-    match direct {
-        Some(s) => Ok(s),
-        None => g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>(),
     }
 }
 
@@ -407,12 +428,7 @@ impl Optimizer {
     /// parameter order as unsharded (each square from its owner), so clipping is the same.
     pub fn step(&mut self, grads: &Grads, lr: f64) -> Result<StepStats> {
         let _profile = crate::util::profile::region("optimizer");
-        let mut squares: Vec<f64> = grads
-            .0
-            .iter()
-            .enumerate()
-            .map(|(i, g)| if self.owns(i) { g.as_ref().map_or(Ok(0.0), squared_sum) } else { Ok(0.0) })
-            .collect::<Result<_>>()?;
+        let mut squares = squared_sums(&grads.0, |i| self.owns(i))?;
         if let Some(s) = &self.shard {
             // Adding zeros is exact: every rank gets each owner's square unchanged.
             squares = s.group.all_reduce_sum(&Tensor::new(squares.as_slice(), &candle_core::Device::Cpu)?)?.to_vec1()?;
@@ -730,6 +746,25 @@ mod tests {
         opt.step(&gathered, 0.1).unwrap();
         let (ga, gb) = (a.as_tensor().to_vec1::<f32>().unwrap()[0], b.as_tensor().to_vec1::<f32>().unwrap()[0]);
         assert!((ga - 0.9).abs() < 1e-6 && (gb - 0.975).abs() < 1e-6, "{ga} {gb}");
+    }
+
+    #[test]
+    fn square_sums_read_from_buffers_and_from_device_sums_agree_with_hand_computed_values() {
+        let dev = Device::Cpu;
+        let f32s = |v: &[f32], shape: (usize, usize)| Tensor::from_slice(v, shape, &dev).unwrap();
+        let grads = vec![
+            Some(f32s(&[1.0, 2.0, 3.0], (1, 3))),
+            None,
+            // Summed where they lie and read back together: f64, bf16, a transposed f32 view.
+            Some(Tensor::from_slice(&[0.5f64, -1.5], 2, &dev).unwrap()),
+            Some(Tensor::from_slice(&[2.0f32, -2.0], 2, &dev).unwrap().to_dtype(DType::BF16).unwrap()),
+            Some(f32s(&[1.0, 2.0, 3.0, 4.0], (2, 2)).t().unwrap()),
+            Some(f32s(&[0.25; 4], (2, 2))),
+        ];
+        assert_eq!(squared_sums(&grads, |_| true).unwrap(), [14.0, 0.0, 2.5, 8.0, 30.0, 0.25]);
+        // A rank's own tensors only, as sharded state sums them: the others count 0.
+        assert_eq!(squared_sums(&grads, |i| i % 2 == 0).unwrap(), [14.0, 0.0, 2.5, 0.0, 30.0, 0.0]);
+        assert_eq!(Grads(grads).norm().unwrap(), 54.75f64.sqrt());
     }
 
     #[test]
