@@ -21,7 +21,9 @@
 #            and =candle: each GPU run's per-step loss against the CPU's (f32: within 1e-3
 #            relative at every step, ~1e-4 expected; bf16: mean within 5%, every step within 15%);
 #            then in f32, each against its own CPU run, the sigmoid loss with patch dropout and a
-#            moving average, and distillation from the CPU run's checkpoint with a locked tower
+#            moving average, distillation from the CPU run's checkpoint with a locked tower, two
+#            ranks with sharded state, and fine-tunes of the tests' CLIP, SigLIP 2 NaFlex and
+#            timm-trunk SigLIP checkpoints (tests/fixtures, beside the bundle in the clone)
 #         3. align bench model for ViT-B/16 (224 px), EfficientNet-B7 (289), ViT-B/32 and
 #            EfficientNet-B3 (300), each with BERT-base, bf16 and f32, at the largest
 #            power-of-two batch that fits: samples/s, peak GPU memory, MFU; and the same models
@@ -442,15 +444,35 @@ if want 2; then
     # The other paths a run takes on the device, each against its own CPU run: SigLIP's sigmoid loss
     # around the ring with patch dropout and a moving average; distillation from step 2's CPU
     # checkpoint with a locked image tower; two ranks (threads sharing the device) with sharded
-    # optimizer state and gradients over two accumulated micro-batches.
+    # optimizer state and gradients over two accumulated micro-batches; and fine-tunes of the
+    # tests' small checkpoints, each with its own towers, tokenizer and recipe: open_clip's CLIP,
+    # SigLIP 2 NaFlex (patch grids of each image's shape, masked) and open_clip's timm-trunk SigLIP.
     VARIANTS=(sigmoid-flip-ema distill-lock shard-ranks)
+    FIXTURES=$(cd "$HERE/../tests/fixtures" 2>/dev/null && pwd || true)
+    if [ -n "$FIXTURES" ] && [ -d "$FIXTURES/siglip2/naflex" ]; then
+        VARIANTS+=(clip-start naflex-start timm-siglip-start)
+    else
+        note "2. tests/fixtures not found beside the script: the fine-tunes of the CLIP and SigLIP checkpoints are skipped"
+    fi
+    # A fine-tune takes its architecture from its checkpoint: no demo settings (a learning rate
+    # a tenth of the demo's, which these runs follow as closely as 1 against 2 CPU threads do).
+    : >"$WORK/start.toml"
+    START=(train --config "$WORK/start.toml" --set "data.train=\"$DATA/train-{00000..00001}.tar\"" --set "run.out_dir=\"$WORK/runs\""
+        --set "train.steps=$TRAIN_STEPS" --set "train.batch_size=$TRAIN_BATCH" --set train.lr=1e-4 --set train.log_every=1
+        --set train.checkpoint_every=0 --set train.eval_every=0 --quiet --json)
+    # The command line of a run: BASE (the demo's settings or a fine-tune's) and VSETS after it.
     variant_sets() {
+        BASE=("${TRAIN[@]}")
         case "$1" in
             sigmoid-flip-ema) VSETS=(--set 'model.temperature="align"' --set model.temperature_init=1.0 --set 'loss.kind="sigmoid"'
                 --set model.vit.patch_dropout=0.5 --set train.ema_decay=0.99) ;;
             distill-lock) VSETS=(--set "distill.teacher=\"$WORK/runs/cpu-f32\"" --set model.lock_image=true
                 --set model.lock_image_unlocked_groups=1) ;;
             shard-ranks) VSETS=(--nproc 2 --set 'train.shard="gradients"' --set train.accum_steps=2) ;;
+            clip-start) BASE=("${START[@]}") VSETS=(--set "model.init=\"$FIXTURES/open_clip/clip-native\"") ;;
+            naflex-start) BASE=("${START[@]}") VSETS=(--set "model.init=\"$FIXTURES/siglip2/naflex\"") ;;
+            timm-siglip-start) BASE=("${START[@]}") VSETS=(--set "model.init=\"$FIXTURES/open_clip/timm-siglip\"") ;;
+            *) BASE=("${TRAIN[@]}") VSETS=() ;;
         esac
     }
     for v in "${VARIANTS[@]}"; do
@@ -460,13 +482,12 @@ if want 2; then
         run_cmd 2-train/cpu-f32 "$STEP_END" 120 "$BIN" --device cpu "${TRAIN[@]}" --set 'run.name="cpu-f32"' || true
         keep_metrics cpu-f32
         while IFS=$'\t' read -r name precision kernels ref; do
-            VSETS=()
+            variant_sets "${ref#cpu-f32-}"
             if [ "$ref" != cpu-f32 ]; then
-                variant_sets "${ref#cpu-f32-}"
-                run_cmd "2-train/$ref" "$STEP_END" 120 "$BIN" --device cpu "${TRAIN[@]}" --set "run.name=\"$ref\"" "${VSETS[@]}" || true
+                run_cmd "2-train/$ref" "$STEP_END" 120 "$BIN" --device cpu "${BASE[@]}" --set "run.name=\"$ref\"" "${VSETS[@]}" || true
                 keep_metrics "$ref"
             fi
-            run_cmd "2-train/$name" "$STEP_END" 90 env ALIGN_KERNELS="$kernels" "$BIN" --device "$DEVICE" "${TRAIN[@]}" \
+            run_cmd "2-train/$name" "$STEP_END" 90 env ALIGN_KERNELS="$kernels" "$BIN" --device "$DEVICE" "${BASE[@]}" \
                 --set "run.name=\"$name\"" --set "train.precision=\"$precision\"" "${VSETS[@]}" || true
             keep_metrics "$name"
         done <"$RAW/2-train/runs.txt"

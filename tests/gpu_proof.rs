@@ -78,15 +78,30 @@ fn the_gpu_proof_dry_run_passes_on_the_cpu_and_writes_its_report() {
             "cpu-bf16-candle",
             "cpu-f32-align-sigmoid-flip-ema",
             "cpu-f32-align-distill-lock",
-            "cpu-f32-align-shard-ranks"
+            "cpu-f32-align-shard-ranks",
+            "cpu-f32-align-clip-start",
+            "cpu-f32-align-naflex-start",
+            "cpu-f32-align-timm-siglip-start"
         ]
     );
     // The sigmoid loss with patch dropout and a moving average, distillation with a locked
-    // tower, and two ranks with sharded state, each against its own CPU run.
+    // tower, two ranks with sharded state, and fine-tunes of CLIP, SigLIP 2 NaFlex and timm-trunk
+    // SigLIP checkpoints, each against its own CPU run.
     let references: Vec<&str> = runs.iter().map(|r| r["reference"].as_str().unwrap()).collect();
     assert_eq!(
         references,
-        ["cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32", "cpu-f32-sigmoid-flip-ema", "cpu-f32-distill-lock", "cpu-f32-shard-ranks"]
+        [
+            "cpu-f32",
+            "cpu-f32",
+            "cpu-f32",
+            "cpu-f32",
+            "cpu-f32-sigmoid-flip-ema",
+            "cpu-f32-distill-lock",
+            "cpu-f32-shard-ranks",
+            "cpu-f32-clip-start",
+            "cpu-f32-naflex-start",
+            "cpu-f32-timm-siglip-start"
+        ]
     );
     for r in runs {
         assert_eq!(r["pass"], true, "{r}");
