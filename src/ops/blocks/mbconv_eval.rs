@@ -38,6 +38,18 @@ impl Affine {
     fn shift<T: Float>(&self) -> Vec<T> {
         self.shift.iter().map(|&b| T::from(b)).collect()
     }
+
+    /// That the map has one scale and one shift for each of the `channels` of its convolution.
+    fn check(&self, what: &str, channels: usize) -> Result<()> {
+        if self.scale.len() != channels || self.shift.len() != channels {
+            candle_core::bail!(
+                "MBConv block: the {what} BatchNorm has {} scales and {} shifts for {channels} channels",
+                self.scale.len(),
+                self.shift.len()
+            );
+        }
+        Ok(())
+    }
 }
 
 /// The block's weights (each contiguous) and its BatchNorms as [`Affine`] maps.
@@ -111,18 +123,25 @@ impl MbConvEval {
             candle_core::bail!("MBConv block: {k}x{k} depthwise kernel at stride {} does not fit {h}x{w}", self.stride);
         }
         let mid = match &self.expand {
-            Some((we, _)) => {
-                if we.dim(1)? != c {
+            Some((we, norm)) => {
+                let mid = we.dim(0)?;
+                if we.elem_count() != mid * c {
                     candle_core::bail!("MBConv block: expansion {:?} for {c} channels in", we.dims());
                 }
-                we.dim(0)?
+                norm.check("expansion", mid)?;
+                mid
             }
             None => c,
         };
-        if wd.dim(0)? != mid || self.depthwise.1.scale.len() != mid {
+        if wd.dims() != [mid, 1, k, k] {
             candle_core::bail!("MBConv block: depthwise kernel {:?} for {mid} channels", wd.dims());
         }
-        let out = self.project.1.scale.len();
+        self.depthwise.1.check("depthwise", mid)?;
+        let (projection, out) = (&self.project.0, self.project.0.dim(0)?);
+        if projection.elem_count() != out * mid {
+            candle_core::bail!("MBConv block: projection {:?} for {mid} channels in", projection.dims());
+        }
+        self.project.1.check("projection", out)?;
         let dims = [n, out, (hp - k) / self.stride + 1, (wp - k) / self.stride + 1];
         if self.residual && dims[..] != x[..] {
             candle_core::bail!("MBConv block: a shortcut from {x:?} to {dims:?}");
@@ -182,4 +201,55 @@ pub fn mbconv_eval(x: &Tensor, block: MbConvEval) -> Result<Tensor> {
         ..block
     };
     x.contiguous()?.apply_op1_no_bwd(&Op(block))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn t(seed: u64, shape: &[usize]) -> Tensor {
+        crate::util::rng::randn(seed, 0.0, 0.3, shape, DType::F32, &Device::Cpu).unwrap()
+    }
+
+    fn affine(channels: usize) -> Affine {
+        Affine { scale: (0..channels).map(|i| 1.0 + 0.1 * i as f64).collect(), shift: vec![0.05; channels] }
+    }
+
+    /// 4 channels in and out, expanded to 8, squeezed to 2, 3×3 depthwise.
+    fn block() -> MbConvEval {
+        MbConvEval {
+            expand: Some((t(1, &[8, 4, 1, 1]), affine(8))),
+            depthwise: (t(2, &[8, 1, 3, 3]), affine(8)),
+            stride: 1,
+            pad: Padding::same(3),
+            excite: [t(3, &[2, 8]), t(4, &[2]), t(5, &[8, 2]), t(6, &[8])],
+            project: (t(7, &[4, 8, 1, 1]), affine(4)),
+            residual: true,
+        }
+    }
+
+    /// Weights and BatchNorms that do not fit each other are an error naming the part, where
+    /// they would otherwise fold silently wrong or index past a buffer.
+    #[test]
+    fn parts_that_do_not_fit_are_refused_by_name() {
+        let x = t(8, &[2, 4, 6, 6]);
+        assert_eq!(mbconv_eval(&x, block()).unwrap().dims(), [2, 4, 6, 6]);
+        type Breaks = fn(&mut MbConvEval);
+        let broken: [(&str, Breaks); 7] = [
+            ("expansion BatchNorm", |b| b.expand.as_mut().unwrap().1 = affine(7)),
+            ("expansion BatchNorm", |b| b.expand.as_mut().unwrap().1.shift.pop().map(drop).unwrap()),
+            ("depthwise BatchNorm", |b| b.depthwise.1 = affine(9)),
+            ("depthwise kernel", |b| b.depthwise.0 = t(9, &[8, 1, 3, 5])),
+            ("projection BatchNorm", |b| b.project.1 = affine(3)),
+            ("projection", |b| b.project.0 = t(10, &[4, 6, 1, 1])),
+            ("expansion", |b| b.expand.as_mut().unwrap().0 = t(11, &[8, 3, 1, 1])),
+        ];
+        for (what, breaks) in broken {
+            let mut b = block();
+            breaks(&mut b);
+            let e = mbconv_eval(&x, b).unwrap_err().to_string();
+            assert!(e.contains(what), "{what}: {e}");
+        }
+    }
 }
