@@ -980,17 +980,19 @@ def report(a):
         "loader": report_loader(raw, commands),
         "embed": report_embed(raw, commands),
     }
+    # Steps left out with GPU_PROOF_STEPS are not failures.
+    asked = (env.get("steps") or "1 2 3 4 5").split()
     failures = []
-    if steps["ops"]["status"] != "pass":
+    if "1" in asked and steps["ops"]["status"] != "pass":
         failures.append("step 1: " + (", ".join(steps["ops"]["failed_ops"]) or steps["ops"].get("error", "error")))
-    if steps["training"]["status"] != "pass":
+    if "2" in asked and steps["training"]["status"] != "pass":
         bad = [r["run"] for r in steps["training"]["rows"] if not r["pass"]]
         failures.append("step 2: " + (", ".join(bad) or steps["training"].get("error", "error")))
-    if steps["model"]["status"] == "error":
+    if "3" in asked and steps["model"]["status"] == "error":
         failures.append("step 3: " + ("; ".join(steps["model"].get("errors") or []) or steps["model"].get("error", "error")))
-    if steps["loader"]["status"] == "error":
+    if "4" in asked and steps["loader"]["status"] == "error":
         failures.append("step 4: " + steps["loader"].get("error", "error"))
-    if steps["embed"]["status"] == "error":
+    if "5" in asked and steps["embed"]["status"] == "error":
         failures.append("step 5: " + steps["embed"].get("error", "error"))
     libs = read_kv(raw / "libs.txt")
     doc = {

@@ -81,8 +81,8 @@ fn squared_sums(grads: &[Option<Tensor>], wanted: impl Fn(usize) -> bool) -> Res
         }
     }
     while let Some((_, first)) = elsewhere.first() {
-        let location = first.device().location();
-        let (here, rest): (Vec<_>, Vec<_>) = elsewhere.into_iter().partition(|(_, t)| t.device().location() == location);
+        let device = first.device().clone();
+        let (here, rest): (Vec<_>, Vec<_>) = elsewhere.into_iter().partition(|(_, t)| t.device().same_device(&device));
         let sums = Tensor::stack(&here.iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?.to_vec1::<f64>()?;
         for ((i, _), s) in here.iter().zip(sums) {
             out[*i] = s;

@@ -125,7 +125,7 @@ impl MbConvEval {
         let mid = match &self.expand {
             Some((we, norm)) => {
                 let mid = we.dim(0)?;
-                if we.elem_count() != mid * c {
+                if we.dim(1)? != c || we.elem_count() != mid * c {
                     candle_core::bail!("MBConv block: expansion {:?} for {c} channels in", we.dims());
                 }
                 norm.check("expansion", mid)?;
