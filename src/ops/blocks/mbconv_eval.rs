@@ -96,10 +96,8 @@ impl MbConvEval {
         drop(expanded);
         let gates = factors(n, &means, (w1, b1), (w2, b2))?;
         let norm = &self.project.1;
+        // `out_dims` has checked every part against the block's channels.
         let out = norm.scale.len();
-        if wp.len() != out * mid {
-            candle_core::bail!("MBConv block: projection of {} values for {mid} channels in and {out} out", wp.len());
-        }
         let folded = norm.fold(wp);
         let plane = ho * wo;
         // The factors scale whichever is smaller: the projection's weights, one copy per image
