@@ -138,6 +138,12 @@ impl ClipText {
     /// `[b, L, width]` after `final_layer_norm`: each token sees itself, the tokens before it and
     /// no padding.
     pub fn hidden_states(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (x, encoder_mask) = self.embed(ids, mask)?;
+        self.final_norm.forward(&self.encoder.forward(&x, &encoder_mask)?)
+    }
+
+    /// The embedded tokens and what each may attend to.
+    fn embed(&self, ids: &Tensor, mask: &Tensor) -> Result<(Tensor, Mask)> {
         let (b, l) = ids.dims2()?;
         if l > self.config.max_position {
             candle_core::bail!("CLIP's text tower takes at most {} tokens, got {l}", self.config.max_position);
@@ -146,39 +152,34 @@ impl ClipText {
         let positions = Tensor::arange(0u32, l as u32, dev)?;
         let x = self.token.forward(ids)?.broadcast_add(&self.position.forward(&positions)?)?;
         if !self.config.causal {
-            return self.final_norm.forward(&self.encoder.forward(&x, &Mask::default())?);
+            return Ok((x, Mask::default()));
         }
-        let mask = Mask { key_bias: Some(Mask::padding(mask)?.reshape((b, l))?), causal: true };
-        self.final_norm.forward(&self.encoder.forward(&x, &mask)?)
+        Ok((x, Mask { key_bias: Some(Mask::padding(mask)?.reshape((b, l))?), causal: true }))
     }
 
     /// The pooled position's final state of each row: the end-of-text token at the row's
     /// highest id (OpenAI's configs) or at its first `eos_token_id`, as transformers pools, or
-    /// the first or last position.
+    /// the first or last position. The last layer runs at that position only.
     pub fn pooled(&self, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let h = self.hidden_states(ids, mask)?;
-        let (b, l, w) = h.dims3()?;
+        let l = ids.dim(1)?;
         let rows: Vec<Vec<u32>> = ids.to_vec2()?;
         let eos = self.config.eos_token_id;
         let pool = self.config.pooling();
-        let at: Vec<u32> = rows
+        let at: Vec<usize> = rows
             .iter()
-            .enumerate()
-            .map(|(i, r)| {
-                let p = match pool {
-                    // The first of the highest ids, as torch's argmax returns.
-                    TextPool::Argmax => r.iter().enumerate().fold(0, |best, (j, &t)| if t > r[best] { j } else { best }),
-                    // transformers falls back to the last position, open_clip to the first;
-                    // a configuration with an end token always has one in each row.
-                    TextPool::Eos if self.config.pool.is_none() => r.iter().position(|&t| t == eos).unwrap_or(l - 1),
-                    TextPool::Eos => r.iter().position(|&t| t == eos).unwrap_or(0),
-                    TextPool::First => 0,
-                    TextPool::Last => l - 1,
-                };
-                (i * l + p) as u32
+            .map(|r| match pool {
+                // The first of the highest ids, as torch's argmax returns.
+                TextPool::Argmax => r.iter().enumerate().fold(0, |best, (j, &t)| if t > r[best] { j } else { best }),
+                // transformers falls back to the last position, open_clip to the first;
+                // a configuration with an end token always has one in each row.
+                TextPool::Eos if self.config.pool.is_none() => r.iter().position(|&t| t == eos).unwrap_or(l - 1),
+                TextPool::Eos => r.iter().position(|&t| t == eos).unwrap_or(0),
+                TextPool::First => 0,
+                TextPool::Last => l - 1,
             })
             .collect();
-        h.reshape((b * l, w))?.index_select(&Tensor::from_vec(at, b, h.device())?, 0)
+        let (x, encoder_mask) = self.embed(ids, mask)?;
+        self.final_norm.forward(&self.encoder.forward_at(&x, &encoder_mask, &at)?)
     }
 }
 
@@ -212,6 +213,11 @@ impl ClipVision {
     /// The encoder's output `[b, 1 + patches, width]` (Hugging Face's `last_hidden_state`, before
     /// `post_layernorm`).
     pub fn hidden_states(&self, images: &Tensor) -> Result<Tensor> {
+        self.encoder.forward(&self.tokens(images)?, &Mask::default())
+    }
+
+    /// The encoder's input: the class token and the embedded patches, with their positions.
+    fn tokens(&self, images: &Tensor) -> Result<Tensor> {
         let (b, _, h, w) = images.dims4()?;
         let (size, p) = (self.config.image_size, self.config.patch_size);
         if h != size || w != size {
@@ -223,20 +229,23 @@ impl ClipVision {
         let tokens = linear_no_bias(&patches.reshape((b * np, ()))?, &self.patch_weight.reshape((width, ()))?)?.reshape((b, np, width))?;
         let cls = self.class_embedding.reshape((1, 1, width))?.broadcast_as((b, 1, width))?;
         let x = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.position.unsqueeze(0)?)?;
-        let x = match &self.pre_norm {
-            Some(n) => n.forward(&x)?,
-            None => x,
-        };
-        self.encoder.forward(&x, &Mask::default())
+        match &self.pre_norm {
+            Some(n) => n.forward(&x),
+            None => Ok(x),
+        }
     }
 
     pub fn pooled(&self, images: &Tensor) -> Result<Tensor> {
-        let h = self.hidden_states(images)?;
         match (self.config.pool, self.config.norm_after_pool) {
-            // A LayerNorm acts on each token alone: before or after picking one is the same.
-            (VisionPool::Tok, _) => self.post_norm.forward(&h.narrow(1, 0, 1)?.squeeze(1)?),
-            (VisionPool::Avg, true) => self.post_norm.forward(&patch_mean(&h)?),
-            (VisionPool::Avg, false) => patch_mean(&self.post_norm.forward(&h)?),
+            // A LayerNorm acts on each token alone: before or after picking one is the same. The
+            // last layer runs for the class token only.
+            (VisionPool::Tok, _) => {
+                let x = self.tokens(images)?;
+                let at = vec![0; x.dim(0)?];
+                self.post_norm.forward(&self.encoder.forward_at(&x, &Mask::default(), &at)?)
+            }
+            (VisionPool::Avg, true) => self.post_norm.forward(&patch_mean(&self.hidden_states(images)?)?),
+            (VisionPool::Avg, false) => patch_mean(&self.post_norm.forward(&self.hidden_states(images)?)?),
         }
     }
 }

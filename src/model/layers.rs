@@ -172,6 +172,62 @@ pub fn composed_attention_branch(
     }
 }
 
+/// A pre-norm transformer layer (`x + O(A(LN1(x)))`, then `x + M(LN2(x))`) computed at one
+/// position of each sequence only, `at[i]` of row `i`: `[batch, width]`. Where a tower keeps one
+/// token of its last layer (a class token, an end-of-text token), the other positions' queries,
+/// attention output and MLP feed nothing; only the keys and values need every position. The same
+/// numbers as the whole layer at those positions, for 2/12 of its products instead of all of them.
+#[allow(clippy::too_many_arguments)]
+pub fn pre_norm_layer_at(
+    x: &Tensor,
+    at: &[usize],
+    ln1: &LayerNorm,
+    [q, k, v, o]: [&Linear; 4],
+    heads: usize,
+    mask: &Mask,
+    ln2: &LayerNorm,
+    [fc1, fc2]: [&Linear; 2],
+    act: Activation,
+) -> Result<Tensor> {
+    let (b, l, w) = x.dims3()?;
+    if at.len() != b || at.iter().any(|&p| p >= l) {
+        candle_core::bail!("positions {at:?} for a batch of {b} sequences of {l} tokens");
+    }
+    let rows = Tensor::from_vec(at.iter().enumerate().map(|(i, &p)| (i * l + p) as u32).collect::<Vec<_>>(), b, x.device())?;
+    let pick = |t: &Tensor| t.reshape((b * l, w))?.index_select(&rows, 0);
+    let h = ln1.forward(x)?;
+    let (keys, values) = (k.forward(&h)?, v.forward(&h)?);
+    let query = q.forward(&pick(&h)?)?;
+    // Each query's keys: the padding bias, and under a causal mask every later key masked as
+    // the softmax masks padding.
+    let mut bias = match &mask.key_bias {
+        Some(kb) => kb.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?,
+        None => vec![0.0; b * l],
+    };
+    if mask.causal {
+        for (i, &p) in at.iter().enumerate() {
+            bias[i * l + p + 1..(i + 1) * l].iter_mut().for_each(|v| *v = -1e9);
+        }
+    }
+    let bias = Tensor::from_vec(bias, (b, l), x.device())?;
+    let hd = w / heads;
+    let split = |t: &Tensor, n: usize| t.reshape((b, n, heads, hd))?.transpose(1, 2)?.contiguous();
+    let scores = split(&query, 1)?.matmul(&split(&keys, l)?.t()?)?;
+    let probs = match scores.dtype() {
+        // As the whole layer's attention: exp and the row sums in f32 even for bf16 towers.
+        candle_core::DType::BF16 | candle_core::DType::F16 => crate::ops::kernels::softmax::scaled_masked_softmax(
+            &scores.to_dtype(candle_core::DType::F32)?,
+            1.0 / (hd as f64).sqrt(),
+            Some(&bias),
+        )?
+        .to_dtype(scores.dtype())?,
+        _ => crate::ops::kernels::softmax::scaled_masked_softmax(&scores, 1.0 / (hd as f64).sqrt(), Some(&bias))?,
+    };
+    let context = probs.matmul(&split(&values, l)?)?.reshape((b, w))?;
+    let x = (o.forward(&context)? + pick(x)?)?;
+    mlp(fc1, fc2, &ln2.forward(&x)?, act)? + x
+}
+
 /// A transformer layer's MLP sub-layer: `x + M(LN(x))` (pre-norm) or `LN(x + M(x))`
 /// (post-norm) with `M = fc2 ∘ act ∘ fc1`. One op on the CPU in f32 / f64, the separate layers
 /// elsewhere.
@@ -400,6 +456,40 @@ mod sublayer_tests {
             let (eval, graph) = (eval.unwrap(), graph.unwrap());
             assert!(max_diff(&eval, &graph) <= 1e-5 * max_abs(&graph), "bf16 {act:?}: {}", max_diff(&eval, &graph));
         }
+    }
+
+    /// A layer run at one position per sequence against the whole layer read at those positions,
+    /// under every mask: the same outputs, and the same gradients for x and every parameter.
+    #[test]
+    fn a_layer_at_chosen_positions_equals_the_whole_layer_there() {
+        let s = sublayers(DType::F64);
+        let (att, mlp) = (&s[0], &s[1]);
+        let proj = [&att.linears[0], &att.linears[1], &att.linears[2], &att.linears[3]];
+        let x = Var::from_tensor(&randn(416, 0.2, 1.0, (2, 5, WIDTH), DType::F64, &Device::Cpu).unwrap()).unwrap();
+        let up = randn(417, 0.0, 1.0, (2, WIDTH), DType::F64, &Device::Cpu).unwrap();
+        // Row 1 masks its last two keys: its position 2 is its last token.
+        let (at, rows) = ([4usize, 2], Tensor::new(&[4u32, 7], &Device::Cpu).unwrap());
+        let act = Activation::QuickGelu;
+        for (bias, causal) in [(None, false), (Some(mask(DType::F64, 2, 5)), false), (None, true), (Some(mask(DType::F64, 2, 5)), true)] {
+            let what = format!("mask {} causal {causal}", bias.is_some());
+            let m = Mask { key_bias: bias, causal };
+            let whole = layers::attention_branch(&x, Norm::Pre, &att.ln, proj, 2, &m).unwrap();
+            let whole = layers::mlp_branch(&whole, Norm::Pre, &mlp.ln, &mlp.linears[0], &mlp.linears[1], act).unwrap();
+            let whole = whole.reshape((10, WIDTH)).unwrap().index_select(&rows, 0).unwrap();
+            let part = layers::pre_norm_layer_at(&x, &at, &att.ln, proj, 2, &m, &mlp.ln, [&mlp.linears[0], &mlp.linears[1]], act).unwrap();
+            assert!(max_diff(&part, &whole) <= 1e-12 * max_abs(&whole), "{what}: output {}", max_diff(&part, &whole));
+            let g1 = (part * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = (whole * &up).unwrap().sum_all().unwrap().backward().unwrap();
+            let vars = s.iter().flat_map(|s| s.vars.iter().map(|(n, v)| (n.as_str(), v)));
+            for (name, v) in std::iter::once(("x", &x)).chain(vars) {
+                let (a, r) = (g1.get(v).unwrap(), g2.get(v).unwrap());
+                let scale = max_abs(r).max(1e-2);
+                assert!(max_diff(a, r) <= 1e-10 * scale, "{what}: gradient of {name}: {} vs {}", max_diff(a, r), max_abs(r));
+            }
+        }
+        let wrong =
+            layers::pre_norm_layer_at(&x, &[5, 0], &att.ln, proj, 2, &Mask::default(), &mlp.ln, [&mlp.linears[0], &mlp.linears[1]], act);
+        assert!(wrong.unwrap_err().to_string().contains("positions [5, 0]"));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use candle_core::{Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Mask, Norm};
+use super::layers::{attention_branch, linear, mlp_branch, pre_norm_layer_at, scaled_normal, LayerNorm, Linear, Mask, Norm};
 use super::recompute::Checkpointing;
 use crate::ops::kernels::bias_act::Activation;
 
@@ -124,6 +124,22 @@ impl Layer {
         let x = attention_branch(x, Norm::Pre, &self.norm1, [&self.q, &self.k, &self.v, &self.out], self.heads, mask)?;
         mlp_branch(&x, Norm::Pre, &self.norm2, &self.mlp.fc1, &self.mlp.fc2, self.mlp.act.activation())
     }
+
+    /// [`Layer::forward`] at position `at[i]` of each row `i` only: `[batch, width]`.
+    fn forward_at(&self, x: &Tensor, mask: &Mask, at: &[usize]) -> Result<Tensor> {
+        let proj = [&self.q, &self.k, &self.v, &self.out];
+        pre_norm_layer_at(
+            x,
+            at,
+            &self.norm1,
+            proj,
+            self.heads,
+            mask,
+            &self.norm2,
+            [&self.mlp.fc1, &self.mlp.fc2],
+            self.mlp.act.activation(),
+        )
+    }
 }
 
 /// Multi-head attention of `q` over `k`, `v` (`[b, Lq or Lk, width]`) with `bias` added to the
@@ -159,6 +175,22 @@ impl Encoder {
             x = self.checkpointing.run(&x, Arc::new(move |x, _| layer.forward(x, &mask)))?;
         }
         Ok(x)
+    }
+
+    /// [`Encoder::forward`]'s output at position `at[i]` of each row `i` only, `[batch, width]`:
+    /// the last layer runs for those positions alone (`layers::pre_norm_layer_at`).
+    pub fn forward_at(&self, x: &Tensor, mask: &Mask, at: &[usize]) -> Result<Tensor> {
+        let Some((last, rest)) = self.layers.split_last() else {
+            let (b, l, w) = x.dims3()?;
+            let rows = at.iter().enumerate().map(|(i, &p)| (i * l + p) as u32).collect::<Vec<_>>();
+            return x.reshape((b * l, w))?.index_select(&Tensor::from_vec(rows, b, x.device())?, 0);
+        };
+        let mut x = x.clone();
+        for layer in rest {
+            let (layer, mask) = (layer.clone(), mask.clone());
+            x = self.checkpointing.run(&x, Arc::new(move |x, _| layer.forward(x, &mask)))?;
+        }
+        last.forward_at(&x, mask, at)
     }
 }
 

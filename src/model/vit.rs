@@ -8,7 +8,7 @@ use std::sync::Arc;
 use candle_core::{Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use super::layers::{attention_branch, linear, mlp_branch, scaled_normal, LayerNorm, Linear, Mask, Norm};
+use super::layers::{attention_branch, linear, mlp_branch, pre_norm_layer_at, scaled_normal, LayerNorm, Linear, Mask, Norm};
 use super::presets::{ImagePooling, VitConfig};
 use super::recompute::Checkpointing;
 use super::{Ctx, Masking};
@@ -50,6 +50,13 @@ impl Block {
         let x =
             attention_branch(x, Norm::Pre, &self.norm1, [&self.query, &self.key, &self.value, &self.proj], self.heads, &Mask::default())?;
         mlp_branch(&x, Norm::Pre, &self.norm2, &self.fc1, &self.fc2, Activation::GeluErf)
+    }
+
+    /// [`Block::forward`] at the class token (position 0) of each image only: `[batch, width]`.
+    fn forward_cls(&self, x: &Tensor) -> Result<Tensor> {
+        let proj = [&self.query, &self.key, &self.value, &self.proj];
+        let at = vec![0; x.dim(0)?];
+        pre_norm_layer_at(x, &at, &self.norm1, proj, self.heads, &Mask::default(), &self.norm2, [&self.fc1, &self.fc2], Activation::GeluErf)
     }
 }
 
@@ -96,6 +103,21 @@ impl Vit {
     /// `last_hidden_state`): every patch, or under patch dropout (a training `ctx` with masking
     /// and a positive rate) the patches each image keeps.
     pub fn hidden_states(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let mut x = self.tokens(images, ctx)?;
+        for block in &self.blocks {
+            x = self.run_block(block, &x)?;
+        }
+        self.norm.forward(&x)
+    }
+
+    fn run_block(&self, block: &Arc<Block>, x: &Tensor) -> Result<Tensor> {
+        let block = block.clone();
+        self.checkpointing.run(x, Arc::new(move |x, _| block.forward(x)))
+    }
+
+    /// The first block's input: the class token and the embedded patches (those patch dropout
+    /// keeps), with their positions.
+    fn tokens(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
         let (b, _, h, w) = images.dims4()?;
         if h != self.config.image_size || w != self.config.image_size {
             candle_core::bail!("ViT expects {}x{} images, got {h}x{w}", self.config.image_size, self.config.image_size);
@@ -119,12 +141,18 @@ impl Vit {
             _ => embed(&patches)?.reshape((b, np, width))?.broadcast_add(&patch_pos)?,
         };
         let cls = self.cls_token.broadcast_add(&self.pos.narrow(1, 0, 1)?)?.broadcast_as((b, 1, width))?;
-        let mut x = Tensor::cat(&[&cls, &tokens], 1)?;
-        for block in &self.blocks {
-            let block = block.clone();
-            x = self.checkpointing.run(&x, Arc::new(move |x, _| block.forward(x)))?;
+        Tensor::cat(&[&cls, &tokens], 1)
+    }
+
+    /// The final LayerNorm's output at the class token, `[b, width]`: the last block runs for
+    /// that token only.
+    fn class_state(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
+        let mut x = self.tokens(images, ctx)?;
+        let Some((last, rest)) = self.blocks.split_last() else { return self.norm.forward(&x.narrow(1, 0, 1)?.squeeze(1)?) };
+        for block in rest {
+            x = self.run_block(block, &x)?;
         }
-        self.norm.forward(&x)
+        self.norm.forward(&last.forward_cls(&x)?)
     }
 
     /// The rows of the flattened `[b · patches]` patch matrix that patch dropout keeps, and each
@@ -145,12 +173,14 @@ impl Vit {
     }
 
     pub fn pooled(&self, images: &Tensor, ctx: &Ctx) -> Result<Tensor> {
-        let x = self.hidden_states(images, ctx)?;
         match self.config.pool {
-            ImagePooling::Cls => x.narrow(1, 0, 1)?.squeeze(1),
-            ImagePooling::Gap => x.narrow(1, 1, x.dim(1)? - 1)?.mean(1),
+            ImagePooling::Cls => self.class_state(images, ctx),
+            ImagePooling::Gap => {
+                let x = self.hidden_states(images, ctx)?;
+                x.narrow(1, 1, x.dim(1)? - 1)?.mean(1)
+            }
             ImagePooling::Pooler => match &self.pooler {
-                Some(p) => p.forward(&x.narrow(1, 0, 1)?.squeeze(1)?)?.tanh(),
+                Some(p) => p.forward(&self.class_state(images, ctx)?)?.tanh(),
                 None => candle_core::bail!("a ViT pooled by its pooler has no pooler weights"),
             },
         }

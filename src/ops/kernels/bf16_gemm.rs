@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileDst};
+use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileAdds, TileDst};
 
 /// Rows of a tile: 24 accumulators, two right-hand loads and a broadcast fit the 32 registers.
 pub(crate) const MR: usize = 12;
@@ -381,9 +381,10 @@ pub(crate) unsafe fn product(
         for_each_tile(m.div_ceil(MR), panels, BLOCK_ROWS / MR, threads, |p, r| {
             let (rows, cols) = (MR.min(m - r * MR), NR.min(d.n - p * NR));
             let out = dst.at(r * MR * dst_rs + p * NR);
-            tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate);
+            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(start + r * MR, p * NR, d.n));
+            tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate, adds);
             if let Some(e) = epilogue {
-                e.apply(out, dst_rs, start + r * MR, p * NR, rows, cols, d.n);
+                e.activate(out, dst_rs, rows, cols);
             }
         });
     }
@@ -393,7 +394,17 @@ pub(crate) unsafe fn product(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_avx512(a: *const u32, kp: usize, b: *const u16, dst: *mut f32, dst_rs: usize, rows: usize, cols: usize, accumulate: bool) {
+unsafe fn tile_avx512(
+    a: *const u32,
+    kp: usize,
+    b: *const u16,
+    dst: *mut f32,
+    dst_rs: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+    adds: TileAdds,
+) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
     for q in 0..kp {
@@ -410,7 +421,7 @@ unsafe fn tile_avx512(a: *const u32, kp: usize, b: *const u16, dst: *mut f32, ds
         for h in 0..2 {
             let p = dst.add(r * dst_rs + 16 * h);
             let v = if accumulate { _mm512_add_ps(acc[h], _mm512_maskz_loadu_ps(masks[h], p)) } else { acc[h] };
-            _mm512_mask_storeu_ps(p, masks[h], v);
+            _mm512_mask_storeu_ps(p, masks[h], adds.add(v, r, 16 * h, masks[h]));
         }
     }
 }
@@ -426,7 +437,7 @@ fn mask(n: usize) -> u16 {
 
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u16, _: *mut f32, _: usize, _: usize, _: usize, _: bool) {
+unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u16, _: *mut f32, _: usize, _: usize, _: usize, _: bool, _: TileAdds) {
     unreachable!("bf16 products run only where `available`")
 }
 

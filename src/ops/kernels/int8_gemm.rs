@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileDst};
+use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileAdds, TileDst};
 
 /// Rows of a tile: 24 accumulators, two weight loads and a broadcast fit the 32 registers.
 const MR: usize = 12;
@@ -273,9 +273,21 @@ pub(crate) unsafe fn product(
             w: wq.scales.as_ptr().add(p * NR),
             sums: wq.sums.as_ptr().add(p * NR),
         };
-        tile_avx512(a.as_ptr().add(r * MR * kq), kq, wq.panels.as_ptr().add(p * kq * NR), scales, out, dst_rs, rows, cols, accumulate);
+        let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r * MR, p * NR, d.n));
+        tile_avx512(
+            a.as_ptr().add(r * MR * kq),
+            kq,
+            wq.panels.as_ptr().add(p * kq * NR),
+            scales,
+            out,
+            dst_rs,
+            rows,
+            cols,
+            accumulate,
+            adds,
+        );
         if let Some(e) = epilogue {
-            e.apply(out, dst_rs, r * MR, p * NR, rows, cols, d.n);
+            e.activate(out, dst_rs, rows, cols);
         }
     });
 }
@@ -303,6 +315,7 @@ unsafe fn tile_avx512(
     rows: usize,
     cols: usize,
     accumulate: bool,
+    adds: TileAdds,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_si512(); 2]; MR];
@@ -328,14 +341,14 @@ unsafe fn tile_avx512(
             if accumulate {
                 v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[h], p));
             }
-            _mm512_mask_storeu_ps(p, masks[h], v);
+            _mm512_mask_storeu_ps(p, masks[h], adds.add(v, r, 16 * h, masks[h]));
         }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u32, _: Scales, _: *mut f32, _: usize, _: usize, _: usize, _: bool) {
+unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u32, _: Scales, _: *mut f32, _: usize, _: usize, _: usize, _: bool, _: TileAdds) {
     unreachable!("int8 products run only where `available`")
 }
 

@@ -88,37 +88,76 @@ pub(crate) struct Epilogue<'a> {
 }
 
 impl Epilogue<'_> {
-    /// Applies it to the stored `rows` × `cols` block at `dst` (rows `dst_rs` apart), which is
-    /// the product's block from row `row0` and column `col0`, in a product `n` columns wide.
+    /// What the tile at row `row0` and column `col0` of a product `n` columns wide adds to its
+    /// sums as it stores them: the residual's and the bias's elements at its place.
+    pub fn adds(&self, row0: usize, col0: usize, n: usize) -> TileAdds {
+        TileAdds {
+            residual: self.residual.map_or(std::ptr::null(), |r| r[row0 * n + col0..].as_ptr()),
+            residual_rs: n,
+            bias: self.bias.map_or(std::ptr::null(), |b| b[col0..].as_ptr()),
+        }
+    }
+
+    /// The activation on the stored `rows` × `cols` block at `dst` (rows `dst_rs` apart), once
+    /// the tile has added the residual and bias ([`Epilogue::adds`]).
     ///
     /// # Safety
-    /// The block must be valid and the calling task's alone; the operands must cover it.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn apply(&self, dst: *mut f32, dst_rs: usize, row0: usize, col0: usize, rows: usize, cols: usize, n: usize) {
-        let e = *self;
+    /// The block must be valid and the calling task's alone.
+    pub unsafe fn activate(&self, dst: *mut f32, dst_rs: usize, rows: usize, cols: usize) {
+        let act = self.act;
+        if act == Activation::Identity {
+            return;
+        }
         simd(
             #[inline(always)]
             || {
                 for r in 0..rows {
                     // SAFETY: the caller's contract.
-                    let out = unsafe { std::slice::from_raw_parts_mut(dst.add(r * dst_rs), cols) };
-                    if let Some(res) = e.residual {
-                        let at = (row0 + r) * n + col0;
-                        for (o, &x) in out.iter_mut().zip(&res[at..at + cols]) {
-                            *o += x;
-                        }
-                    }
-                    if let Some(b) = e.bias {
-                        for (o, &x) in out.iter_mut().zip(&b[col0..col0 + cols]) {
-                            *o += x;
-                        }
-                    }
-                    e.act.apply_to(out);
+                    act.apply_to(unsafe { std::slice::from_raw_parts_mut(dst.add(r * dst_rs), cols) });
                 }
             },
         )
     }
 }
+
+/// A tile's share of an [`Epilogue`]'s additions, added to the sums in registers as they are
+/// stored (a pass of its own over each stored tile had cost as much as the activation): `(sum +
+/// residual) + bias`, the order in which the separate steps would add them. Null where absent.
+#[derive(Clone, Copy)]
+pub(crate) struct TileAdds {
+    /// The residual's element at the tile's first row and column; its rows `residual_rs` apart.
+    pub residual: *const f32,
+    pub residual_rs: usize,
+    /// The bias's element at the tile's first column.
+    pub bias: *const f32,
+}
+
+impl TileAdds {
+    pub const NONE: TileAdds = TileAdds { residual: std::ptr::null(), residual_rs: 0, bias: std::ptr::null() };
+
+    /// `v`, the sums of 16 columns from `col` of the tile's row `r`, with the residual and the
+    /// bias added in the lanes `mask` keeps.
+    ///
+    /// # Safety
+    /// AVX-512 F must be available; the pointers must cover the tile's kept lanes.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    pub unsafe fn add(&self, v: std::arch::x86_64::__m512, r: usize, col: usize, mask: u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let mut v = v;
+        if !self.residual.is_null() {
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, self.residual.add(r * self.residual_rs + col)));
+        }
+        if !self.bias.is_null() {
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, self.bias.add(col)));
+        }
+        v
+    }
+}
+
+// SAFETY: the pointers are read only, from slices that outlive the product.
+unsafe impl Send for TileAdds {}
+unsafe impl Sync for TileAdds {}
 
 #[cfg(test)]
 mod tests {
