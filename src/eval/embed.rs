@@ -69,35 +69,63 @@ pub fn embed_texts(
     device: &Device,
     mut progress: impl FnMut(usize),
 ) -> Result<Embeddings> {
-    let mut data = Vec::with_capacity(texts.len() * model.spec.embed_dim);
+    let dim = model.spec.embed_dim;
+    let mut data = Vec::with_capacity(texts.len() * dim);
+    // A tower that masks its padding gives the same embedding for a text whatever the batch
+    // around it and however far it is padded on the right: a batch then runs as groups of
+    // similar lengths, each cut to its longest (web captions are a fraction of the padded
+    // length, and a batch's longest is well above its mean).
+    let regroup = model.spec.text.masks_padding() && !tokenizer.pads_left();
     for chunk in texts.chunks(batch.max(1)) {
         let tb = tokenizer.encode_batch(chunk)?;
-        // A tower that masks its padding gives the same embeddings for a batch cut to its longest
-        // text; web captions are a fraction of the padded length.
-        let width = if model.spec.text.masks_padding() { longest(&tb.mask, tb.max_len) } else { tb.max_len };
-        let (ids, mask) = (narrow_rows(&tb.ids, tb.max_len, width), narrow_rows(&tb.mask, tb.max_len, width));
-        let shape = (chunk.len(), width);
-        let ids = Tensor::from_vec(ids, shape, device)?;
-        let mask = Tensor::from_vec(mask, shape, device)?;
-        let e = model.text_embeddings(&ids, &mask)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
-        check_finite(&e, model.spec.embed_dim, |row| format!("text {:?}", chunk[row]))?;
-        data.extend(e);
+        let lens: Vec<usize> = tb.mask.chunks(tb.max_len.max(1)).map(|row| row.iter().filter(|&&m| m == 1).count().max(1)).collect();
+        let groups = if regroup { length_groups(&lens, GROUP_COST) } else { vec![(0..chunk.len()).collect()] };
+        let mut out = vec![0f32; chunk.len() * dim];
+        for rows in groups {
+            let width = if regroup { rows.iter().map(|&r| lens[r]).max().unwrap_or(1) } else { tb.max_len };
+            let pick =
+                |values: &[u32]| -> Vec<u32> { rows.iter().flat_map(|&r| values[r * tb.max_len..][..width].iter().copied()).collect() };
+            let shape = (rows.len(), width);
+            let ids = Tensor::from_vec(pick(&tb.ids), shape, device)?;
+            let mask = Tensor::from_vec(pick(&tb.mask), shape, device)?;
+            let e = model.text_embeddings(&ids, &mask)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+            check_finite(&e, dim, |row| format!("text {:?}", chunk[rows[row]]))?;
+            for (i, &r) in rows.iter().enumerate() {
+                out[r * dim..(r + 1) * dim].copy_from_slice(&e[i * dim..(i + 1) * dim]);
+            }
+        }
+        data.extend(out);
         progress(chunk.len());
     }
-    Ok(Embeddings { data, dim: model.spec.embed_dim })
+    Ok(Embeddings { data, dim })
 }
 
-/// The length of the longest row of a padding mask (`rows × width`, ones then zeros).
-fn longest(mask: &[u32], width: usize) -> usize {
-    mask.chunks(width.max(1)).map(|row| row.iter().filter(|&&m| m == 1).count()).max().unwrap_or(0).max(1)
-}
+/// What one more forward pass costs beside its tokens, in tokens: the weights are read (and for
+/// bf16 and int8 products converted) once per pass, about as much work as a few dozen tokens'
+/// products.
+const GROUP_COST: usize = 32;
 
-/// The first `keep` columns of each row of a `rows × width` matrix.
-fn narrow_rows(values: &[u32], width: usize, keep: usize) -> Vec<u32> {
-    if keep == width {
-        return values.to_vec();
+/// The rows of a batch (`lens`: each row's tokens) as groups of consecutive lengths, shortest
+/// first, chosen to make the padded tokens (each group's rows × its longest) plus `cost` per
+/// group least: an exact partition of the sorted lengths by dynamic programming.
+fn length_groups(lens: &[usize], cost: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| (lens[i], i));
+    let n = order.len();
+    // best[j]: least cost of the first j sorted rows; cut[j]: where the last group of them starts.
+    let (mut best, mut cut) = (vec![0usize; n + 1], vec![0usize; n + 1]);
+    for j in 1..=n {
+        let longest = lens[order[j - 1]];
+        (best[j], cut[j]) = (0..j).map(|i| (best[i] + (j - i) * longest + cost, i)).min().expect("j > 0");
     }
-    values.chunks(width.max(1)).flat_map(|row| row[..keep].iter().copied()).collect()
+    let mut groups = Vec::new();
+    let mut j = n;
+    while j > 0 {
+        groups.push(order[cut[j]..j].to_vec());
+        j = cut[j];
+    }
+    groups.reverse();
+    groups
 }
 
 /// The images of a data source embedded, in the data's order, with what came with them.
@@ -194,4 +222,90 @@ fn with_images(out: EmbeddedImages) -> Result<EmbeddedImages> {
         bail!("no usable image (skipped: {})", out.skipped.summary());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::tokenizer::train_wordpiece;
+    use crate::model::dual_encoder::TextSpec;
+    use crate::model::init::SeededVars;
+
+    fn padded_cost(lens: &[usize], groups: &[Vec<usize>], cost: usize) -> usize {
+        groups.iter().map(|g| g.len() * g.iter().map(|&i| lens[i]).max().unwrap() + cost).sum()
+    }
+
+    /// Against every way of cutting the sorted lengths into runs (2ⁿ⁻¹ of them), on seeded
+    /// batches: the groups hold each row once, are runs of the sorted order, and cost the least.
+    #[test]
+    fn length_groups_are_the_cheapest_partition_of_the_sorted_lengths() {
+        let mut rng = crate::util::rng::Rng::new(7);
+        for case in 0..200 {
+            let n = 1 + case % 10;
+            let lens: Vec<usize> = (0..n).map(|_| 1 + (rng.next_u64() % 30) as usize).collect();
+            let cost = [0, 4, 32, 1000][case % 4];
+            let groups = length_groups(&lens, cost);
+            let mut seen: Vec<usize> = groups.concat();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "{lens:?}");
+            let mut sorted = lens.clone();
+            sorted.sort_unstable();
+            let brute = (0..1usize << (n - 1))
+                .map(|cuts| {
+                    let (mut total, mut start) = (0, 0);
+                    for j in 1..=n {
+                        if j == n || cuts >> (j - 1) & 1 == 1 {
+                            total += (j - start) * sorted[j - 1] + cost;
+                            start = j;
+                        }
+                    }
+                    total
+                })
+                .min()
+                .unwrap();
+            assert_eq!(padded_cost(&lens, &groups, cost), brute, "{lens:?} at cost {cost}");
+        }
+        // Equal lengths stay one pass; a prohibitive cost keeps the batch whole.
+        assert_eq!(length_groups(&[5, 5, 5], 32).len(), 1);
+        assert_eq!(length_groups(&[1, 2, 30, 3], 1_000_000).len(), 1);
+        assert!(length_groups(&[], 32).is_empty());
+    }
+
+    /// A batch run as length groups gives every text the embedding it has alone, in the batch's
+    /// order.
+    #[test]
+    fn regrouped_batches_embed_each_text_as_it_is_alone() {
+        let dev = Device::Cpu;
+        let mut spec = crate::model::dual_encoder::tests::tiny_spec();
+        if let TextSpec::Bert(c) = &mut spec.text {
+            c.vocab_size = 200;
+        }
+        let vm = candle_nn::VarMap::new();
+        let model = DualEncoder::new(&spec, SeededVars::builder(&vm, 11, &dev)).unwrap();
+        assert!(model.spec.text.masks_padding());
+        let texts: Vec<String> = [
+            "a dog",
+            "a photo of a small red car parked by the river at night",
+            "cat",
+            "two people walking on the beach",
+            "a photo of thing",
+            "an old map of the city with many streets and a river",
+            "sky",
+        ]
+        .iter()
+        .cycle()
+        .take(28)
+        .map(|s| s.to_string())
+        .collect();
+        let tok = TextTokenizer::new(train_wordpiece(texts.iter(), 200, true, 1).unwrap(), 16).unwrap();
+        let lens: Vec<usize> = texts.iter().map(|t| tok.encode_batch(&[t]).unwrap().mask.iter().filter(|&&m| m == 1).count()).collect();
+        assert!(length_groups(&lens, GROUP_COST).len() > 1, "{lens:?}");
+        let batched = embed_texts(&model, &tok, &texts, 28, &dev, |_| {}).unwrap();
+        for (i, t) in texts.iter().enumerate().take(7) {
+            let alone = embed_texts(&model, &tok, std::slice::from_ref(t), 1, &dev, |_| {}).unwrap();
+            let row = &batched.data[i * batched.dim..(i + 1) * batched.dim];
+            let diff = row.iter().zip(&alone.data).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff < 1e-6, "text {i} {t:?}: {diff}");
+        }
+    }
 }

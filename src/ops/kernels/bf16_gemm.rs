@@ -317,13 +317,25 @@ fn pack_rhs(rhs: Mat<f32>, k: usize, n: usize) -> Vec<u16> {
             // A transposed row-major matrix (a linear layer's weight): each column is a
             // contiguous row, packed into pairs first and then spread over the panel.
             let mut pairs = vec![0u32; kp];
+            let aligned = (panel.as_ptr() as usize).is_multiple_of(std::mem::align_of::<u32>());
             for c in 0..cols {
                 let start = rhs.offset + (b * NR + c) * rhs.col_stride;
                 pack_row(&rhs.data[start..start + k], &mut pairs);
-                for (q, &p) in pairs.iter().enumerate() {
-                    let at = (q * NR + c) * 2;
-                    panel[at] = p as u16;
-                    panel[at + 1] = (p >> 16) as u16;
+                if aligned {
+                    // A pair is one little-endian word, the even k in its low half: one store
+                    // instead of two (this loop had been 3% of a ViT-B/32 bf16 embedding).
+                    // SAFETY: the panel is aligned for u32 (checked above) and holds an even
+                    // number of u16; any bits make a u32.
+                    let words = unsafe { std::slice::from_raw_parts_mut(panel.as_mut_ptr() as *mut u32, panel.len() / 2) };
+                    for (q, &p) in pairs.iter().enumerate() {
+                        words[q * NR + c] = p;
+                    }
+                } else {
+                    for (q, &p) in pairs.iter().enumerate() {
+                        let at = (q * NR + c) * 2;
+                        panel[at] = p as u16;
+                        panel[at + 1] = (p >> 16) as u16;
+                    }
                 }
             }
         } else if rhs.col_stride == 1 && available() {
