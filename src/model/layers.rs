@@ -172,6 +172,16 @@ pub fn composed_attention_branch(
     }
 }
 
+/// Position `at[i]` of each sequence `i` of `x` `[batch, len, width]`: `[batch, width]`.
+pub fn positions(x: &Tensor, at: &[usize]) -> Result<Tensor> {
+    let (b, l, w) = x.dims3()?;
+    if at.len() != b || at.iter().any(|&p| p >= l) {
+        candle_core::bail!("positions {at:?} for a batch of {b} sequences of {l} tokens");
+    }
+    let rows = Tensor::from_vec(at.iter().enumerate().map(|(i, &p)| (i * l + p) as u32).collect::<Vec<_>>(), b, x.device())?;
+    x.reshape((b * l, w))?.index_select(&rows, 0)
+}
+
 /// A pre-norm transformer layer (`x + O(A(LN1(x)))`, then `x + M(LN2(x))`) computed at one
 /// position of each sequence only, `at[i]` of row `i`: `[batch, width]`. Where a tower keeps one
 /// token of its last layer (a class token, an end-of-text token), the other positions' queries,
@@ -190,14 +200,9 @@ pub fn pre_norm_layer_at(
     act: Activation,
 ) -> Result<Tensor> {
     let (b, l, w) = x.dims3()?;
-    if at.len() != b || at.iter().any(|&p| p >= l) {
-        candle_core::bail!("positions {at:?} for a batch of {b} sequences of {l} tokens");
-    }
-    let rows = Tensor::from_vec(at.iter().enumerate().map(|(i, &p)| (i * l + p) as u32).collect::<Vec<_>>(), b, x.device())?;
-    let pick = |t: &Tensor| t.reshape((b * l, w))?.index_select(&rows, 0);
     let h = ln1.forward(x)?;
     let (keys, values) = (k.forward(&h)?, v.forward(&h)?);
-    let query = q.forward(&pick(&h)?)?;
+    let query = q.forward(&positions(&h, at)?)?;
     // Each query's keys: the padding bias, and under a causal mask every later key masked as
     // the softmax masks padding.
     let mut bias = match &mask.key_bias {
@@ -213,18 +218,16 @@ pub fn pre_norm_layer_at(
     let hd = w / heads;
     let split = |t: &Tensor, n: usize| t.reshape((b, n, heads, hd))?.transpose(1, 2)?.contiguous();
     let scores = split(&query, 1)?.matmul(&split(&keys, l)?.t()?)?;
+    let softmax = |s: &Tensor| crate::ops::kernels::softmax::scaled_masked_softmax(s, 1.0 / (hd as f64).sqrt(), Some(&bias));
     let probs = match scores.dtype() {
         // As the whole layer's attention: exp and the row sums in f32 even for bf16 towers.
-        candle_core::DType::BF16 | candle_core::DType::F16 => crate::ops::kernels::softmax::scaled_masked_softmax(
-            &scores.to_dtype(candle_core::DType::F32)?,
-            1.0 / (hd as f64).sqrt(),
-            Some(&bias),
-        )?
-        .to_dtype(scores.dtype())?,
-        _ => crate::ops::kernels::softmax::scaled_masked_softmax(&scores, 1.0 / (hd as f64).sqrt(), Some(&bias))?,
+        candle_core::DType::BF16 | candle_core::DType::F16 => {
+            softmax(&scores.to_dtype(candle_core::DType::F32)?)?.to_dtype(scores.dtype())?
+        }
+        _ => softmax(&scores)?,
     };
     let context = probs.matmul(&split(&values, l)?)?.reshape((b, w))?;
-    let x = (o.forward(&context)? + pick(x)?)?;
+    let x = (o.forward(&context)? + positions(x, at)?)?;
     mlp(fc1, fc2, &ln2.forward(&x)?, act)? + x
 }
 

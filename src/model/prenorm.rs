@@ -8,7 +8,7 @@ use candle_core::{Result, Tensor, D};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
-use super::layers::{attention_branch, linear, mlp_branch, pre_norm_layer_at, scaled_normal, LayerNorm, Linear, Mask, Norm};
+use super::layers::{attention_branch, linear, mlp_branch, positions, pre_norm_layer_at, scaled_normal, LayerNorm, Linear, Mask, Norm};
 use super::recompute::Checkpointing;
 use crate::ops::kernels::bias_act::Activation;
 
@@ -180,11 +180,7 @@ impl Encoder {
     /// [`Encoder::forward`]'s output at position `at[i]` of each row `i` only, `[batch, width]`:
     /// the last layer runs for those positions alone (`layers::pre_norm_layer_at`).
     pub fn forward_at(&self, x: &Tensor, mask: &Mask, at: &[usize]) -> Result<Tensor> {
-        let Some((last, rest)) = self.layers.split_last() else {
-            let (b, l, w) = x.dims3()?;
-            let rows = at.iter().enumerate().map(|(i, &p)| (i * l + p) as u32).collect::<Vec<_>>();
-            return x.reshape((b * l, w))?.index_select(&Tensor::from_vec(rows, b, x.device())?, 0);
-        };
+        let Some((last, rest)) = self.layers.split_last() else { return positions(x, at) };
         let mut x = x.clone();
         for layer in rest {
             let (layer, mask) = (layer.clone(), mask.clone());
