@@ -325,7 +325,7 @@ pub fn score(a: &ScoreArgs) -> Result<()> {
     a.stall.apply()?;
     let device = super::default_device();
     let mut m = align::io::load::load_model(&a.checkpoint, &device)?;
-    m.precision = precision;
+    m.set_precision(precision);
     let shards = align::data::spec::expand(&a.data)?;
     let o = align::eval::score::ScoreOptions {
         out: a.out.clone(),

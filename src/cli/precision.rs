@@ -67,7 +67,7 @@ impl ModelArgs {
     pub fn load(&self, device: &Device) -> Result<LoadedModel> {
         let precision = self.precision.apply()?;
         let mut m = load_model_with(&self.checkpoint, device, self.ema)?;
-        m.precision = precision;
+        m.set_precision(precision);
         Ok(m)
     }
 }

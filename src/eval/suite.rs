@@ -238,7 +238,7 @@ pub fn run(suite: &Suite, o: &SuiteRun) -> Result<Vec<EvalRecord>> {
     let mut records = Vec::new();
     for checkpoint in &suite.checkpoints {
         let mut m = load_model(checkpoint, device)?;
-        m.precision = precision;
+        m.set_precision(precision);
         for d in &suite.datasets {
             bar.set_message(format!("{} on {}", d.name, checkpoint.display()));
             let record = d.evaluate(&m, suite, device).with_context(|| format!("dataset {:?}", d.name))?;

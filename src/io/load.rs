@@ -28,11 +28,21 @@ pub struct LoadedModel {
     /// The training step, for checkpoints that record one.
     pub step: Option<u64>,
     /// The precision its matrix products run in (`--precision`, which the command that loaded
-    /// it sets), as results record it.
+    /// it sets with [`LoadedModel::set_precision`]), as results record it.
     pub precision: Precision,
+    /// Under int8, its weights frozen: each quantized once, on its first product.
+    frozen: Option<crate::model::FrozenWeights>,
 }
 
 impl LoadedModel {
+    /// Records the precision its products run in (the process's switch, which the command sets
+    /// before loading). Under int8 its weights, which nothing writes, are frozen for as long as
+    /// it lives, so that each is quantized once rather than at every product.
+    pub fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+        self.frozen = (precision == Precision::Int8).then(|| crate::model::freeze_weights(self.weights.values()));
+    }
+
     pub fn spec(&self) -> &ModelSpec {
         &self.model.spec
     }
@@ -84,7 +94,7 @@ pub fn load_model_with(path: &Path, device: &Device, ema: bool) -> Result<Loaded
     let tokenizer = format.tokenizer(&dir, &spec, None)?;
     check_vocabulary(&tokenizer, &spec, &origin)?;
     let usage = format.usage(&dir, &spec)?;
-    Ok(LoadedModel { model, weights, tokenizer, usage, step: format.step(&dir), dir, format, precision: Precision::F32 })
+    Ok(LoadedModel { model, weights, tokenizer, usage, step: format.step(&dir), dir, format, precision: Precision::F32, frozen: None })
 }
 
 /// The weights the model uses, with those it has no use for reported once: every planned

@@ -50,7 +50,8 @@ struct EmbedBench {
 pub fn embed(a: &EmbedArgs) -> Result<()> {
     let precision = a.precision.apply()?;
     let device = crate::cli::default_device();
-    let m = load_model(&a.checkpoint, &device)?;
+    let mut m = load_model(&a.checkpoint, &device)?;
+    m.set_precision(precision);
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
     let start = Instant::now();
     let needs = Needs { image: true, captions: true, label: false };

@@ -485,19 +485,22 @@ mod tests {
         // n = 50: a last panel of 18 columns, its second half partly masked.
         let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50), (30, 50, 17), (3100, 40, 9)];
         for (s, &(m, n, k)) in shapes.iter().enumerate() {
-            for (transposed_rhs, accumulate, transposed_lhs) in [
-                (false, false, false),
-                (true, false, false),
-                (true, true, false),
-                (false, true, false),
-                (false, false, true),
-                (true, true, true),
+            // lhs: 0, rows k + 3 apart (a column slice); 1, a [k, m + 3] matrix read transposed
+            // (a gradient dYᵀ); 2, every other number of rows 2k + 3 apart (neither stride 1).
+            for (transposed_rhs, accumulate, lhs_kind) in [
+                (false, false, 0),
+                (true, false, 0),
+                (true, true, 0),
+                (false, true, 0),
+                (false, false, 1),
+                (true, true, 1),
+                (true, false, 2),
             ] {
                 let a: Vec<f32> = crate::util::rng::randn(
                     300 + s as u64,
                     0.0,
                     1.0,
-                    &[(m + 3) * (k + 3)],
+                    &[(m + 3) * (2 * k + 3)],
                     candle_core::DType::F32,
                     &candle_core::Device::Cpu,
                 )
@@ -509,10 +512,12 @@ mod tests {
                         .unwrap()
                         .to_vec1()
                         .unwrap();
-                // lhs: rows k + 3 apart (a column slice), or a [k, m + 3] matrix read transposed
-                // (a gradient dYᵀ); rhs: a [n, k] weight read transposed, or the same numbers as
-                // a row-major [k, n].
-                let lhs = if transposed_lhs { Mat::transposed(&a, 2, m + 3) } else { Mat::rows(&a, 2, k + 3) };
+                // rhs: a [n, k] weight read transposed, or the same numbers as a row-major [k, n].
+                let lhs = match lhs_kind {
+                    0 => Mat::rows(&a, 2, k + 3),
+                    1 => Mat::transposed(&a, 2, m + 3),
+                    _ => Mat { data: &a, offset: 2, row_stride: 2 * k + 3, col_stride: 2 },
+                };
                 let rhs = if transposed_rhs { Mat::transposed(&w, 0, k) } else { Mat::rows(&w, 0, n) };
                 let at = |mat: &Mat<f32>, i: usize, j: usize| mat.data[mat.offset + i * mat.row_stride + j * mat.col_stride];
                 let dst_rs = n + 5;
@@ -535,7 +540,7 @@ mod tests {
                         }
                         assert!(
                             (got - want).abs() <= 1e-6 * scale.max(1.0),
-                            "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{transposed_lhs} at ({i}, {j}): {got} vs {want}"
+                            "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{lhs_kind} at ({i}, {j}): {got} vs {want}"
                         );
                     }
                 }
