@@ -17,9 +17,9 @@ pub mod recompute;
 pub mod siglip;
 pub mod vit;
 
-/// A forward-only model's weights declared unchanging while it lives, so that its int8 products
-/// quantize each weight once instead of at every call.
-pub use crate::ops::kernels::int8_gemm::{freeze as freeze_weights, Frozen as FrozenWeights};
+/// A forward-only model's weights declared unchanging while it lives, so that the products that
+/// read them pack each weight once instead of at every call.
+pub use crate::ops::kernels::frozen::{freeze as freeze_weights, Frozen as FrozenWeights};
 
 /// How a forward pass runs: training (batch statistics, stochastic depth drawn from `seed`, patch
 /// dropout drawn per `masking`) or evaluation.

@@ -382,7 +382,8 @@ pub(crate) unsafe fn product(
     threads: usize,
     epilogue: Option<Epilogue>,
 ) {
-    let b = pack_rhs(rhs, d.k, d.n);
+    // A frozen weight's panels are packed once and kept.
+    let b = super::frozen::packed(rhs, d.k, d.n, || pack_rhs(rhs, d.k, d.n));
     let panels = d.n.div_ceil(NR);
     // The left operand is packed PACK_ROWS rows at a time, so the packed copy stays small (a
     // ViT-B/16 batch's 12,608 rows × 3,072 would be 77 MB at once), each part's tiles one loop.

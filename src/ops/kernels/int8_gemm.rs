@@ -19,11 +19,9 @@
 //! [`MR`]×[`NR`] tile of the product is [`MR`]·2 accumulators of 16 sums, and tiles run as
 //! parallel tasks.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileAdds, TileDst};
@@ -73,104 +71,14 @@ pub(crate) fn wanted(d: Dims) -> bool {
     FORWARD_INT8.load(Ordering::Relaxed) && d.k <= MAX_K && d.m.saturating_mul(d.n).saturating_mul(d.k) >= super::bf16_gemm::min_macs()
 }
 
-/// Weights a forward-only command holds unchanged while it runs (`freeze`), with the quantized
-/// panels of each view of them that a product has read, made on its first read. Quantizing a
-/// weight costs a pass over it per product; a text tower that runs a batch as several length
-/// groups paid it once per group.
-struct Registry {
-    /// Each frozen tensor's buffer as addresses `[start, end)`, with the tensor itself and the
-    /// token of the `Frozen` that holds it: held here, its buffer is not freed while frozen, so
-    /// no other buffer can come to lie at those addresses meanwhile.
-    buffers: Vec<(usize, usize, Tensor, u64)>,
-    /// By (address of the view's first number, distance between its channels, k, n).
-    packed: HashMap<(usize, usize, usize, usize), Arc<Weight>>,
-    next_token: u64,
-}
-
-static FROZEN: std::sync::LazyLock<Mutex<Registry>> =
-    std::sync::LazyLock::new(|| Mutex::new(Registry { buffers: Vec::new(), packed: HashMap::new(), next_token: 0 }));
-
-fn registry() -> std::sync::MutexGuard<'static, Registry> {
-    FROZEN.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Tensors declared unchanging by [`freeze`], until this is dropped; then their quantized forms
-/// are dropped too.
-#[derive(Debug)]
-pub struct Frozen {
-    token: u64,
-    count: usize,
-}
-
-impl Frozen {
-    /// How many tensors it holds.
-    pub fn count(&self) -> usize {
-        self.count
-    }
-}
-
-impl Drop for Frozen {
-    fn drop(&mut self) {
-        let mut r = registry();
-        r.buffers.retain(|b| b.3 != self.token);
-        let Registry { buffers, packed, .. } = &mut *r;
-        packed.retain(|key, _| buffers.iter().any(|&(s, e, _, _)| s <= key.0 && key.0 < e));
-    }
-}
-
-/// Declares `tensors` unchanging for as long as the returned [`Frozen`] lives, so that int8
-/// products quantize each weight among them once rather than at every call. Only for
-/// forward-only commands' models, whose weights nothing writes after loading: a variable (a
-/// trainer's weight, which the optimizer rewrites in place) is never frozen, nor is anything
-/// that is not an f32 tensor on the CPU.
-pub fn freeze<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Frozen {
-    let mut held = Vec::new();
-    for t in tensors {
-        if t.is_variable() || !t.device().is_cpu() {
-            continue;
-        }
-        let (storage, _) = t.storage_and_layout();
-        if let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) = &*storage {
-            let start = v.as_ptr() as usize;
-            held.push((start, start + std::mem::size_of_val(v.as_slice()), t.clone()));
-        }
-    }
-    let mut r = registry();
-    let token = r.next_token;
-    r.next_token += 1;
-    let count = held.len();
-    r.buffers.extend(held.into_iter().map(|(s, e, t)| (s, e, t, token)));
-    Frozen { token, count }
-}
-
-/// The quantized panels of `w` (`[k, n]`, read as `pack_weight` reads it) when it lies inside a
-/// frozen tensor: made on the first call and kept. None for any other weight.
+/// `w`'s quantized panels (read as `pack_weight` reads it): made once and kept where `w` lies in
+/// a frozen tensor, made for this product alone otherwise.
 ///
 /// # Safety
 /// [`available`] must hold.
-unsafe fn frozen_weight(w: Mat<f32>, k: usize, n: usize) -> Option<Arc<Weight>> {
-    let first = w.data.as_ptr().add(w.offset) as usize;
-    let end = first + ((n - 1) * w.col_stride + k) * std::mem::size_of::<f32>();
-    let key = (first, w.col_stride, k, n);
-    let inside = |r: &Registry| r.buffers.iter().any(|&(s, e, _, _)| s <= first && end <= e);
-    {
-        let r = registry();
-        if let Some(p) = r.packed.get(&key) {
-            return Some(p.clone());
-        }
-        if !inside(&r) {
-            return None;
-        }
-    }
-    // Packed outside the lock: the packing runs on the thread pool, whose other tasks may come
-    // here too. Two threads packing the same view at once keep the first one stored; a view
-    // whose tensor was thawed meanwhile is used for this product and not kept.
-    let packed = Arc::new(pack_weight(w, k, n));
-    let mut r = registry();
-    if !inside(&r) {
-        return Some(packed);
-    }
-    Some(r.packed.entry(key).or_insert(packed).clone())
+unsafe fn weight_panels(w: Mat<f32>, k: usize, n: usize) -> Arc<Weight> {
+    // SAFETY: the caller's.
+    super::frozen::packed(w, k, n, || unsafe { pack_weight(w, k, n) })
 }
 
 /// A weight channel `src` quantized into `out` as signed bytes (as many as `src` has numbers;
@@ -359,10 +267,7 @@ pub(crate) unsafe fn product(
     epilogue: Option<Epilogue>,
 ) {
     assert!(available() && x.col_stride == 1 && w.row_stride == 1 && d.k <= MAX_K, "int8 product of unsupported operands");
-    let wq = match frozen_weight(w, d.k, d.n) {
-        Some(wq) => wq,
-        None => Arc::new(pack_weight(w, d.k, d.n)),
-    };
+    let wq = weight_panels(w, d.k, d.n);
     let panels = d.n.div_ceil(NR);
     let kq = d.k.div_ceil(4);
     // The whole input packed first (a quarter of its f32 size), then every tile as one loop.
@@ -563,63 +468,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// A frozen weight's views are quantized once and kept, and give the same bits as the
-    /// weight quantized at the call; weights not frozen, variables among them, are quantized at
-    /// every call, so a change to them shows in the next product.
-    #[test]
-    fn frozen_weights_are_quantized_once_with_the_same_products() {
-        if !available() {
-            eprintln!("skipped: this CPU has no AVX-512 VNNI");
-            return;
-        }
-        let (m, n, k, rows) = (29, 37, 70, 50);
-        let x = randn(900, m * k);
-        let values = randn(901, rows * k);
-        let frozen_t = Tensor::from_vec(values.clone(), (rows, k), &candle_core::Device::Cpu).unwrap();
-        let var = candle_core::Var::from_tensor(&frozen_t.copy().unwrap()).unwrap();
-        let guard = freeze([&frozen_t, var.as_tensor()]);
-        assert_eq!(guard.count(), 1, "the variable is not frozen");
-        let product_of = |w: Mat<f32>| {
-            let mut y = vec![0f32; m * n];
-            unsafe { product(y.as_mut_ptr(), 0, n, Dims { m, n, k }, Mat::rows(&x, 0, k), w, false, 2, None) };
-            y
-        };
-        let (storage, _) = frozen_t.storage_and_layout();
-        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(held)) = &*storage else { panic!("not f32 on the CPU") };
-        // The whole weight's first n channels, and n channels from channel 9 on.
-        for first in [0, 9] {
-            let view = Mat::transposed(held.as_slice(), first * k, k);
-            let once = unsafe { frozen_weight(view, k, n) }.expect("inside a frozen tensor");
-            let again = unsafe { frozen_weight(view, k, n) }.unwrap();
-            assert!(Arc::ptr_eq(&once, &again), "quantized again");
-            let fresh = unsafe { pack_weight(view, k, n) };
-            assert_eq!((&once.panels, &once.scales, &once.sums), (&fresh.panels, &fresh.scales, &fresh.sums));
-            let copy = values[first * k..(first + n) * k].to_vec();
-            assert_eq!(product_of(view), product_of(Mat::transposed(&copy, 0, k)), "channels from {first}");
-        }
-        // A view ending at the buffer's end is frozen; a copy of the weight is not.
-        assert!(unsafe { frozen_weight(Mat::transposed(held.as_slice(), (rows - n + 1) * k, k), k, n - 1) }.is_some());
-        assert!(unsafe { frozen_weight(Mat::transposed(&values, 0, k), k, n) }.is_none());
-
-        // Thawed: its views are quantized at each call again.
-        let view = Mat::transposed(held.as_slice(), 0, k);
-        drop(guard);
-        assert!(unsafe { frozen_weight(view, k, n) }.is_none());
-        assert!(!registry().packed.keys().any(|key| key.0 == held.as_ptr() as usize), "its views are dropped");
-
-        let (vs, _) = var.as_tensor().storage_and_layout();
-        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(vd)) = &*vs else { panic!("not f32 on the CPU") };
-        let before = product_of(Mat::transposed(vd.as_slice(), 0, k));
-        assert!(unsafe { frozen_weight(Mat::transposed(vd.as_slice(), 0, k), k, n) }.is_none());
-        drop(vs);
-        var.set(&(frozen_t.clone() * 2.0).unwrap()).unwrap();
-        let (vs, _) = var.as_tensor().storage_and_layout();
-        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(vd)) = &*vs else { panic!("not f32 on the CPU") };
-        let after = product_of(Mat::transposed(vd.as_slice(), 0, k));
-        let doubled: Vec<f32> = before.iter().map(|v| v * 2.0).collect();
-        assert_eq!(after, doubled, "the variable's new values");
     }
 
     /// Against the f32 product of the unquantized operands, the error stays within what half a

@@ -7,6 +7,7 @@ pub mod channel_scale;
 pub mod column_sums;
 pub mod dense_conv;
 pub mod depthwise;
+pub mod frozen;
 pub mod int8_gemm;
 pub mod layer_norm;
 pub mod linear;
