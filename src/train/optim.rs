@@ -77,7 +77,7 @@ fn squared_sums(grads: &[Option<Tensor>], wanted: impl Fn(usize) -> bool) -> Res
         let Some(g) = g.as_ref().filter(|_| wanted(i)) else { continue };
         match host_squared_sum(g) {
             Some(s) => out[i] = s,
-            None => elsewhere.push((i, g.to_dtype(DType::F64)?.sqr()?.sum_all()?)),
+            None => elsewhere.push((i, device_squared_sum(g)?)),
         }
     }
     while let Some((_, first)) = elsewhere.first() {
@@ -90,6 +90,19 @@ fn squared_sums(grads: &[Option<Tensor>], wanted: impl Fn(usize) -> bool) -> Res
         elsewhere = rest;
     }
     Ok(out)
+}
+
+/// The sum of squares of a tensor where it lies, in f64, as a 0-d tensor: each row's (the last
+/// dimension's) sum first, then the rows'. A GPU reduces each output in one block of threads, so
+/// summing a whole weight at once ran on one of its multiprocessors: on an H200 the squares of
+/// ViT-B/16 + BERT-base (196M numbers) took 130-150 ms a step that way, against 4.5 ms for the
+/// whole update after them.
+fn device_squared_sum(g: &Tensor) -> Result<Tensor> {
+    let squares = g.to_dtype(DType::F64)?.sqr()?;
+    match squares.rank() {
+        0 | 1 => squares.sum_all(),
+        r => squares.sum(r - 1)?.sum_all(),
+    }
 }
 
 /// The sum of squares of a contiguous CPU f32 tensor, from its buffer; None for any other.
@@ -428,11 +441,16 @@ impl Optimizer {
     /// parameter order as unsharded (each square from its owner), so clipping is the same.
     pub fn step(&mut self, grads: &Grads, lr: f64) -> Result<StepStats> {
         let _profile = crate::util::profile::region("optimizer");
+        // The norm's region ends with its one read from the device, so it also holds whatever
+        // work was still queued there when the step began.
+        let norm = crate::util::profile::region("optimizer/norm");
         let mut squares = squared_sums(&grads.0, |i| self.owns(i))?;
         if let Some(s) = &self.shard {
             // Adding zeros is exact: every rank gets each owner's square unchanged.
             squares = s.group.all_reduce_sum(&Tensor::new(squares.as_slice(), &candle_core::Device::Cpu)?)?.to_vec1()?;
         }
+        drop(norm);
+        let update = crate::util::profile::region("optimizer/update");
         let grad_norm = squares.iter().fold(0.0, |a, b| a + b).sqrt();
         let clip = if self.cfg.grad_clip > 0.0 && grad_norm > self.cfg.grad_clip { self.cfg.grad_clip / grad_norm } else { 1.0 };
         self.step += 1;
@@ -470,7 +488,8 @@ impl Optimizer {
                 Moments::Elsewhere => unreachable!("only owned tensors are updated"),
             }
         }
-        self.gather_weights()?;
+        drop(update);
+        crate::util::profile::timed("optimizer/gather", || self.gather_weights())?;
         Ok(StepStats { grad_norm })
     }
 
@@ -760,11 +779,19 @@ mod tests {
             Some(Tensor::from_slice(&[2.0f32, -2.0], 2, &dev).unwrap().to_dtype(DType::BF16).unwrap()),
             Some(f32s(&[1.0, 2.0, 3.0, 4.0], (2, 2)).t().unwrap()),
             Some(f32s(&[0.25; 4], (2, 2))),
+            // Summed where they lie by rows first: a 3-d bf16 tensor, a 0-d f64 one.
+            Some(
+                Tensor::from_slice(&[1.0f32, 2.0, 3.0, -1.0, 0.5, 4.0, 2.0, -2.0, 1.0, 1.0, 1.0, 1.0], (2, 2, 3), &dev)
+                    .unwrap()
+                    .to_dtype(DType::BF16)
+                    .unwrap(),
+            ),
+            Some(Tensor::new(3.0f64, &dev).unwrap()),
         ];
-        assert_eq!(squared_sums(&grads, |_| true).unwrap(), [14.0, 0.0, 2.5, 8.0, 30.0, 0.25]);
+        assert_eq!(squared_sums(&grads, |_| true).unwrap(), [14.0, 0.0, 2.5, 8.0, 30.0, 0.25, 43.25, 9.0]);
         // A rank's own tensors only, as sharded state sums them: the others count 0.
-        assert_eq!(squared_sums(&grads, |i| i % 2 == 0).unwrap(), [14.0, 0.0, 2.5, 0.0, 30.0, 0.0]);
-        assert_eq!(Grads(grads).norm().unwrap(), 54.75f64.sqrt());
+        assert_eq!(squared_sums(&grads, |i| i % 2 == 0).unwrap(), [14.0, 0.0, 2.5, 0.0, 30.0, 0.0, 43.25, 0.0]);
+        assert_eq!(Grads(grads).norm().unwrap(), 107.0f64.sqrt());
     }
 
     #[test]
