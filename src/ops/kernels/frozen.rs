@@ -11,6 +11,7 @@
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use candle_core::Tensor;
@@ -31,6 +32,10 @@ struct Registry {
 
 static REGISTRY: LazyLock<Mutex<Registry>> =
     LazyLock::new(|| Mutex::new(Registry { buffers: Vec::new(), packed: HashMap::new(), next_token: 0 }));
+
+/// How many buffers are frozen: while none is, a product (training's, f32 or bf16) skips the
+/// registry's lock.
+static FROZEN_BUFFERS: AtomicUsize = AtomicUsize::new(0);
 
 fn registry() -> MutexGuard<'static, Registry> {
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
@@ -55,6 +60,7 @@ impl Drop for Frozen {
     fn drop(&mut self) {
         let mut r = registry();
         r.buffers.retain(|b| b.3 != self.token);
+        FROZEN_BUFFERS.store(r.buffers.len(), Ordering::Relaxed);
         let Registry { buffers, packed, .. } = &mut *r;
         packed.retain(|key, _| buffers.iter().any(|&(s, e, _, _)| s <= key.1 && key.1 < e));
     }
@@ -81,13 +87,14 @@ pub fn freeze<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Frozen {
     r.next_token += 1;
     let count = held.len();
     r.buffers.extend(held.into_iter().map(|(s, e, t)| (s, e, t, token)));
+    FROZEN_BUFFERS.store(r.buffers.len(), Ordering::Relaxed);
     Frozen { token, count }
 }
 
 /// The packed form `make` makes of a product's right operand `w` (`[k, n]`): kept and given
 /// again while `w` lies inside a frozen tensor, made for this call alone otherwise.
 pub(crate) fn packed<W: Send + Sync + 'static>(w: Mat<f32>, k: usize, n: usize, make: impl FnOnce() -> W) -> Arc<W> {
-    if k == 0 || n == 0 {
+    if k == 0 || n == 0 || FROZEN_BUFFERS.load(Ordering::Relaxed) == 0 {
         return Arc::new(make());
     }
     let size = std::mem::size_of::<f32>();

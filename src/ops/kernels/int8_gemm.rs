@@ -20,7 +20,6 @@
 //! parallel tasks.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
 use rayon::prelude::*;
 
@@ -69,16 +68,6 @@ pub fn set_forward_int8(on: bool) -> bool {
 /// quantizing the weight would cost about what the product does.
 pub(crate) fn wanted(d: Dims) -> bool {
     FORWARD_INT8.load(Ordering::Relaxed) && d.k <= MAX_K && d.m.saturating_mul(d.n).saturating_mul(d.k) >= super::bf16_gemm::min_macs()
-}
-
-/// `w`'s quantized panels (read as `pack_weight` reads it): made once and kept where `w` lies in
-/// a frozen tensor, made for this product alone otherwise.
-///
-/// # Safety
-/// [`available`] must hold.
-unsafe fn weight_panels(w: Mat<f32>, k: usize, n: usize) -> Arc<Weight> {
-    // SAFETY: the caller's.
-    super::frozen::packed(w, k, n, || unsafe { pack_weight(w, k, n) })
 }
 
 /// A weight channel `src` quantized into `out` as signed bytes (as many as `src` has numbers;
@@ -267,7 +256,8 @@ pub(crate) unsafe fn product(
     epilogue: Option<Epilogue>,
 ) {
     assert!(available() && x.col_stride == 1 && w.row_stride == 1 && d.k <= MAX_K, "int8 product of unsupported operands");
-    let wq = weight_panels(w, d.k, d.n);
+    // A frozen weight's panels are quantized once and kept.
+    let wq = super::frozen::packed(w, d.k, d.n, || pack_weight(w, d.k, d.n));
     let panels = d.n.div_ceil(NR);
     let kq = d.k.div_ceil(4);
     // The whole input packed first (a quarter of its f32 size), then every tile as one loop.
