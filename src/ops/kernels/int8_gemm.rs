@@ -33,6 +33,14 @@ const NR: usize = 32;
 /// Rows of the input whose tiles run together, each weight panel in turn: 16 tiles.
 const BLOCK_ROWS: usize = 16 * MR;
 
+/// Weights up to this size quantized (in bytes) run by row groups ([`by_row_groups`]): the
+/// panels stay in a core's own cache (1 MB or more on the CPUs with VNNI) beside a row group's
+/// quantized rows; a ViT-B's 768 × 768 projections (576 KiB) among them.
+const GROUP_PANEL_BYTES: usize = 640 * 1024;
+
+/// Input rows a row-group task quantizes and runs: whole tiles.
+const GROUP_ROWS: usize = 4 * MR;
+
 /// The longest sum whose 32-bit total cannot overflow: each term is at most 255·127.
 const MAX_K: usize = (i32::MAX as usize) / (255 * 127);
 
@@ -258,6 +266,9 @@ pub(crate) unsafe fn product(
     assert!(available() && x.col_stride == 1 && w.row_stride == 1 && d.k <= MAX_K, "int8 product of unsupported operands");
     // A frozen weight's panels are quantized once and kept.
     let wq = super::frozen::packed(w, d.k, d.n, || pack_weight(w, d.k, d.n));
+    if wq.panels.len() * std::mem::size_of::<u32>() <= GROUP_PANEL_BYTES && !whole_packing_asked() {
+        return by_row_groups(dst.add(offset), dst_rs, d, x, &wq, accumulate, threads, epilogue);
+    }
     let panels = d.n.div_ceil(NR);
     let kq = d.k.div_ceil(4);
     // The whole input packed first (a quarter of its f32 size), then every tile as one loop.
@@ -291,6 +302,90 @@ pub(crate) unsafe fn product(
             e.activate(out, dst_rs, rows, cols);
         }
     });
+}
+
+/// Whether a test has asked this thread's products to quantize the input whole first even
+/// where row groups would run: both ways must give the same numbers.
+#[cfg(test)]
+fn whole_packing_asked() -> bool {
+    tests::whole_input_packing()
+}
+
+#[cfg(not(test))]
+fn whole_packing_asked() -> bool {
+    false
+}
+
+/// The product where the weight's panels fit a core's cache ([`GROUP_PANEL_BYTES`]): each
+/// task quantizes [`GROUP_ROWS`] rows of the input itself and runs them against every panel,
+/// so that the quantized rows stay in that core's cache and no pass over the whole input comes
+/// before the tiles.
+///
+/// # Safety
+/// As [`product`], with `dst` already at the product's first element.
+#[allow(clippy::too_many_arguments)]
+unsafe fn by_row_groups(
+    dst: *mut f32,
+    dst_rs: usize,
+    d: Dims,
+    x: Mat<f32>,
+    wq: &Weight,
+    accumulate: bool,
+    threads: usize,
+    epilogue: Option<Epilogue>,
+) {
+    let (kq, panels) = (d.k.div_ceil(4), d.n.div_ceil(NR));
+    let dst = TileDst(dst);
+    let group = |g: usize| {
+        let first = g * GROUP_ROWS;
+        let rows = GROUP_ROWS.min(d.m - first);
+        let padded = rows.div_ceil(MR) * MR;
+        let (mut a, mut sx, mut zx) = (vec![0u32; padded * kq], vec![0f32; padded], vec![0i32; padded]);
+        for (i, ((row, scale), zero)) in a.chunks_mut(kq).zip(&mut sx).zip(&mut zx).take(rows).enumerate() {
+            let start = x.offset + (first + i) * x.row_stride;
+            // SAFETY: the caller's.
+            (*scale, *zero) = unsafe { quantize_input(&x.data[start..start + d.k], bytemuck_bytes(row)) };
+        }
+        for p in 0..panels {
+            let cols = NR.min(d.n - p * NR);
+            for t in 0..rows.div_ceil(MR) {
+                let (row0, tile_rows) = (first + t * MR, MR.min(rows - t * MR));
+                let out = dst.at(row0 * dst_rs + p * NR);
+                let scales = Scales {
+                    x: sx[t * MR..].as_ptr(),
+                    zeros: zx[t * MR..].as_ptr(),
+                    w: wq.scales[p * NR..].as_ptr(),
+                    sums: wq.sums[p * NR..].as_ptr(),
+                };
+                let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row0, p * NR, d.n));
+                // SAFETY: the caller's contract; the tile lies inside the product, and this task
+                // alone writes rows first..first + rows.
+                unsafe {
+                    tile_avx512(
+                        a[t * MR * kq..].as_ptr(),
+                        kq,
+                        wq.panels[p * kq * NR..].as_ptr(),
+                        scales,
+                        out,
+                        dst_rs,
+                        tile_rows,
+                        cols,
+                        accumulate,
+                        adds,
+                    );
+                    if let Some(e) = epilogue {
+                        e.activate(out, dst_rs, tile_rows, cols);
+                    }
+                }
+            }
+        }
+    };
+    let groups = d.m.div_ceil(GROUP_ROWS);
+    if threads > 1 {
+        (0..groups).into_par_iter().for_each(group);
+    } else {
+        (0..groups).for_each(group);
+    }
 }
 
 /// A tile's rows' scales and zero points, and its columns' scales and sums.
@@ -356,6 +451,17 @@ unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u32, _: Scales, _: *mut
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
+
+    thread_local! {
+        /// Set by a test to run every product on this thread with the input quantized whole
+        /// first, as products with a large weight run.
+        static WHOLE_INPUT_PACKING: Cell<bool> = const { Cell::new(false) };
+    }
+
+    pub(super) fn whole_input_packing() -> bool {
+        WHOLE_INPUT_PACKING.with(|w| w.get())
+    }
 
     fn randn(seed: u64, len: usize) -> Vec<f32> {
         crate::util::rng::randn(seed, 0.0, 1.0, &[len], candle_core::DType::F32, &candle_core::Device::Cpu).unwrap().to_vec1().unwrap()
@@ -418,7 +524,8 @@ mod tests {
 
     /// The product against exact integer sums of the same quantized operands, scaled in f64:
     /// only the f32 epilogue differs. Shapes cover partial tiles and panels, k not a multiple of
-    /// four, several row blocks, strided rows, inputs all of one sign, and accumulation.
+    /// four, several row blocks, strided rows, inputs all of one sign, and accumulation; each
+    /// both by row groups and with the input quantized whole first, which give the same numbers.
     #[test]
     fn products_equal_integer_sums_of_the_quantized_operands() {
         if !available() {
@@ -435,9 +542,18 @@ mod tests {
                 let w = randn(600 + s as u64, n * k);
                 let dst_rs = n + 5;
                 let start: Vec<f32> = (0..m * dst_rs).map(|i| (i % 7) as f32 - 3.0).collect();
-                let mut dst = start.clone();
                 let d = Dims { m, n, k };
-                unsafe { product(dst.as_mut_ptr(), 0, dst_rs, d, Mat::rows(&x, 2, k + 3), Mat::transposed(&w, 0, k), accumulate, 2, None) };
+                let run = |whole: bool| {
+                    WHOLE_INPUT_PACKING.with(|w| w.set(whole));
+                    let mut dst = start.clone();
+                    unsafe {
+                        product(dst.as_mut_ptr(), 0, dst_rs, d, Mat::rows(&x, 2, k + 3), Mat::transposed(&w, 0, k), accumulate, 2, None)
+                    };
+                    WHOLE_INPUT_PACKING.with(|w| w.set(false));
+                    dst
+                };
+                let dst = run(false);
+                assert!(dst == run(true), "({m}, {n}, {k}) a{accumulate}: row groups and whole quantization differ");
                 let rows: Vec<_> = (0..m).map(|i| reference_input(&x[2 + i * (k + 3)..2 + i * (k + 3) + k])).collect();
                 let cols: Vec<_> = (0..n).map(|j| reference_weight(&w[j * k..(j + 1) * k])).collect();
                 for i in 0..m {

@@ -158,7 +158,7 @@ unsafe fn burst_int8() -> f32 {
 
 /// Multiply-adds per second of a linear layer's product `x·Wᵀ` (x `[m, k]`, W `[n, k]`, random)
 /// as the forward-only commands run it at precision `p` on the thread pool, packing and
-/// quantization included: the median of `reps` calls after one warm-up. `None` where the CPU
+/// quantization included (int8's weight once, as those commands keep it): the median of `reps` calls after one warm-up. `None` where the CPU
 /// lacks the precision's instructions (f32 runs everywhere, through gemm).
 pub fn product_rate(p: Precision, (m, k, n): (usize, usize, usize), reps: usize) -> Option<f64> {
     if p != Precision::F32 && !available(p) {
@@ -168,10 +168,16 @@ pub fn product_rate(p: Precision, (m, k, n): (usize, usize, usize), reps: usize)
     let random = |seed, len| -> Vec<f32> {
         crate::util::rng::randn(seed, 0.0, 1.0, &[len], candle_core::DType::F32, &cpu).and_then(|t| t.to_vec1()).expect("random operand")
     };
-    let (x, w) = (random(1, m * k), random(2, n * k));
+    let x = random(1, m * k);
+    let w = crate::util::rng::randn(2, 0.0, 1.0, &[n * k], candle_core::DType::F32, &cpu).expect("random operand");
+    // The forward-only commands hold an int8 model's weights frozen, quantized once: so does
+    // this, and the warm-up call quantizes it.
+    let _frozen = (p == Precision::Int8).then(|| super::frozen::freeze([&w]));
+    let (storage, _) = w.storage_and_layout();
+    let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(w)) = &*storage else { unreachable!("an f32 tensor on the CPU") };
     let mut y = vec![0f32; m * n];
     let d = Dims { m, n, k };
-    let (xm, wm) = (Mat::rows(&x, 0, k), Mat::transposed(&w, 0, k));
+    let (xm, wm) = (Mat::rows(&x, 0, k), Mat::transposed(w, 0, k));
     let threads = rayon::current_num_threads();
     let mut once = || {
         let start = Instant::now();
