@@ -94,10 +94,10 @@ fn squared_sums(grads: &[Option<Tensor>], wanted: impl Fn(usize) -> bool) -> Res
 
 /// The sum of squares of a tensor where it lies, in f64, as a 0-d tensor: as rows of its
 /// trailing dimensions (enough of them for 1,024 numbers where the shape allows; a 1×1
-/// convolution's weight ends in two dimensions of 1), each row's sum first, then the rows'. A GPU reduces each output in
-/// one block of threads, so summing a whole weight at once ran on one of its multiprocessors: on
-/// an H200 the squares of ViT-B/16 + BERT-base (196M numbers) took 130-150 ms a step that way,
-/// against 4.5 ms for the whole update after them.
+/// convolution's weight ends in two dimensions of 1), each row's sum first, then the rows'. A
+/// GPU reduces each output in one block of threads, so summing a whole weight at once ran on
+/// one of its multiprocessors: on an H200 the squares of ViT-B/16 + BERT-base (196M numbers)
+/// took 130-150 ms a step that way, against 4.5 ms for the whole update after them.
 fn device_squared_sum(g: &Tensor) -> Result<Tensor> {
     let squares = g.to_dtype(DType::F64)?.sqr()?;
     let Some((_, trailing)) = squares.dims().split_first().filter(|(_, t)| !t.is_empty()) else {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileAdds, TileDst};
+use super::operands::{for_each_row_group, for_each_tile, row_groups_allowed, Dims, Epilogue, Mat, TileAdds, TileDst};
 
 /// Rows of a tile: 24 accumulators, two right-hand loads and a broadcast fit the 32 registers.
 pub(crate) const MR: usize = 12;
@@ -28,14 +28,13 @@ const BLOCK_ROWS: usize = 16 * MR;
 /// Rows of the left operand packed at once: 16 blocks (at most 12 MB packed for k = 3,072).
 const PACK_ROWS: usize = 16 * BLOCK_ROWS;
 
-/// Right operands up to this size packed (in bytes) run by row groups ([`by_row_groups`]): the
-/// panels stay in a core's own cache (1 MB or more on the CPUs with AVX-512 BF16) beside a row
-/// group's packed rows and the tiles' output.
+/// Right operands up to this size packed (in bytes) run by row groups ([`for_each_row_group`]):
+/// the panels stay in a core's own cache (1 MB or more on the CPUs with AVX-512 BF16) beside a
+/// row group's packed rows and the tiles' output. A narrow product gains the most: ViT-Ti's
+/// projections at batch 32, 6,304 × 192 × 192, had run at about 40% of the instruction's rate
+/// with a pass over the whole left operand first (reading and writing every number of an
+/// operand larger than the cache for few multiply-adds a number).
 const GROUP_PANEL_BYTES: usize = 512 * 1024;
-
-/// Rows of the left operand a row-group task packs and runs: whole tiles, and whole groups of
-/// 16 for a transposed operand's packing.
-const GROUP_ROWS: usize = 4 * MR;
 
 /// Products smaller than this many multiply-adds stay f32: packing would cost what bf16 saves
 /// (a ViT-B/32 attention head's 50×50×64 products, for example).
@@ -408,8 +407,32 @@ pub(crate) unsafe fn product(
 ) {
     // A frozen weight's panels are packed once and kept.
     let b = super::frozen::packed(rhs, d.k, d.n, || pack_rhs(rhs, d.k, d.n));
-    if b.len() * std::mem::size_of::<u16>() <= GROUP_PANEL_BYTES && !whole_packing_asked() {
-        return by_row_groups(dst.add(offset), dst_rs, d, lhs, &b, accumulate, threads, epilogue);
+    if b.len() * std::mem::size_of::<u16>() <= GROUP_PANEL_BYTES && row_groups_allowed() {
+        let (dst, kp) = (TileDst(dst.add(offset)), d.k.div_ceil(2));
+        let pack = |first, rows| {
+            let mut a = packed_rows(rows, kp);
+            pack_rows(lhs, first, rows, d.k, kp, &mut a);
+            a
+        };
+        for_each_row_group((d.m, d.n), (MR, NR), threads, pack, |a, t| {
+            let out = dst.at(t.row0 * dst_rs + t.panel * NR);
+            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(t.row0, t.panel * NR, d.n));
+            tile_avx512(
+                a.as_ptr().add(t.t * MR * kp),
+                kp,
+                b.as_ptr().add(t.panel * kp * NR * 2),
+                out,
+                dst_rs,
+                t.rows,
+                t.cols,
+                accumulate,
+                adds,
+            );
+            if let Some(e) = epilogue {
+                e.activate(out, dst_rs, t.rows, t.cols);
+            }
+        });
+        return;
     }
     let panels = d.n.div_ceil(NR);
     // The left operand is packed PACK_ROWS rows at a time, so the packed copy stays small (a
@@ -427,82 +450,6 @@ pub(crate) unsafe fn product(
                 e.activate(out, dst_rs, rows, cols);
             }
         });
-    }
-}
-
-/// Whether a test has asked this thread's products to pack the left operand whole first even
-/// where row groups would run: both ways must give the same numbers.
-#[cfg(test)]
-fn whole_packing_asked() -> bool {
-    tests::whole_operand_packing()
-}
-
-#[cfg(not(test))]
-fn whole_packing_asked() -> bool {
-    false
-}
-
-/// The product where the right operand's packed panels fit a core's cache together
-/// ([`GROUP_PANEL_BYTES`]): each task packs [`GROUP_ROWS`] rows of the left operand itself and
-/// runs them against every panel. The packed rows never leave that core's cache, and there is
-/// no pass over the whole left operand before the tiles, nor a wait for it. A narrow product
-/// spends the most on that pass (it reads and writes every number of a left operand larger than
-/// the cache for few multiply-adds a number): ViT-Ti's projections at batch 32, 6,304 × 192 ×
-/// 192, ran at about 40% of the instruction's rate with it.
-///
-/// # Safety
-/// As [`product`], with `dst` already at the product's first element and `b` the right
-/// operand's panels.
-#[allow(clippy::too_many_arguments)]
-unsafe fn by_row_groups(
-    dst: *mut f32,
-    dst_rs: usize,
-    d: Dims,
-    lhs: Mat<f32>,
-    b: &[u16],
-    accumulate: bool,
-    threads: usize,
-    epilogue: Option<Epilogue>,
-) {
-    let (kp, panels) = (d.k.div_ceil(2), d.n.div_ceil(NR));
-    let dst = TileDst(dst);
-    let group = |g: usize| {
-        let first = g * GROUP_ROWS;
-        let rows = GROUP_ROWS.min(d.m - first);
-        let mut a = packed_rows(rows, kp);
-        pack_rows(lhs, first, rows, d.k, kp, &mut a);
-        for p in 0..panels {
-            let cols = NR.min(d.n - p * NR);
-            for t in 0..rows.div_ceil(MR) {
-                let (row0, tile_rows) = (first + t * MR, MR.min(rows - t * MR));
-                let out = dst.at(row0 * dst_rs + p * NR);
-                let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row0, p * NR, d.n));
-                // SAFETY: the caller's contract; the tile's rows and columns lie inside the
-                // product, and this task alone writes rows first..first + rows.
-                unsafe {
-                    tile_avx512(
-                        a.as_ptr().add(t * MR * kp),
-                        kp,
-                        b.as_ptr().add(p * kp * NR * 2),
-                        out,
-                        dst_rs,
-                        tile_rows,
-                        cols,
-                        accumulate,
-                        adds,
-                    );
-                    if let Some(e) = epilogue {
-                        e.activate(out, dst_rs, tile_rows, cols);
-                    }
-                }
-            }
-        }
-    };
-    let groups = d.m.div_ceil(GROUP_ROWS);
-    if threads > 1 {
-        (0..groups).into_par_iter().for_each(group);
-    } else {
-        (0..groups).for_each(group);
     }
 }
 
@@ -560,17 +507,7 @@ unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u16, _: *mut f32, _: us
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::Cell;
-
-    thread_local! {
-        /// Set by a test to run every product on this thread with the left operand packed
-        /// whole first, as products with a large right operand run.
-        static WHOLE_OPERAND_PACKING: Cell<bool> = const { Cell::new(false) };
-    }
-
-    pub(super) fn whole_operand_packing() -> bool {
-        WHOLE_OPERAND_PACKING.with(|w| w.get())
-    }
+    use crate::ops::kernels::operands::with_whole_operand_packing;
 
     fn bf16_value(bits: u16) -> f64 {
         f32::from_bits((bits as u32) << 16) as f64
@@ -638,16 +575,14 @@ mod tests {
                 let dst_rs = n + 5;
                 let start: Vec<f32> = (0..m * dst_rs).map(|i| (i % 7) as f32 - 3.0).collect();
                 // Both ways of running a product: the same sums in the same order.
-                let run = |whole: bool| {
-                    WHOLE_OPERAND_PACKING.with(|w| w.set(whole));
+                let run = || {
                     let mut dst = start.clone();
                     unsafe { product(dst.as_mut_ptr(), 0, dst_rs, Dims { m, n, k }, lhs, rhs, accumulate, 2, None) };
-                    WHOLE_OPERAND_PACKING.with(|w| w.set(false));
                     dst
                 };
-                let dst = run(false);
+                let dst = run();
                 assert!(
-                    dst == run(true),
+                    dst == with_whole_operand_packing(run),
                     "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{lhs_kind}: row groups and whole packing differ"
                 );
                 for i in 0..m {

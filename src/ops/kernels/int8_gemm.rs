@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
-use super::operands::{for_each_tile, Dims, Epilogue, Mat, TileAdds, TileDst};
+use super::operands::{for_each_row_group, for_each_tile, row_groups_allowed, Dims, Epilogue, Mat, TileAdds, TileDst};
 
 /// Rows of a tile: 24 accumulators, two weight loads and a broadcast fit the 32 registers.
 const MR: usize = 12;
@@ -33,13 +33,10 @@ const NR: usize = 32;
 /// Rows of the input whose tiles run together, each weight panel in turn: 16 tiles.
 const BLOCK_ROWS: usize = 16 * MR;
 
-/// Weights up to this size quantized (in bytes) run by row groups ([`by_row_groups`]): the
+/// Weights up to this size quantized (in bytes) run by row groups ([`for_each_row_group`]): the
 /// panels stay in a core's own cache (1 MB or more on the CPUs with VNNI) beside a row group's
 /// quantized rows; a ViT-B's 768 × 768 projections (576 KiB) among them.
 const GROUP_PANEL_BYTES: usize = 640 * 1024;
-
-/// Input rows a row-group task quantizes and runs: whole tiles.
-const GROUP_ROWS: usize = 4 * MR;
 
 /// The longest sum whose 32-bit total cannot overflow: each term is at most 255·127.
 const MAX_K: usize = (i32::MAX as usize) / (255 * 127);
@@ -185,20 +182,45 @@ fn lanes(n: usize) -> u16 {
     }
 }
 
-/// The input's `m` rows quantized into `out`, each `4·kq` bytes (the bytes past k left as they
-/// are: zero), their scales and zero points into `scales` and `zeros`.
-///
-/// # Safety
-/// [`available`] must hold.
-unsafe fn pack_input(x: Mat<f32>, m: usize, k: usize, out: &mut [u32], scales: &mut [f32], zeros: &mut [i32]) {
-    let kq = k.div_ceil(4);
-    out.par_chunks_mut(kq).zip(scales.par_iter_mut()).zip(zeros.par_iter_mut()).take(m).enumerate().for_each(
-        |(i, ((row, scale), zero))| {
-            let start = x.offset + i * x.row_stride;
+/// Rows of the input quantized: each row's `kq` words (the bytes past k zero), scale and zero
+/// point, rows up to a multiple of [`MR`] (the padding rows zero).
+struct Input {
+    words: Vec<u32>,
+    scales: Vec<f32>,
+    zeros: Vec<i32>,
+}
+
+impl Input {
+    /// Rows `first..first + rows` of `x` (k numbers each) quantized, on the thread pool where
+    /// `parallel`.
+    ///
+    /// # Safety
+    /// [`available`] must hold.
+    unsafe fn of(x: Mat<f32>, first: usize, rows: usize, k: usize, parallel: bool) -> Input {
+        let (kq, padded) = (k.div_ceil(4), rows.div_ceil(MR) * MR);
+        let mut q = Input { words: vec![0; padded * kq], scales: vec![0.0; padded], zeros: vec![0; padded] };
+        let row = |(i, ((words, scale), zero)): (usize, ((&mut [u32], &mut f32), &mut i32))| {
+            let start = x.offset + (first + i) * x.row_stride;
             // SAFETY: the caller's.
-            (*scale, *zero) = unsafe { quantize_input(&x.data[start..start + k], bytemuck_bytes(row)) };
-        },
-    );
+            (*scale, *zero) = unsafe { quantize_input(&x.data[start..start + k], bytemuck_bytes(words)) };
+        };
+        if parallel {
+            q.words.par_chunks_mut(kq).zip(q.scales.par_iter_mut()).zip(q.zeros.par_iter_mut()).take(rows).enumerate().for_each(row);
+        } else {
+            q.words.chunks_mut(kq).zip(q.scales.iter_mut()).zip(q.zeros.iter_mut()).take(rows).enumerate().for_each(row);
+        }
+        q
+    }
+
+    /// The scales of the tile at this input's row `row` and the weight's channel `col`.
+    fn scales(&self, w: &Weight, row: usize, col: usize) -> Scales {
+        Scales {
+            x: self.scales[row..].as_ptr(),
+            zeros: self.zeros[row..].as_ptr(),
+            w: w.scales[col..].as_ptr(),
+            sums: w.sums[col..].as_ptr(),
+        }
+    }
 }
 
 /// The bytes of a run of 32-bit words.
@@ -266,126 +288,33 @@ pub(crate) unsafe fn product(
     assert!(available() && x.col_stride == 1 && w.row_stride == 1 && d.k <= MAX_K, "int8 product of unsupported operands");
     // A frozen weight's panels are quantized once and kept.
     let wq = super::frozen::packed(w, d.k, d.n, || pack_weight(w, d.k, d.n));
-    if wq.panels.len() * std::mem::size_of::<u32>() <= GROUP_PANEL_BYTES && !whole_packing_asked() {
-        return by_row_groups(dst.add(offset), dst_rs, d, x, &wq, accumulate, threads, epilogue);
-    }
-    let panels = d.n.div_ceil(NR);
-    let kq = d.k.div_ceil(4);
-    // The whole input packed first (a quarter of its f32 size), then every tile as one loop.
-    let rows = d.m.div_ceil(MR) * MR;
-    let (mut a, mut sx, mut zx) = (vec![0u32; rows * kq], vec![0f32; rows], vec![0i32; rows]);
-    pack_input(x, d.m, d.k, &mut a, &mut sx, &mut zx);
-    let dst = TileDst(dst.add(offset));
-    for_each_tile(d.m.div_ceil(MR), panels, BLOCK_ROWS / MR, threads, |p, r| {
-        let (rows, cols) = (MR.min(d.m - r * MR), NR.min(d.n - p * NR));
-        let out = dst.at(r * MR * dst_rs + p * NR);
-        let scales = Scales {
-            x: sx.as_ptr().add(r * MR),
-            zeros: zx.as_ptr().add(r * MR),
-            w: wq.scales.as_ptr().add(p * NR),
-            sums: wq.sums.as_ptr().add(p * NR),
-        };
-        let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r * MR, p * NR, d.n));
-        tile_avx512(
-            a.as_ptr().add(r * MR * kq),
-            kq,
-            wq.panels.as_ptr().add(p * kq * NR),
-            scales,
-            out,
-            dst_rs,
-            rows,
-            cols,
-            accumulate,
-            adds,
-        );
-        if let Some(e) = epilogue {
-            e.activate(out, dst_rs, rows, cols);
-        }
-    });
-}
-
-/// Whether a test has asked this thread's products to quantize the input whole first even
-/// where row groups would run: both ways must give the same numbers.
-#[cfg(test)]
-fn whole_packing_asked() -> bool {
-    tests::whole_input_packing()
-}
-
-#[cfg(not(test))]
-fn whole_packing_asked() -> bool {
-    false
-}
-
-/// The product where the weight's panels fit a core's cache ([`GROUP_PANEL_BYTES`]): each
-/// task quantizes [`GROUP_ROWS`] rows of the input itself and runs them against every panel,
-/// so that the quantized rows stay in that core's cache and no pass over the whole input comes
-/// before the tiles.
-///
-/// # Safety
-/// As [`product`], with `dst` already at the product's first element.
-#[allow(clippy::too_many_arguments)]
-unsafe fn by_row_groups(
-    dst: *mut f32,
-    dst_rs: usize,
-    d: Dims,
-    x: Mat<f32>,
-    wq: &Weight,
-    accumulate: bool,
-    threads: usize,
-    epilogue: Option<Epilogue>,
-) {
-    let (kq, panels) = (d.k.div_ceil(4), d.n.div_ceil(NR));
-    let dst = TileDst(dst);
-    let group = |g: usize| {
-        let first = g * GROUP_ROWS;
-        let rows = GROUP_ROWS.min(d.m - first);
-        let padded = rows.div_ceil(MR) * MR;
-        let (mut a, mut sx, mut zx) = (vec![0u32; padded * kq], vec![0f32; padded], vec![0i32; padded]);
-        for (i, ((row, scale), zero)) in a.chunks_mut(kq).zip(&mut sx).zip(&mut zx).take(rows).enumerate() {
-            let start = x.offset + (first + i) * x.row_stride;
-            // SAFETY: the caller's.
-            (*scale, *zero) = unsafe { quantize_input(&x.data[start..start + d.k], bytemuck_bytes(row)) };
-        }
-        for p in 0..panels {
-            let cols = NR.min(d.n - p * NR);
-            for t in 0..rows.div_ceil(MR) {
-                let (row0, tile_rows) = (first + t * MR, MR.min(rows - t * MR));
-                let out = dst.at(row0 * dst_rs + p * NR);
-                let scales = Scales {
-                    x: sx[t * MR..].as_ptr(),
-                    zeros: zx[t * MR..].as_ptr(),
-                    w: wq.scales[p * NR..].as_ptr(),
-                    sums: wq.sums[p * NR..].as_ptr(),
-                };
-                let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row0, p * NR, d.n));
-                // SAFETY: the caller's contract; the tile lies inside the product, and this task
-                // alone writes rows first..first + rows.
-                unsafe {
-                    tile_avx512(
-                        a[t * MR * kq..].as_ptr(),
-                        kq,
-                        wq.panels[p * kq * NR..].as_ptr(),
-                        scales,
-                        out,
-                        dst_rs,
-                        tile_rows,
-                        cols,
-                        accumulate,
-                        adds,
-                    );
-                    if let Some(e) = epilogue {
-                        e.activate(out, dst_rs, tile_rows, cols);
-                    }
-                }
+    let (dst, kq) = (TileDst(dst.add(offset)), d.k.div_ceil(4));
+    // The tile of `q`'s row `row` (the product's row `row0`) and the weight's channel `col`.
+    let tile = |q: &Input, row: usize, row0: usize, col: usize, rows: usize, cols: usize| {
+        let out = dst.at(row0 * dst_rs + col);
+        let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row0, col, d.n));
+        let (a, b) = (q.words[row * kq..].as_ptr(), wq.panels[col * kq..].as_ptr());
+        // SAFETY: the caller's contract; the tile lies inside the product, and no other task
+        // writes it.
+        unsafe {
+            tile_avx512(a, kq, b, q.scales(&wq, row, col), out, dst_rs, rows, cols, accumulate, adds);
+            if let Some(e) = epilogue {
+                e.activate(out, dst_rs, rows, cols);
             }
         }
     };
-    let groups = d.m.div_ceil(GROUP_ROWS);
-    if threads > 1 {
-        (0..groups).into_par_iter().for_each(group);
-    } else {
-        (0..groups).for_each(group);
+    if wq.panels.len() * std::mem::size_of::<u32>() <= GROUP_PANEL_BYTES && row_groups_allowed() {
+        // Each task quantizes its own rows (see `for_each_row_group`).
+        // SAFETY: `available` holds (asserted above).
+        let quantize = |first, rows| unsafe { Input::of(x, first, rows, d.k, false) };
+        for_each_row_group((d.m, d.n), (MR, NR), threads, quantize, |q, t| tile(q, t.t * MR, t.row0, t.panel * NR, t.rows, t.cols));
+        return;
     }
+    // The whole input quantized first (a quarter of its f32 size), then every tile as one loop.
+    let q = Input::of(x, 0, d.m, d.k, true);
+    for_each_tile(d.m.div_ceil(MR), d.n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
+        tile(&q, r * MR, r * MR, p * NR, MR.min(d.m - r * MR), NR.min(d.n - p * NR))
+    });
 }
 
 /// A tile's rows' scales and zero points, and its columns' scales and sums.
@@ -451,17 +380,7 @@ unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u32, _: Scales, _: *mut
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::Cell;
-
-    thread_local! {
-        /// Set by a test to run every product on this thread with the input quantized whole
-        /// first, as products with a large weight run.
-        static WHOLE_INPUT_PACKING: Cell<bool> = const { Cell::new(false) };
-    }
-
-    pub(super) fn whole_input_packing() -> bool {
-        WHOLE_INPUT_PACKING.with(|w| w.get())
-    }
+    use crate::ops::kernels::operands::with_whole_operand_packing;
 
     fn randn(seed: u64, len: usize) -> Vec<f32> {
         crate::util::rng::randn(seed, 0.0, 1.0, &[len], candle_core::DType::F32, &candle_core::Device::Cpu).unwrap().to_vec1().unwrap()
@@ -543,17 +462,15 @@ mod tests {
                 let dst_rs = n + 5;
                 let start: Vec<f32> = (0..m * dst_rs).map(|i| (i % 7) as f32 - 3.0).collect();
                 let d = Dims { m, n, k };
-                let run = |whole: bool| {
-                    WHOLE_INPUT_PACKING.with(|w| w.set(whole));
+                let run = || {
                     let mut dst = start.clone();
                     unsafe {
                         product(dst.as_mut_ptr(), 0, dst_rs, d, Mat::rows(&x, 2, k + 3), Mat::transposed(&w, 0, k), accumulate, 2, None)
                     };
-                    WHOLE_INPUT_PACKING.with(|w| w.set(false));
                     dst
                 };
-                let dst = run(false);
-                assert!(dst == run(true), "({m}, {n}, {k}) a{accumulate}: row groups and whole quantization differ");
+                let dst = run();
+                assert!(dst == with_whole_operand_packing(run), "({m}, {n}, {k}) a{accumulate}: row groups and whole quantization differ");
                 let rows: Vec<_> = (0..m).map(|i| reference_input(&x[2 + i * (k + 3)..2 + i * (k + 3) + k])).collect();
                 let cols: Vec<_> = (0..n).map(|j| reference_weight(&w[j * k..(j + 1) * k])).collect();
                 for i in 0..m {

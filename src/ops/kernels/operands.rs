@@ -73,6 +73,77 @@ pub(crate) fn for_each_tile(row_tiles: usize, panels: usize, per_block: usize, t
     }
 }
 
+/// Rows of the left operand that a row-group task packs and runs ([`for_each_row_group`]):
+/// whole tiles of both kernels (12 rows) and whole groups of a transposed operand's packing (16).
+const GROUP_ROWS: usize = 48;
+
+/// One tile of a row group: row tile `t` of the group against panel `panel`, its first row
+/// `row0` in the product, `rows` × `cols` of it kept.
+#[derive(Clone, Copy)]
+pub(crate) struct GroupTile {
+    pub t: usize,
+    pub panel: usize,
+    pub row0: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Runs a product `m` × `n` as tasks of [`GROUP_ROWS`] rows over `threads` (or on the calling
+/// thread): each task makes its rows' packed form with `pack(first, rows)` and runs `tile` on
+/// each of their `mr` × `nr` tiles against every panel in turn. For products whose right-hand
+/// panels all fit a core's cache: the packed rows never leave the core that made them, and no
+/// pass over the whole left operand (nor a wait for one) comes before the tiles.
+pub(crate) fn for_each_row_group<A>(
+    (m, n): (usize, usize),
+    (mr, nr): (usize, usize),
+    threads: usize,
+    pack: impl Fn(usize, usize) -> A + Sync,
+    tile: impl Fn(&A, GroupTile) + Sync,
+) {
+    use rayon::prelude::*;
+    let group = |g: usize| {
+        let first = g * GROUP_ROWS;
+        let rows = GROUP_ROWS.min(m - first);
+        let packed = pack(first, rows);
+        for panel in 0..n.div_ceil(nr) {
+            for t in 0..rows.div_ceil(mr) {
+                let row0 = first + t * mr;
+                tile(&packed, GroupTile { t, panel, row0, rows: mr.min(first + rows - row0), cols: nr.min(n - panel * nr) });
+            }
+        }
+    };
+    let groups = m.div_ceil(GROUP_ROWS);
+    if threads > 1 {
+        (0..groups).into_par_iter().for_each(group);
+    } else {
+        (0..groups).for_each(group);
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    static WHOLE_OPERAND_PACKING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether products on this thread may run by row groups: always, except inside
+/// [`with_whole_operand_packing`].
+pub(crate) fn row_groups_allowed() -> bool {
+    #[cfg(test)]
+    return !WHOLE_OPERAND_PACKING.with(|w| w.get());
+    #[cfg(not(test))]
+    true
+}
+
+/// `f` with this thread's products packing their whole left operand first even where row
+/// groups would run, so that a test can hold the two ways against each other.
+#[cfg(test)]
+pub(crate) fn with_whole_operand_packing<R>(f: impl FnOnce() -> R) -> R {
+    WHOLE_OPERAND_PACKING.with(|w| w.set(true));
+    let r = f();
+    WHOLE_OPERAND_PACKING.with(|w| w.set(false));
+    r
+}
+
 /// What a product does to each of its values as its tiles are stored, in place of passes over
 /// the whole output afterwards: `act(value + bias[j] + residual[i, j])`. A linear layer's
 /// output is written once while its tile is in cache, instead of written by the product, then
