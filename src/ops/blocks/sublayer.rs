@@ -17,6 +17,9 @@ use super::attention::{context, context_grad, scores, scores_grad, Geometry};
 use crate::ops::kernels::bias_act::{ActGrad, Activation, BiasAct};
 use crate::ops::kernels::layer_norm::{LayerNormGrad, LayerNormOp};
 use crate::ops::kernels::linear::{linear_act, linear_grads, linear_onto, product, sum_into};
+use crate::ops::kernels::matmul::slice_f32;
+use crate::ops::kernels::operands::Dims;
+use crate::ops::kernels::prepared::{self, Prepared};
 use crate::ops::op::{Kernel, Op};
 use crate::ops::{cpu_slices, output_buffer, Float};
 
@@ -142,6 +145,13 @@ impl Branch {
     ) -> Result<Vec<T>> {
         let ln_op = LayerNormOp { eps: self.eps };
         Ok(match self.norm {
+            Norm::Pre if saved.is_none() => match self.prepared_forward(x, params, (gamma, beta), key_bias)? {
+                Some(out) => out,
+                None => {
+                    let normed = ln_op.run(x, gamma, beta);
+                    self.body_forward(x, &normed, params, key_bias, None)?
+                }
+            },
             Norm::Pre => {
                 // Not kept: the backward pass recomputes it from x.
                 let normed = ln_op.run(x, gamma, beta);
@@ -156,6 +166,53 @@ impl Branch {
                 out
             }
         })
+    }
+
+    /// A pre-norm branch without a backward pass, where its products all go through the bf16
+    /// or the int8 kernel: the LayerNorm's rows packed or quantized as they are made, once for
+    /// all the products that read them, and (bf16) the MLP's hidden layer packed by the first
+    /// product as it stores it (see `kernels::prepared`). The same numbers as the f32 route
+    /// through [`Branch::body_forward`]. None where it does not apply.
+    fn prepared_forward<T: Float>(
+        &self,
+        x: &[T],
+        params: &[&[T]],
+        (gamma, beta): (&[T], &[T]),
+        key_bias: Option<&[f32]>,
+    ) -> Result<Option<Vec<T>>> {
+        let (Some(x), Some(gamma), Some(beta)) = (slice_f32(x), slice_f32(gamma), slice_f32(beta)) else { return Ok(None) };
+        let Some(ps) = params.iter().map(|p| slice_f32(p)).collect::<Option<Vec<_>>>() else { return Ok(None) };
+        let (w, rows) = (self.width, x.len() / self.width);
+        let products = match self.body {
+            Body::Attention { .. } => vec![Dims { m: rows, n: w, k: w }],
+            Body::Mlp { hidden, .. } => vec![Dims { m: rows, n: hidden, k: w }, Dims { m: rows, n: w, k: hidden }],
+        };
+        let Some(route) = prepared::route(&products) else { return Ok(None) };
+        let ln_op = LayerNormOp { eps: self.eps };
+        let normed = Prepared::from_rows(route, rows, w, |i, r| ln_op.normalize_row(&x[i * w..(i + 1) * w], gamma, beta, r));
+        let out = match self.body {
+            Body::Attention { .. } => {
+                let g = self.geometry()?;
+                let project = |i: usize| normed.linear(ps[2 * i], ps[2 * i + 1], None, Activation::Identity, w);
+                let (q, k, v) = (project(0), project(1), project(2));
+                drop(normed);
+                let probs = scores(g, attention_scale(g), key_bias, &q, &k);
+                let ctx = context(g, &probs, &v);
+                linear_act(Some(x), &ctx, ps[6], ps[7], Activation::Identity, (rows, w, w))
+            }
+            Body::Mlp { hidden, act } => {
+                let h = normed.linear_prepared(ps[0], ps[1], act, hidden);
+                drop(normed);
+                h.linear(ps[2], ps[3], Some(x), Activation::Identity, w)
+            }
+        };
+        // T is f32 here (the slices above are).
+        Ok(Some(
+            (Box::new(out) as Box<dyn std::any::Any>)
+                .downcast::<Vec<T>>()
+                .map(|b| *b)
+                .map_err(|_| candle_core::Error::Msg("residual branch: not f32".into()))?,
+        ))
     }
 
     /// The gradient with respect to F's input from the gradient `dz` of F's output; F's
@@ -461,4 +518,63 @@ pub fn mlp_branch(
     let hidden = fc1.0.dim(0)?;
     let branch = Branch { norm, body: Body::Mlp { hidden, act }, width, eps };
     apply(x, branch, None, &[fc1.0, fc1.1, fc2.0, fc2.1, gamma, beta])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::kernels::{bf16_gemm, int8_gemm};
+
+    fn randn(seed: u64, mean: f64, std: f64, len: usize) -> Vec<f32> {
+        crate::util::rng::randn(seed, mean, std, &[len], DType::F32, &candle_core::Device::Cpu).unwrap().to_vec1().unwrap()
+    }
+
+    /// A forward-only pre-norm branch whose products all take the bf16 or the int8 kernel makes
+    /// the inputs they share once, packed or quantized as they are produced; its outputs are the
+    /// f32-input route's, bit for bit: attention with a key bias (causal and not) and the MLP.
+    #[test]
+    fn prepared_inputs_leave_the_branch_outputs_unchanged() {
+        // Every product at least the kernels' smallest (2²¹ multiply-adds).
+        let (batch, len, width, heads, hidden) = (3, 20, 192, 3, 768);
+        let x = randn(430, 0.3, 1.0, batch * len * width);
+        let (gamma, beta) = (randn(431, 1.0, 0.1, width), randn(432, 0.0, 0.1, width));
+        let mut key_bias = vec![0f32; batch * len];
+        key_bias[2 * len - 4..2 * len].fill(-1e4);
+        let bodies = [
+            Body::Attention { batch, len, heads, causal: false },
+            Body::Attention { batch, len, heads, causal: true },
+            Body::Mlp { hidden, act: Activation::QuickGelu },
+        ];
+        for route in ["bf16", "int8"] {
+            let have = if route == "bf16" { bf16_gemm::available() } else { int8_gemm::available() };
+            if !have {
+                eprintln!("skipped {route}: this CPU lacks its instructions");
+                continue;
+            }
+            for (b, body) in bodies.into_iter().enumerate() {
+                let branch = Branch { norm: Norm::Pre, body, width, eps: 1e-5 };
+                let params: Vec<Vec<f32>> = branch.param_layout()[..branch.param_layout().len() - 2]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &n)| randn(440 + 10 * b as u64 + i as u64, 0.0, 0.08, n))
+                    .collect();
+                let ps: Vec<&[f32]> = params.iter().map(|p| &p[..]).collect();
+                let bias = matches!(body, Body::Attention { .. }).then_some(&key_bias[..]);
+                let run = || {
+                    let prepared = branch.prepared_forward(&x, &ps, (&gamma, &beta), bias).unwrap();
+                    let normed = LayerNormOp { eps: branch.eps }.run(&x, &gamma, &beta);
+                    (prepared, branch.body_forward(&x, &normed, &ps, bias, None).unwrap())
+                };
+                let (prepared, plain) =
+                    if route == "bf16" { bf16_gemm::with_bf16_products(run) } else { int8_gemm::with_int8_products(run) };
+                let prepared = prepared.unwrap_or_else(|| panic!("{route} {body:?}: the prepared route was not taken"));
+                let same = prepared.iter().zip(&plain).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same && prepared.len() == plain.len(), "{route} {body:?}: the outputs differ");
+            }
+        }
+        let plain_f32 = Branch { norm: Norm::Pre, body: bodies[2], width, eps: 1e-5 };
+        let ps: Vec<Vec<f32>> = plain_f32.param_layout()[..4].iter().map(|&n| vec![0.0; n]).collect();
+        let ps: Vec<&[f32]> = ps.iter().map(|p| &p[..]).collect();
+        assert!(plain_f32.prepared_forward(&x, &ps, (&gamma, &beta), None).unwrap().is_none(), "f32 products took the prepared route");
+    }
 }

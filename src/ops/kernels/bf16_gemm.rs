@@ -453,6 +453,110 @@ pub(crate) unsafe fn product(
     }
 }
 
+/// A left operand in the kernel's packed form (rows of k pairs, up to a multiple of [`MR`] rows),
+/// made once by the op that produces it: a LayerNorm's output read by three projections, or a
+/// product's output read by the next. No f32 copy of it is written, read back and packed for
+/// each product that reads it.
+pub(crate) struct PackedRows {
+    words: Vec<u32>,
+    m: usize,
+    k: usize,
+}
+
+impl PackedRows {
+    /// `m` rows of `k` numbers, row i made by `row(i, r)` into an f32 row `r` and packed from
+    /// there as the products pack an f32 operand, so that the products' sums are the same.
+    pub(crate) fn from_rows(m: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> PackedRows {
+        let kp = k.div_ceil(2);
+        let mut words = packed_rows(m, kp);
+        words[..m * kp].par_chunks_mut(16 * kp).enumerate().for_each(|(g, rows)| {
+            let mut scratch = vec![0f32; k];
+            for (r, out) in rows.chunks_mut(kp).enumerate() {
+                row(16 * g + r, &mut scratch);
+                pack_row(&scratch, out);
+            }
+        });
+        PackedRows { words, m, k }
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.m
+    }
+
+    /// `dst[i·dst_rs + j] = (x·W)[i, j]` for this operand `x` and `w` (`k` × `n`), then the
+    /// `epilogue`, in the same sums as [`product`] makes from x in f32.
+    ///
+    /// # Safety
+    /// [`available`] must hold, and `dst` must be valid for every element written with no other
+    /// thread touching them.
+    pub(crate) unsafe fn product(&self, dst: *mut f32, dst_rs: usize, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) {
+        let (m, k, kp) = (self.m, self.k, self.k.div_ceil(2));
+        let b = super::frozen::packed(w, k, n, || pack_rhs(w, k, n));
+        let dst = TileDst(dst);
+        for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
+            let (rows, cols) = (MR.min(m - r * MR), NR.min(n - p * NR));
+            let out = dst.at(r * MR * dst_rs + p * NR);
+            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r * MR, p * NR, n));
+            tile_avx512(self.words.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, false, adds);
+            if let Some(e) = epilogue {
+                e.activate(out, dst_rs, rows, cols);
+            }
+        });
+    }
+
+    /// [`PackedRows::product`]'s output (`n` wide) packed as the next product's left operand,
+    /// each tile as it is made: the numbers [`PackedRows::from_rows`] would pack from it.
+    ///
+    /// # Safety
+    /// [`available`] must hold.
+    pub(crate) unsafe fn product_packed(&self, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) -> PackedRows {
+        let (m, k, kp) = (self.m, self.k, self.k.div_ceil(2));
+        let b = super::frozen::packed(w, k, n, || pack_rhs(w, k, n));
+        let np = n.div_ceil(2);
+        let mut words = packed_rows(m, np);
+        let out = TileWords(words.as_mut_ptr());
+        for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
+            let (rows, cols) = (MR.min(m - r * MR), NR.min(n - p * NR));
+            let mut tile = [0f32; MR * NR];
+            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r * MR, p * NR, n));
+            tile_avx512(
+                self.words.as_ptr().add(r * MR * kp),
+                kp,
+                b.as_ptr().add(p * kp * NR * 2),
+                tile.as_mut_ptr(),
+                NR,
+                rows,
+                cols,
+                false,
+                adds,
+            );
+            if let Some(e) = epilogue {
+                e.activate(tile.as_mut_ptr(), NR, rows, cols);
+            }
+            for (i, values) in tile.chunks(NR).take(rows).enumerate() {
+                // A tile's columns are one of the 32-number runs `pack_row` packs a row in
+                // (NR = 32 and tiles start at multiples of it), so the words are its words.
+                let words = std::slice::from_raw_parts_mut(out.at((r * MR + i) * np + p * NR / 2), cols.div_ceil(2));
+                pack_row(&values[..cols], words);
+            }
+        });
+        PackedRows { words, m, k: n }
+    }
+}
+
+/// Packed words that a product's tiles write at once, each its own.
+#[derive(Clone, Copy)]
+struct TileWords(*mut u32);
+// SAFETY: tiles write disjoint words.
+unsafe impl Send for TileWords {}
+unsafe impl Sync for TileWords {}
+
+impl TileWords {
+    fn at(self, offset: usize) -> *mut u32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
 /// One [`MR`]×[`NR`] tile over all k pairs; only its first `rows` × `cols` are stored.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
@@ -507,7 +611,12 @@ unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u16, _: *mut f32, _: us
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::kernels::bias_act::Activation;
     use crate::ops::kernels::operands::with_whole_operand_packing;
+
+    fn randn(seed: u64, len: usize) -> Vec<f32> {
+        crate::util::rng::randn(seed, 0.0, 1.0, &[len], candle_core::DType::F32, &candle_core::Device::Cpu).unwrap().to_vec1().unwrap()
+    }
 
     fn bf16_value(bits: u16) -> f64 {
         f32::from_bits((bits as u32) << 16) as f64
@@ -522,6 +631,41 @@ mod tests {
         assert_eq!(bf16_value(bf16_bits(-2.5)), -2.5);
         assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
         assert_eq!(bf16_value(bf16_bits(f32::INFINITY)), f64::INFINITY);
+    }
+
+    /// A left operand packed once by the op that makes it ([`PackedRows`]) gives the products
+    /// that the f32 operand gives, bit for bit, epilogue included; a product's output packed as
+    /// its tiles are stored is the output packed afterwards, word for word.
+    #[test]
+    fn packed_operands_give_the_products_of_the_f32_operand() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16");
+            return;
+        }
+        for (s, &(m, n, k)) in [(1, 1, 1), (13, 33, 7), (25, 70, 301), (400, 40, 50), (50, 64, 96), (7, 95, 64)].iter().enumerate() {
+            let s = s as u64;
+            let (x, w, bias, residual) = (randn(740 + s, m * k), randn(750 + s, n * k), randn(760 + s, n), randn(770 + s, m * n));
+            let d = Dims { m, n, k };
+            let packed = PackedRows::from_rows(m, k, |i, r| r.copy_from_slice(&x[i * k..(i + 1) * k]));
+            let w_t = Mat::transposed(&w, 0, k);
+            for (residual, act) in
+                [(None, Activation::Identity), (Some(&residual[..]), Activation::QuickGelu), (None, Activation::GeluTanh)]
+            {
+                let epilogue = Some(Epilogue { bias: Some(&bias), residual, act });
+                let mut want = vec![0f32; m * n];
+                unsafe { product(want.as_mut_ptr(), 0, n, d, Mat::rows(&x, 0, k), w_t, false, 2, epilogue) };
+                let mut got = vec![f32::NAN; m * n];
+                unsafe { packed.product(got.as_mut_ptr(), n, w_t, n, 2, epilogue) };
+                let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "({m}, {n}, {k}) {act:?}, residual {}: differs", residual.is_some());
+                if residual.is_none() {
+                    let next = unsafe { packed.product_packed(w_t, n, 2, epilogue) };
+                    let after = PackedRows::from_rows(m, n, |i, r| r.copy_from_slice(&want[i * n..(i + 1) * n]));
+                    assert_eq!((next.m, next.k), (m, n));
+                    assert!(next.words == after.words, "({m}, {n}, {k}) {act:?}: packed as stored differs from packed after");
+                }
+            }
+        }
     }
 
     /// The product against f64 sums of the same bf16-rounded operands: only the order of the

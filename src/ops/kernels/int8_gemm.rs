@@ -39,7 +39,7 @@ const BLOCK_ROWS: usize = 16 * MR;
 const GROUP_PANEL_BYTES: usize = 640 * 1024;
 
 /// The longest sum whose 32-bit total cannot overflow: each term is at most 255·127.
-const MAX_K: usize = (i32::MAX as usize) / (255 * 127);
+pub(crate) const MAX_K: usize = (i32::MAX as usize) / (255 * 127);
 
 static FORWARD_INT8: AtomicBool = AtomicBool::new(false);
 
@@ -72,7 +72,26 @@ pub fn set_forward_int8(on: bool) -> bool {
 /// product is as large as the bf16 kernel's smallest (`bf16_gemm::set_min_macs`), below which
 /// quantizing the weight would cost about what the product does.
 pub(crate) fn wanted(d: Dims) -> bool {
-    FORWARD_INT8.load(Ordering::Relaxed) && d.k <= MAX_K && d.m.saturating_mul(d.n).saturating_mul(d.k) >= super::bf16_gemm::min_macs()
+    #[cfg(test)]
+    let on = FORWARD_INT8.load(Ordering::Relaxed) || TEST_SCOPE.with(|s| s.get());
+    #[cfg(not(test))]
+    let on = FORWARD_INT8.load(Ordering::Relaxed);
+    on && d.k <= MAX_K && d.m.saturating_mul(d.n).saturating_mul(d.k) >= super::bf16_gemm::min_macs()
+}
+
+#[cfg(test)]
+thread_local! {
+    static TEST_SCOPE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `f` with the int8 route on for the products this thread starts (where [`available`]),
+/// leaving the process-wide switch alone: tests run beside others that expect f32 products.
+#[cfg(test)]
+pub(crate) fn with_int8_products<R>(f: impl FnOnce() -> R) -> R {
+    TEST_SCOPE.with(|s| s.set(available()));
+    let r = f();
+    TEST_SCOPE.with(|s| s.set(false));
+    r
 }
 
 /// A weight channel `src` quantized into `out` as signed bytes (as many as `src` has numbers;
@@ -191,14 +210,34 @@ struct Input {
 }
 
 impl Input {
+    /// Room for `rows` rows of `k` numbers, up to a multiple of [`MR`] rows: what no row's
+    /// quantization writes is zeroed (the padding rows, and the bytes past k in each row's last
+    /// word), the rest left for the rows to fill. Zeroing all of it first had been a pass over
+    /// every input as long as the quantization's own.
+    fn unfilled(rows: usize, k: usize) -> Input {
+        let (kq, padded) = (k.div_ceil(4), rows.div_ceil(MR) * MR);
+        let mut words: Vec<u32> = Vec::with_capacity(padded * kq);
+        // SAFETY: u32 has no invalid values; every word is written below or by a row's
+        // quantization before a tile reads it.
+        #[allow(clippy::uninit_vec)]
+        unsafe {
+            words.set_len(padded * kq)
+        };
+        words[rows * kq..].fill(0);
+        if !k.is_multiple_of(4) {
+            words[..rows * kq].chunks_mut(kq).for_each(|row| row[kq - 1] = 0);
+        }
+        Input { words, scales: vec![0.0; padded], zeros: vec![0; padded] }
+    }
+
     /// Rows `first..first + rows` of `x` (k numbers each) quantized, on the thread pool where
     /// `parallel`.
     ///
     /// # Safety
     /// [`available`] must hold.
     unsafe fn of(x: Mat<f32>, first: usize, rows: usize, k: usize, parallel: bool) -> Input {
-        let (kq, padded) = (k.div_ceil(4), rows.div_ceil(MR) * MR);
-        let mut q = Input { words: vec![0; padded * kq], scales: vec![0.0; padded], zeros: vec![0; padded] };
+        let kq = k.div_ceil(4);
+        let mut q = Input::unfilled(rows, k);
         let row = |(i, ((words, scale), zero)): (usize, ((&mut [u32], &mut f32), &mut i32))| {
             let start = x.offset + (first + i) * x.row_stride;
             // SAFETY: the caller's.
@@ -317,6 +356,73 @@ pub(crate) unsafe fn product(
     });
 }
 
+/// A linear layer's input quantized once, by the op that produces it: a LayerNorm's output read
+/// by three projections is quantized once rather than by each, and no f32 copy of it is written
+/// and read back.
+pub(crate) struct QuantizedRows {
+    input: Input,
+    m: usize,
+    k: usize,
+}
+
+impl QuantizedRows {
+    /// `m` rows of `k` numbers, row i made by `row(i, r)` into an f32 row `r` and quantized from
+    /// there as the products quantize an f32 input, so that their sums are the same.
+    ///
+    /// # Safety
+    /// [`available`] must hold.
+    pub(crate) unsafe fn from_rows(m: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) -> QuantizedRows {
+        let kq = k.div_ceil(4);
+        let mut q = Input::unfilled(m, k);
+        let rows = q.words.par_chunks_mut(16 * kq).zip(q.scales.par_chunks_mut(16)).zip(q.zeros.par_chunks_mut(16));
+        rows.enumerate().take(m.div_ceil(16)).for_each(|(g, ((words, scales), zeros))| {
+            let mut scratch = vec![0f32; k];
+            for (r, ((words, scale), zero)) in words.chunks_mut(kq).zip(scales).zip(zeros).enumerate().take(m - 16 * g) {
+                row(16 * g + r, &mut scratch);
+                // SAFETY: the caller's.
+                (*scale, *zero) = unsafe { quantize_input(&scratch, bytemuck_bytes(words)) };
+            }
+        });
+        QuantizedRows { input: q, m, k }
+    }
+
+    /// `x` (`m` rows of `k`, contiguous) quantized as [`product`] quantizes it.
+    ///
+    /// # Safety
+    /// [`available`] must hold.
+    pub(crate) unsafe fn of(x: &[f32], m: usize, k: usize) -> QuantizedRows {
+        assert!(x.len() >= m * k, "int8 input shorter than its rows");
+        QuantizedRows { input: Input::of(Mat::rows(x, 0, k), 0, m, k, true), m, k }
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.m
+    }
+
+    /// `dst[i·dst_rs + j] = (x·Wᵀ)[i, j]` for this input `x` and the weight `w` read as in
+    /// [`product`] (`n` channels), then the `epilogue`: the sums [`product`] makes from x in f32.
+    ///
+    /// # Safety
+    /// [`available`] must hold, and `dst` must be valid for every element written with no other
+    /// thread touching them.
+    pub(crate) unsafe fn product(&self, dst: *mut f32, dst_rs: usize, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) {
+        let (m, k, kq) = (self.m, self.k, self.k.div_ceil(4));
+        assert!(available() && w.row_stride == 1 && k <= MAX_K, "int8 product of unsupported operands");
+        let wq = super::frozen::packed(w, k, n, || pack_weight(w, k, n));
+        let (dst, q) = (TileDst(dst), &self.input);
+        for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
+            let (row, col, rows, cols) = (r * MR, p * NR, MR.min(m - r * MR), NR.min(n - p * NR));
+            let out = dst.at(row * dst_rs + col);
+            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row, col, n));
+            let (a, b) = (q.words[row * kq..].as_ptr(), wq.panels[col * kq..].as_ptr());
+            tile_avx512(a, kq, b, q.scales(&wq, row, col), out, dst_rs, rows, cols, false, adds);
+            if let Some(e) = epilogue {
+                e.activate(out, dst_rs, rows, cols);
+            }
+        });
+    }
+}
+
 /// A tile's rows' scales and zero points, and its columns' scales and sums.
 #[derive(Clone, Copy)]
 struct Scales {
@@ -380,6 +486,7 @@ unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u32, _: Scales, _: *mut
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ops::kernels::bias_act::Activation;
     use crate::ops::kernels::operands::with_whole_operand_packing;
 
     fn randn(seed: u64, len: usize) -> Vec<f32> {
@@ -488,6 +595,32 @@ mod tests {
                         let tol = 1e-6 * (base.abs() + sx * sw * size as f64);
                         assert!((got - want).abs() <= tol, "({m}, {n}, {k}) a{accumulate} at ({i}, {j}): {got} vs {want}");
                     }
+                }
+            }
+        }
+    }
+
+    /// An input quantized once by the op that makes it ([`QuantizedRows`]) gives the products
+    /// that the f32 input gives, bit for bit, epilogue included.
+    #[test]
+    fn prepared_inputs_give_the_products_of_the_f32_input() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512 VNNI");
+            return;
+        }
+        for (s, &(m, n, k)) in [(1, 1, 1), (13, 33, 7), (25, 70, 301), (400, 40, 50), (50, 64, 96)].iter().enumerate() {
+            let s = s as u64;
+            let (x, w, bias, residual) = (randn(700 + s, m * k), randn(710 + s, n * k), randn(720 + s, n), randn(730 + s, m * n));
+            let d = Dims { m, n, k };
+            for epilogue in [None, Some(Epilogue { bias: Some(&bias), residual: Some(&residual), act: Activation::QuickGelu })] {
+                let mut want = vec![0f32; m * n];
+                unsafe { product(want.as_mut_ptr(), 0, n, d, Mat::rows(&x, 0, k), Mat::transposed(&w, 0, k), false, 2, epilogue) };
+                let made = unsafe { QuantizedRows::from_rows(m, k, |i, r| r.copy_from_slice(&x[i * k..(i + 1) * k])) };
+                for (how, q) in [("from rows", &made), ("of a slice", &unsafe { QuantizedRows::of(&x, m, k) })] {
+                    let mut got = vec![f32::NAN; m * n];
+                    unsafe { q.product(got.as_mut_ptr(), n, Mat::transposed(&w, 0, k), n, 2, epilogue) };
+                    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "({m}, {n}, {k}) {how}, epilogue {}: differs", epilogue.is_some());
                 }
             }
         }

@@ -47,15 +47,30 @@ impl LayerNormOp {
                 #[inline(always)]
                 || {
                     for (orow, xrow) in o.chunks_mut(d).zip(x.chunks(d)) {
-                        let (mean, r) = row_stats(xrow, self.eps);
-                        for (((o, &x), &w), &b) in orow.iter_mut().zip(xrow).zip(w).zip(b) {
-                            *o = (x - mean) * r * w + b;
-                        }
+                        self.row_into(xrow, w, b, orow);
                     }
                 },
             )
         });
         out
+    }
+
+    /// One row normalised into `out`, the numbers [`LayerNormOp::run`] writes for it: for an op
+    /// that consumes the rows as they are made (packing or quantizing them for the products that
+    /// read them) instead of reading a stored output back.
+    pub(crate) fn normalize_row(&self, x: &[f32], w: &[f32], b: &[f32], out: &mut [f32]) {
+        simd(
+            #[inline(always)]
+            || self.row_into(x, w, b, out),
+        )
+    }
+
+    #[inline(always)]
+    fn row_into<T: Float>(&self, x: &[T], w: &[T], b: &[T], out: &mut [T]) {
+        let (mean, r) = row_stats(x, self.eps);
+        for (((o, &x), &w), &b) in out.iter_mut().zip(x).zip(w).zip(b) {
+            *o = (x - mean) * r * w + b;
+        }
     }
 }
 

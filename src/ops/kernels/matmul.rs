@@ -175,7 +175,7 @@ pub(crate) fn fused_linear<T: Float>(
 }
 
 /// `s` as f32, when that is its type.
-fn slice_f32<T: 'static>(s: &[T]) -> Option<&[f32]> {
+pub(crate) fn slice_f32<T: 'static>(s: &[T]) -> Option<&[f32]> {
     // SAFETY: T is f32 where this returns Some.
     (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
         .then(|| unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) })

@@ -17,6 +17,7 @@ pub(crate) mod nchw;
 pub(crate) mod operands;
 pub mod peak;
 pub mod pointwise;
+pub(crate) mod prepared;
 pub mod softmax;
 pub mod spatial_mean;
 pub mod stochastic_depth;
