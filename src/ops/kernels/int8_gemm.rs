@@ -390,7 +390,8 @@ impl QuantizedRows {
     ///
     /// # Safety
     /// [`available`] must hold.
-    pub(crate) unsafe fn of(x: &[f32], m: usize, k: usize) -> QuantizedRows {
+    #[cfg(test)]
+    unsafe fn of(x: &[f32], m: usize, k: usize) -> QuantizedRows {
         assert!(x.len() >= m * k, "int8 input shorter than its rows");
         QuantizedRows { input: Input::of(Mat::rows(x, 0, k), 0, m, k, true), m, k }
     }
@@ -422,6 +423,73 @@ impl QuantizedRows {
         });
     }
 }
+
+impl QuantizedRows {
+    /// [`QuantizedRows::product`]'s output (`n` wide) quantized as the next product's input,
+    /// the rows [`QuantizedRows::of`] would make from it. A row's quantization needs the whole
+    /// row's range, so each task makes [`OUTPUT_GROUP_ROWS`] whole rows in its own f32 buffer,
+    /// every panel in turn, and quantizes them from there: the f32 output (an MLP's hidden
+    /// layer, four times its input) is never written out and read back.
+    ///
+    /// # Safety
+    /// [`available`] must hold.
+    pub(crate) unsafe fn product_quantized(&self, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) -> QuantizedRows {
+        let (m, k, kq) = (self.m, self.k, self.k.div_ceil(4));
+        assert!(available() && w.row_stride == 1 && k <= MAX_K && n <= MAX_K, "int8 product of unsupported operands");
+        let wq = super::frozen::packed(w, k, n, || pack_weight(w, k, n));
+        let mut out = Input::unfilled(m, n);
+        let nq = n.div_ceil(4);
+        let q = &self.input;
+        let group = |(g, ((words, scales), zeros)): (usize, GroupRows)| {
+            let first = g * OUTPUT_GROUP_ROWS;
+            let rows = OUTPUT_GROUP_ROWS.min(m - first);
+            let mut y = vec![0f32; rows * n];
+            for col in (0..n).step_by(NR) {
+                for row in (0..rows).step_by(MR) {
+                    let (r0, tile_rows, cols) = (first + row, MR.min(rows - row), NR.min(n - col));
+                    let dst = y[row * n + col..].as_mut_ptr();
+                    let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r0, col, n));
+                    let (a, b) = (q.words[r0 * kq..].as_ptr(), wq.panels[col * kq..].as_ptr());
+                    // SAFETY: the caller's; the tile lies inside `y`, this task's own.
+                    unsafe {
+                        tile_avx512(a, kq, b, q.scales(&wq, r0, col), dst, n, tile_rows, cols, false, adds);
+                        if let Some(e) = epilogue {
+                            e.activate(dst, n, tile_rows, cols);
+                        }
+                    }
+                }
+            }
+            for (r, ((words, scale), zero)) in words.chunks_mut(nq).zip(scales).zip(zeros).take(rows).enumerate() {
+                // SAFETY: the caller's.
+                (*scale, *zero) = unsafe { quantize_input(&y[r * n..(r + 1) * n], bytemuck_bytes(words)) };
+            }
+        };
+        let groups = out
+            .words
+            .par_chunks_mut(OUTPUT_GROUP_ROWS * nq)
+            .zip(out.scales.par_chunks_mut(OUTPUT_GROUP_ROWS))
+            .zip(out.zeros.par_chunks_mut(OUTPUT_GROUP_ROWS));
+        if threads > 1 {
+            groups.enumerate().take(m.div_ceil(OUTPUT_GROUP_ROWS)).for_each(group);
+        } else {
+            let groups = out
+                .words
+                .chunks_mut(OUTPUT_GROUP_ROWS * nq)
+                .zip(out.scales.chunks_mut(OUTPUT_GROUP_ROWS))
+                .zip(out.zeros.chunks_mut(OUTPUT_GROUP_ROWS));
+            groups.enumerate().take(m.div_ceil(OUTPUT_GROUP_ROWS)).for_each(group);
+        }
+        QuantizedRows { input: out, m, k: n }
+    }
+}
+
+/// A run of a quantized input's rows: their words, scales and zero points.
+type GroupRows<'a> = ((&'a mut [u32], &'a mut [f32]), &'a mut [i32]);
+
+/// The rows a task of [`QuantizedRows::product_quantized`] makes whole: a multiple of [`MR`],
+/// and few enough that their f32 values stay in a core's own cache for an MLP's hidden layer
+/// (48 × 3,072 × 4 bytes: 576 KiB).
+const OUTPUT_GROUP_ROWS: usize = 4 * MR;
 
 /// A tile's rows' scales and zero points, and its columns' scales and sums.
 #[derive(Clone, Copy)]
@@ -622,6 +690,21 @@ mod tests {
                     let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "({m}, {n}, {k}) {how}, epilogue {}: differs", epilogue.is_some());
                 }
+            }
+            // The output quantized as its rows are made, against the f32 output quantized after.
+            let epilogue = Some(Epilogue { bias: Some(&bias), residual: None, act: Activation::QuickGelu });
+            let mut y = vec![0f32; m * n];
+            unsafe { product(y.as_mut_ptr(), 0, n, d, Mat::rows(&x, 0, k), Mat::transposed(&w, 0, k), false, 2, epilogue) };
+            let after = unsafe { QuantizedRows::of(&y, m, n) };
+            let made = unsafe { QuantizedRows::from_rows(m, k, |i, r| r.copy_from_slice(&x[i * k..(i + 1) * k])) };
+            for threads in [1, 2] {
+                let next = unsafe { made.product_quantized(Mat::transposed(&w, 0, k), n, threads, epilogue) };
+                let (a, b) = (&next.input, &after.input);
+                let scales = a.scales.iter().zip(&b.scales).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    (next.m, next.k) == (m, n) && a.words == b.words && a.zeros == b.zeros && scales,
+                    "({m}, {n}, {k}) {threads} threads: quantized as made differs"
+                );
             }
         }
     }

@@ -87,12 +87,12 @@ impl Prepared {
                 // SAFETY: packed rows exist only where the bf16 instructions are.
                 Prepared::Bf16(unsafe { p.product_packed(Mat::transposed(w, 0, k), n, rayon::current_num_threads(), epilogue) })
             }
-            // A row's quantization needs the whole row's range, which no one tile holds: the
-            // output is made in f32 and quantized once.
             Prepared::Int8(q) => {
-                let y = self.linear(w, b, None, act, n);
+                let k = w.len() / n.max(1);
+                assert!(w.len() == n * k && b.len() == n, "linear layer operands of the wrong sizes");
+                let epilogue = Some(Epilogue { bias: Some(b), residual: None, act });
                 // SAFETY: quantized rows exist only where the int8 instructions are.
-                Prepared::Int8(unsafe { QuantizedRows::of(&y, q.rows(), n) })
+                Prepared::Int8(unsafe { q.product_quantized(Mat::transposed(w, 0, k), n, rayon::current_num_threads(), epilogue) })
             }
         }
     }
