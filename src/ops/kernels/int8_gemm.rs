@@ -528,21 +528,33 @@ unsafe fn tile_avx512(
         }
     }
     let masks = [lanes(cols), lanes(cols.saturating_sub(16))];
-    for h in 0..2 {
-        let sw = _mm512_maskz_loadu_ps(masks[h], s.w.add(16 * h));
-        let sums = _mm512_maskz_loadu_epi32(masks[h], s.sums.add(16 * h));
-        for (r, acc) in acc.iter().enumerate().take(rows) {
+    let sw = [_mm512_maskz_loadu_ps(masks[0], s.w), _mm512_maskz_loadu_ps(masks[1], s.w.add(16))];
+    let sums = [_mm512_maskz_loadu_epi32(masks[0], s.sums), _mm512_maskz_loadu_epi32(masks[1], s.sums.add(16))];
+    let store = |r: usize, acc: [__m512i; 2]| {
+        let (x_scale, zero) = (_mm512_set1_ps(*s.x.add(r)), _mm512_set1_epi32(*s.zeros.add(r)));
+        for h in 0..2 {
             let p = dst.add(r * dst_rs + 16 * h);
-            let scale = _mm512_mul_ps(_mm512_set1_ps(*s.x.add(r)), sw);
             // Σ (u − z)·qw = Σ u·qw − z·Σ qw, exact in 32 bits (|u − z| ≤ 255).
-            let exact = _mm512_sub_epi32(acc[h], _mm512_mullo_epi32(_mm512_set1_epi32(*s.zeros.add(r)), sums));
-            let mut v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale);
+            let exact = _mm512_sub_epi32(acc[h], _mm512_mullo_epi32(zero, sums[h]));
+            let mut v = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(x_scale, sw[h]));
             if accumulate {
                 v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[h], p));
             }
             _mm512_mask_storeu_ps(p, masks[h], adds.add(v, r, 16 * h, masks[h]));
         }
+    };
+    // Row by row with constant indices, written out: as a loop (which the compiler keeps for a
+    // body this long) the accumulators became an array on the stack, zeroed by a call to memset
+    // at every tile.
+    macro_rules! store_rows {
+        ($($r:literal)*) => {
+            $(if $r < rows {
+                store($r, acc[$r]);
+            })*
+        };
     }
+    const _: () = assert!(MR == 12, "store_rows! names every row of a tile");
+    store_rows!(0 1 2 3 4 5 6 7 8 9 10 11);
 }
 
 #[cfg(not(target_arch = "x86_64"))]
