@@ -107,16 +107,8 @@ impl Branch {
         let (rows, w) = (x.len() / self.width, self.width);
         match (self.body, saved) {
             (Body::Attention { .. }, saved) => {
-                let g = self.geometry()?;
                 let project = |i: usize| linear_act(None, fin, ps[2 * i], ps[2 * i + 1], Activation::Identity, (rows, w, w));
-                let (q, k, v) = (project(0), project(1), project(2));
-                let probs = scores(g, attention_scale(g), key_bias, &q, &k);
-                let ctx = context(g, &probs, &v);
-                let out = linear_act(Some(x), &ctx, ps[6], ps[7], Activation::Identity, (rows, w, w));
-                if let Some(saved) = saved {
-                    saved.extend([q, k, v, probs, ctx]);
-                }
-                Ok(out)
+                self.attend(x, [project(0), project(1), project(2)], ps, key_bias, saved)
             }
             (Body::Mlp { hidden, act }, Some(saved)) => {
                 // The product before the bias and activation is what the backward pass reads.
@@ -133,6 +125,26 @@ impl Branch {
         }
     }
 
+    /// `x` plus the attention of `q`, `k`, `v` through the output projection (`ps[6]`, `ps[7]`);
+    /// with `saved`, what the backward pass needs goes there.
+    fn attend<T: Float>(
+        &self,
+        x: &[T],
+        [q, k, v]: [Vec<T>; 3],
+        ps: &[&[T]],
+        key_bias: Option<&[f32]>,
+        saved: Option<&mut Vec<Vec<T>>>,
+    ) -> Result<Vec<T>> {
+        let (g, w) = (self.geometry()?, self.width);
+        let probs = scores(g, attention_scale(g), key_bias, &q, &k);
+        let ctx = context(g, &probs, &v);
+        let out = linear_act(Some(x), &ctx, ps[6], ps[7], Activation::Identity, (x.len() / w, w, w));
+        if let Some(saved) = saved {
+            saved.extend([q, k, v, probs, ctx]);
+        }
+        Ok(out)
+    }
+
     /// The branch's output from x and its parameters (`params` F's, then γ, β); with `saved`,
     /// what the backward pass needs besides x and the parameters goes there.
     fn forward<T: Float>(
@@ -145,14 +157,12 @@ impl Branch {
     ) -> Result<Vec<T>> {
         let ln_op = LayerNormOp { eps: self.eps };
         Ok(match self.norm {
-            Norm::Pre if saved.is_none() => match self.prepared_forward(x, params, (gamma, beta), key_bias)? {
-                Some(out) => out,
-                None => {
-                    let normed = ln_op.run(x, gamma, beta);
-                    self.body_forward(x, &normed, params, key_bias, None)?
-                }
-            },
             Norm::Pre => {
+                if saved.is_none() {
+                    if let Some(out) = self.prepared_forward(x, params, (gamma, beta), key_bias)? {
+                        return Ok(out);
+                    }
+                }
                 // Not kept: the backward pass recomputes it from x.
                 let normed = ln_op.run(x, gamma, beta);
                 self.body_forward(x, &normed, params, key_bias, saved)?
@@ -192,13 +202,10 @@ impl Branch {
         let normed = Prepared::from_rows(route, rows, w, |i, r| ln_op.normalize_row(&x[i * w..(i + 1) * w], gamma, beta, r));
         let out = match self.body {
             Body::Attention { .. } => {
-                let g = self.geometry()?;
                 let project = |i: usize| normed.linear(ps[2 * i], ps[2 * i + 1], None, Activation::Identity, w);
-                let (q, k, v) = (project(0), project(1), project(2));
+                let qkv = [project(0), project(1), project(2)];
                 drop(normed);
-                let probs = scores(g, attention_scale(g), key_bias, &q, &k);
-                let ctx = context(g, &probs, &v);
-                linear_act(Some(x), &ctx, ps[6], ps[7], Activation::Identity, (rows, w, w))
+                self.attend(x, qkv, &ps, key_bias, None)?
             }
             Body::Mlp { hidden, act } => {
                 let h = normed.linear_prepared(ps[0], ps[1], act, hidden);

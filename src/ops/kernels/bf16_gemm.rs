@@ -427,41 +427,74 @@ pub(crate) unsafe fn product(
             a
         };
         for_each_row_group((d.m, d.n), (MR, NR), threads, pack, |a, t| {
-            let out = dst.at(t.row0 * dst_rs + t.panel * NR);
-            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(t.row0, t.panel * NR, d.n));
-            tile_avx512(
-                a.as_ptr().add(t.t * MR * kp),
-                kp,
-                b.as_ptr().add(t.panel * kp * NR * 2),
-                out,
-                dst_rs,
-                t.rows,
-                t.cols,
-                accumulate,
-                adds,
-            );
-            if let Some(e) = epilogue {
-                e.activate(out, dst_rs, t.rows, t.cols);
-            }
+            let (out, operands) =
+                (dst.at(t.row0 * dst_rs + t.panel * NR), (a.as_ptr().add(t.t * MR * kp), kp, b.as_ptr().add(t.panel * kp * NR * 2)));
+            tile_with(operands, out, dst_rs, (t.row0, t.panel * NR, d.n), (t.rows, t.cols), accumulate, epilogue);
         });
         return;
     }
-    let panels = d.n.div_ceil(NR);
     // The left operand is packed PACK_ROWS rows at a time, so the packed copy stays small (a
     // ViT-B/16 batch's 12,608 rows × 3,072 would be 77 MB at once), each part's tiles one loop.
     for start in (0..d.m).step_by(PACK_ROWS) {
         let m = PACK_ROWS.min(d.m - start);
-        let (a, kp) = pack_lhs(Mat { offset: lhs.offset + start * lhs.row_stride, ..lhs }, m, d.k);
-        let dst = TileDst(dst.add(offset + start * dst_rs));
-        for_each_tile(m.div_ceil(MR), panels, BLOCK_ROWS / MR, threads, |p, r| {
-            let (rows, cols) = (MR.min(m - r * MR), NR.min(d.n - p * NR));
-            let out = dst.at(r * MR * dst_rs + p * NR);
-            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(start + r * MR, p * NR, d.n));
-            tile_avx512(a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, accumulate, adds);
-            if let Some(e) = epilogue {
-                e.activate(out, dst_rs, rows, cols);
-            }
-        });
+        let (a, _) = pack_lhs(Mat { offset: lhs.offset + start * lhs.row_stride, ..lhs }, m, d.k);
+        every_tile((&a, d.k, &b), (start, m, d.n), TileDst(dst.add(offset + start * dst_rs)), dst_rs, accumulate, threads, epilogue);
+    }
+}
+
+/// Every tile of rows `first..first + m` of a product `n` wide, whose left operand's rows are
+/// packed in `a` (k numbers each) and right operand in `b`, as one parallel loop
+/// ([`for_each_tile`]); `dst` is the first row's place.
+///
+/// # Safety
+/// As [`product`]'s.
+#[allow(clippy::too_many_arguments)]
+unsafe fn every_tile(
+    (a, k, b): (&[u32], usize, &[u16]),
+    (first, m, n): (usize, usize, usize),
+    dst: TileDst,
+    dst_rs: usize,
+    accumulate: bool,
+    threads: usize,
+    epilogue: Option<Epilogue>,
+) {
+    let kp = k.div_ceil(2);
+    for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
+        let operands = (a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2));
+        let place = (first + r * MR, p * NR, n);
+        tile_with(
+            operands,
+            dst.at(r * MR * dst_rs + p * NR),
+            dst_rs,
+            place,
+            (MR.min(m - r * MR), NR.min(n - p * NR)),
+            accumulate,
+            epilogue,
+        );
+    });
+}
+
+/// One tile of a product `n` wide: packed rows `a` against panel `b`, stored at `out` (rows
+/// `dst_rs` apart) with the `epilogue` of the product's elements from (`row`, `col`); only
+/// `rows` × `cols` of it kept.
+///
+/// # Safety
+/// As [`tile_avx512`]'s, and the epilogue's operands must cover the tile.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn tile_with(
+    (a, kp, b): (*const u32, usize, *const u16),
+    out: *mut f32,
+    dst_rs: usize,
+    (row, col, n): (usize, usize, usize),
+    (rows, cols): (usize, usize),
+    accumulate: bool,
+    epilogue: Option<Epilogue>,
+) {
+    let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row, col, n));
+    tile_avx512(a, kp, b, out, dst_rs, rows, cols, accumulate, adds);
+    if let Some(e) = epilogue {
+        e.activate(out, dst_rs, rows, cols);
     }
 }
 
@@ -495,6 +528,11 @@ impl PackedRows {
         self.m
     }
 
+    /// Numbers per row.
+    pub(crate) fn cols(&self) -> usize {
+        self.k
+    }
+
     /// `dst[i·dst_rs + j] = (x·W)[i, j]` for this operand `x` and `w` (`k` × `n`), then the
     /// `epilogue`, in the same sums as [`product`] makes from x in f32.
     ///
@@ -502,18 +540,8 @@ impl PackedRows {
     /// [`available`] must hold, and `dst` must be valid for every element written with no other
     /// thread touching them.
     pub(crate) unsafe fn product(&self, dst: *mut f32, dst_rs: usize, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) {
-        let (m, k, kp) = (self.m, self.k, self.k.div_ceil(2));
-        let b = super::frozen::packed(w, k, n, || pack_rhs(w, k, n));
-        let dst = TileDst(dst);
-        for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
-            let (rows, cols) = (MR.min(m - r * MR), NR.min(n - p * NR));
-            let out = dst.at(r * MR * dst_rs + p * NR);
-            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r * MR, p * NR, n));
-            tile_avx512(self.words.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), out, dst_rs, rows, cols, false, adds);
-            if let Some(e) = epilogue {
-                e.activate(out, dst_rs, rows, cols);
-            }
-        });
+        let b = super::frozen::packed(w, self.k, n, || pack_rhs(w, self.k, n));
+        every_tile((&self.words, self.k, &b), (0, self.m, n), TileDst(dst), dst_rs, false, threads, epilogue);
     }
 
     /// [`PackedRows::product`]'s output (`n` wide) packed as the next product's left operand,
@@ -533,11 +561,8 @@ impl PackedRows {
             // runs once per tile.
             let mut tile = std::mem::MaybeUninit::<[f32; MR * NR]>::uninit();
             let t = tile.as_mut_ptr() as *mut f32;
-            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r * MR, p * NR, n));
-            tile_avx512(self.words.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2), t, NR, rows, cols, false, adds);
-            if let Some(e) = epilogue {
-                e.activate(t, NR, rows, cols);
-            }
+            let operands = (self.words.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2));
+            tile_with(operands, t, NR, (r * MR, p * NR, n), (rows, cols), false, epilogue);
             for i in 0..rows {
                 let values = std::slice::from_raw_parts(t.add(i * NR), cols);
                 // A tile's columns are one of the 32-number runs `pack_row` packs a row in

@@ -327,32 +327,65 @@ pub(crate) unsafe fn product(
     assert!(available() && x.col_stride == 1 && w.row_stride == 1 && d.k <= MAX_K, "int8 product of unsupported operands");
     // A frozen weight's panels are quantized once and kept.
     let wq = super::frozen::packed(w, d.k, d.n, || pack_weight(w, d.k, d.n));
-    let (dst, kq) = (TileDst(dst.add(offset)), d.k.div_ceil(4));
-    // The tile of `q`'s row `row` (the product's row `row0`) and the weight's channel `col`.
-    let tile = |q: &Input, row: usize, row0: usize, col: usize, rows: usize, cols: usize| {
-        let out = dst.at(row0 * dst_rs + col);
-        let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row0, col, d.n));
-        let (a, b) = (q.words[row * kq..].as_ptr(), wq.panels[col * kq..].as_ptr());
-        // SAFETY: the caller's contract; the tile lies inside the product, and no other task
-        // writes it.
-        unsafe {
-            tile_avx512(a, kq, b, q.scales(&wq, row, col), out, dst_rs, rows, cols, accumulate, adds);
-            if let Some(e) = epilogue {
-                e.activate(out, dst_rs, rows, cols);
-            }
-        }
-    };
+    let dst = TileDst(dst.add(offset));
     if wq.panels.len() * std::mem::size_of::<u32>() <= GROUP_PANEL_BYTES && row_groups_allowed() {
         // Each task quantizes its own rows (see `for_each_row_group`).
         // SAFETY: `available` holds (asserted above).
         let quantize = |first, rows| unsafe { Input::of(x, first, rows, d.k, false) };
-        for_each_row_group((d.m, d.n), (MR, NR), threads, quantize, |q, t| tile(q, t.t * MR, t.row0, t.panel * NR, t.rows, t.cols));
+        for_each_row_group((d.m, d.n), (MR, NR), threads, quantize, |q, t| {
+            let (out, place) = (dst.at(t.row0 * dst_rs + t.panel * NR), (t.t * MR, t.row0, t.panel * NR, d.n));
+            // SAFETY: the caller's contract; the tile lies inside the product, and no other
+            // task writes it.
+            unsafe { tile_with((q, &wq), place, (t.rows, t.cols), out, dst_rs, accumulate, epilogue) }
+        });
         return;
     }
     // The whole input quantized first (a quarter of its f32 size), then every tile as one loop.
-    let q = Input::of(x, 0, d.m, d.k, true);
-    for_each_tile(d.m.div_ceil(MR), d.n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
-        tile(&q, r * MR, r * MR, p * NR, MR.min(d.m - r * MR), NR.min(d.n - p * NR))
+    every_tile((&Input::of(x, 0, d.m, d.k, true), &wq), (d.m, d.n), dst, dst_rs, accumulate, threads, epilogue);
+}
+
+/// The tile of `q`'s row `row` (the product's row `row0`) and the weight's channel `col`, of a
+/// product `n` wide, stored at `out` (rows `dst_rs` apart) with the `epilogue`; only `rows` ×
+/// `cols` of it kept.
+///
+/// # Safety
+/// As [`tile_avx512`]'s, and the epilogue's operands must cover the tile.
+#[inline(always)]
+unsafe fn tile_with(
+    (q, wq): (&Input, &Weight),
+    (row, row0, col, n): (usize, usize, usize, usize),
+    (rows, cols): (usize, usize),
+    out: *mut f32,
+    dst_rs: usize,
+    accumulate: bool,
+    epilogue: Option<Epilogue>,
+) {
+    let kq = q.words.len() / q.scales.len().max(1);
+    let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row0, col, n));
+    let (a, b) = (q.words[row * kq..].as_ptr(), wq.panels[col * kq..].as_ptr());
+    tile_avx512(a, kq, b, q.scales(wq, row, col), out, dst_rs, rows, cols, accumulate, adds);
+    if let Some(e) = epilogue {
+        e.activate(out, dst_rs, rows, cols);
+    }
+}
+
+/// Every tile of an `m` × `n` product whose input is quantized whole in `q`, as one parallel
+/// loop ([`for_each_tile`]).
+///
+/// # Safety
+/// As [`product`]'s.
+unsafe fn every_tile(
+    (q, wq): (&Input, &Weight),
+    (m, n): (usize, usize),
+    dst: TileDst,
+    dst_rs: usize,
+    accumulate: bool,
+    threads: usize,
+    epilogue: Option<Epilogue>,
+) {
+    for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
+        let place = (r * MR, r * MR, p * NR, n);
+        tile_with((q, wq), place, (MR.min(m - r * MR), NR.min(n - p * NR)), dst.at(r * MR * dst_rs + p * NR), dst_rs, accumulate, epilogue)
     });
 }
 
@@ -400,6 +433,11 @@ impl QuantizedRows {
         self.m
     }
 
+    /// Numbers per row.
+    pub(crate) fn cols(&self) -> usize {
+        self.k
+    }
+
     /// `dst[i·dst_rs + j] = (x·Wᵀ)[i, j]` for this input `x` and the weight `w` read as in
     /// [`product`] (`n` channels), then the `epilogue`: the sums [`product`] makes from x in f32.
     ///
@@ -407,24 +445,12 @@ impl QuantizedRows {
     /// [`available`] must hold, and `dst` must be valid for every element written with no other
     /// thread touching them.
     pub(crate) unsafe fn product(&self, dst: *mut f32, dst_rs: usize, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) {
-        let (m, k, kq) = (self.m, self.k, self.k.div_ceil(4));
+        let k = self.k;
         assert!(available() && w.row_stride == 1 && k <= MAX_K, "int8 product of unsupported operands");
         let wq = super::frozen::packed(w, k, n, || pack_weight(w, k, n));
-        let (dst, q) = (TileDst(dst), &self.input);
-        for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
-            let (row, col, rows, cols) = (r * MR, p * NR, MR.min(m - r * MR), NR.min(n - p * NR));
-            let out = dst.at(row * dst_rs + col);
-            let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row, col, n));
-            let (a, b) = (q.words[row * kq..].as_ptr(), wq.panels[col * kq..].as_ptr());
-            tile_avx512(a, kq, b, q.scales(&wq, row, col), out, dst_rs, rows, cols, false, adds);
-            if let Some(e) = epilogue {
-                e.activate(out, dst_rs, rows, cols);
-            }
-        });
+        every_tile((&self.input, &wq), (self.m, n), TileDst(dst), dst_rs, false, threads, epilogue);
     }
-}
 
-impl QuantizedRows {
     /// [`QuantizedRows::product`]'s output (`n` wide) quantized as the next product's input,
     /// the rows [`QuantizedRows::of`] would make from it. A row's quantization needs the whole
     /// row's range, so each task makes [`OUTPUT_GROUP_ROWS`] whole rows in its own f32 buffer,
@@ -434,7 +460,7 @@ impl QuantizedRows {
     /// # Safety
     /// [`available`] must hold.
     pub(crate) unsafe fn product_quantized(&self, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) -> QuantizedRows {
-        let (m, k, kq) = (self.m, self.k, self.k.div_ceil(4));
+        let (m, k) = (self.m, self.k);
         assert!(available() && w.row_stride == 1 && k <= MAX_K && n <= MAX_K, "int8 product of unsupported operands");
         let wq = super::frozen::packed(w, k, n, || pack_weight(w, k, n));
         let mut out = Input::unfilled(m, n);
@@ -448,15 +474,8 @@ impl QuantizedRows {
                 for row in (0..rows).step_by(MR) {
                     let (r0, tile_rows, cols) = (first + row, MR.min(rows - row), NR.min(n - col));
                     let dst = y[row * n + col..].as_mut_ptr();
-                    let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(r0, col, n));
-                    let (a, b) = (q.words[r0 * kq..].as_ptr(), wq.panels[col * kq..].as_ptr());
                     // SAFETY: the caller's; the tile lies inside `y`, this task's own.
-                    unsafe {
-                        tile_avx512(a, kq, b, q.scales(&wq, r0, col), dst, n, tile_rows, cols, false, adds);
-                        if let Some(e) = epilogue {
-                            e.activate(dst, n, tile_rows, cols);
-                        }
-                    }
+                    unsafe { tile_with((q, &wq), (r0, r0, col, n), (tile_rows, cols), dst, n, false, epilogue) }
                 }
             }
             for (r, ((words, scale), zero)) in words.chunks_mut(nq).zip(scales).zip(zeros).take(rows).enumerate() {
@@ -464,20 +483,17 @@ impl QuantizedRows {
                 (*scale, *zero) = unsafe { quantize_input(&y[r * n..(r + 1) * n], bytemuck_bytes(words)) };
             }
         };
-        let groups = out
+        let groups: Vec<GroupRows> = out
             .words
-            .par_chunks_mut(OUTPUT_GROUP_ROWS * nq)
-            .zip(out.scales.par_chunks_mut(OUTPUT_GROUP_ROWS))
-            .zip(out.zeros.par_chunks_mut(OUTPUT_GROUP_ROWS));
+            .chunks_mut(OUTPUT_GROUP_ROWS * nq)
+            .zip(out.scales.chunks_mut(OUTPUT_GROUP_ROWS))
+            .zip(out.zeros.chunks_mut(OUTPUT_GROUP_ROWS))
+            .take(m.div_ceil(OUTPUT_GROUP_ROWS))
+            .collect();
         if threads > 1 {
-            groups.enumerate().take(m.div_ceil(OUTPUT_GROUP_ROWS)).for_each(group);
+            groups.into_par_iter().enumerate().for_each(group);
         } else {
-            let groups = out
-                .words
-                .chunks_mut(OUTPUT_GROUP_ROWS * nq)
-                .zip(out.scales.chunks_mut(OUTPUT_GROUP_ROWS))
-                .zip(out.zeros.chunks_mut(OUTPUT_GROUP_ROWS));
-            groups.enumerate().take(m.div_ceil(OUTPUT_GROUP_ROWS)).for_each(group);
+            groups.into_iter().enumerate().for_each(group);
         }
         QuantizedRows { input: out, m, k: n }
     }

@@ -56,16 +56,32 @@ impl Prepared {
         }
     }
 
+    /// A linear layer's weight `w` `[n, k]` (row-major, k this input's width) as its products
+    /// read it, and the epilogue adding its bias `b` `[n]` and `residual` `[m, n]`.
+    fn layer<'a>(
+        &self,
+        w: &'a [f32],
+        b: &'a [f32],
+        residual: Option<&'a [f32]>,
+        act: Activation,
+        n: usize,
+    ) -> (Mat<'a, f32>, Option<Epilogue<'a>>) {
+        let k = match self {
+            Prepared::Bf16(p) => p.cols(),
+            Prepared::Int8(q) => q.cols(),
+        };
+        let fits = w.len() == n * k && b.len() == n && residual.is_none_or(|r| r.len() == self.rows() * n);
+        assert!(fits, "linear layer operands of the wrong sizes for an input {k} wide");
+        (Mat::transposed(w, 0, k), Some(Epilogue { bias: Some(b), residual, act }))
+    }
+
     /// `act(x·Wᵀ + b (+ residual))` for this input `x` and `w` `[n, k]`, `b` `[n]`, `residual`
     /// `[m, n]`, each row-major.
     pub(crate) fn linear(&self, w: &[f32], b: &[f32], residual: Option<&[f32]>, act: Activation, n: usize) -> Vec<f32> {
-        let m = self.rows();
-        let k = w.len() / n.max(1);
-        assert!(w.len() == n * k && b.len() == n && residual.is_none_or(|r| r.len() == m * n), "linear layer operands of the wrong sizes");
+        let (w, epilogue) = self.layer(w, b, residual, act, n);
         // SAFETY: the product writes every element.
-        let mut y = unsafe { output_buffer::<f32>(m * n) };
-        let epilogue = Some(Epilogue { bias: Some(b), residual, act });
-        let (w, threads) = (Mat::transposed(w, 0, k), rayon::current_num_threads());
+        let mut y = unsafe { output_buffer::<f32>(self.rows() * n) };
+        let threads = rayon::current_num_threads();
         // SAFETY: each form exists only where its kernel's instructions are; `y` holds the m × n
         // output and is this call's alone.
         unsafe {
@@ -79,20 +95,14 @@ impl Prepared {
 
     /// [`Prepared::linear`]'s output (no residual), prepared as the next product's input.
     pub(crate) fn linear_prepared(&self, w: &[f32], b: &[f32], act: Activation, n: usize) -> Prepared {
-        match self {
-            Prepared::Bf16(p) => {
-                let k = w.len() / n.max(1);
-                assert!(w.len() == n * k && b.len() == n, "linear layer operands of the wrong sizes");
-                let epilogue = Some(Epilogue { bias: Some(b), residual: None, act });
-                // SAFETY: packed rows exist only where the bf16 instructions are.
-                Prepared::Bf16(unsafe { p.product_packed(Mat::transposed(w, 0, k), n, rayon::current_num_threads(), epilogue) })
-            }
-            Prepared::Int8(q) => {
-                let k = w.len() / n.max(1);
-                assert!(w.len() == n * k && b.len() == n, "linear layer operands of the wrong sizes");
-                let epilogue = Some(Epilogue { bias: Some(b), residual: None, act });
-                // SAFETY: quantized rows exist only where the int8 instructions are.
-                Prepared::Int8(unsafe { q.product_quantized(Mat::transposed(w, 0, k), n, rayon::current_num_threads(), epilogue) })
+        let (w, epilogue) = self.layer(w, b, None, act, n);
+        let threads = rayon::current_num_threads();
+        // SAFETY: each form exists only where its kernel's instructions are.
+        unsafe {
+            match self {
+                Prepared::Bf16(p) => Prepared::Bf16(p.product_packed(w, n, threads, epilogue)),
+                // A row's quantization needs its whole range: see `product_quantized`.
+                Prepared::Int8(q) => Prepared::Int8(q.product_quantized(w, n, threads, epilogue)),
             }
         }
     }
