@@ -260,6 +260,10 @@ class Bench:
         if rc is None:
             attempt.update(outcome="timeout", note=f"stopped after {timeout:.0f} s")
             return "timeout", None, attempt
+        lacks = cpu_lacks_bf16(stderr) if rc != 0 and self.mode == "cpu" else None
+        if lacks:
+            attempt.update(outcome="skipped", note=lacks)
+            return "skipped", None, attempt
         if rc != 0:
             kind = "oom" if OOM.search(stderr) else "error"
             attempt.update(outcome=kind, note=last_line(stderr))
@@ -523,6 +527,14 @@ def join_notes(*parts):
     return ": ".join(p for p in parts if p)
 
 
+def cpu_lacks_bf16(stderr):
+    """align's refusal of bf16 on a CPU without AVX-512 BF16, or None. On such a CPU the dry run
+    has no bf16 path to try (a GPU's bf16 needs no such instruction): those rows are skipped,
+    never counted as failures."""
+    line = last_line(stderr)
+    return "this CPU lacks AVX-512 BF16, which bf16 needs on the CPU" if "AVX-512 BF16" in line and "lacks" in line else None
+
+
 def last_line(text):
     """The error a command's stderr ends with: its `Error:` line or panic message when there is one
     (a backtrace may follow it), else its last line."""
@@ -652,7 +664,10 @@ def report_training(raw, commands, env):
         ref, ref_problem = reference(ref_name)
         row = {"run": name, "precision": precision, "kernels": kernels, "reference": ref_name, "pass": False}
         losses = read_losses(d / f"{name}.metrics.jsonl")
-        if ref_problem:
+        lacks = cpu_lacks_bf16(read_text(d / f"{name}.err")) if env.get("mode") == "cpu" and precision == "bf16" else None
+        if lacks and not losses:
+            row.update({"pass": None, "skipped": lacks})
+        elif ref_problem:
             row["error"] = ref_problem
         elif not losses:
             row["error"] = join_notes("no losses (" + (command_note(commands.get(f"2-train/{name}")) or "no metrics") + ")",
@@ -683,7 +698,8 @@ def report_training(raw, commands, env):
         step["status"] = "error"
         step["error"] = "no training runs were recorded (" + (command_note(commands.get("2-train/tokenizer")) or "see the log") + ")"
     else:
-        step["status"] = "pass" if all(r["pass"] for r in step["rows"]) else "fail"
+        # A skipped row (pass None) neither passes nor fails; every other row must pass.
+        step["status"] = "pass" if all(r["pass"] is not False for r in step["rows"]) else "fail"
     return step
 
 
@@ -834,7 +850,7 @@ def table(headers, rows, indent="   "):
 
 
 def mark(ok):
-    return "pass" if ok else "FAIL"
+    return "skipped" if ok is None else "pass" if ok else "FAIL"
 
 
 def render(doc):
@@ -881,7 +897,8 @@ def render(doc):
                    [[r["run"], r["kernels"], fmt(r.get("max_rel"), ".1e"), fmt(r.get("mean_rel"), ".1e"), fmt(r.get("first10_max_rel"), ".1e"),
                      fmt(r.get("worst_step") if r.get("max_rel") else None, "d"),
                      f"{fmt(r.get('final_loss'), '.4f')} ({fmt(r.get('reference_final_loss'), '.4f')})",
-                     mark(r["pass"]) + (f": {r['error']}" if r.get("error") else "")] for r in t["rows"]])
+                     mark(r["pass"]) + (f": {r.get('error') or r.get('skipped')}" if r.get("error") or r.get("skipped") else "")]
+                    for r in t["rows"]])
     L.append("")
 
     m = steps["model"]
@@ -986,7 +1003,7 @@ def report(a):
     if "1" in asked and steps["ops"]["status"] != "pass":
         failures.append("step 1: " + (", ".join(steps["ops"]["failed_ops"]) or steps["ops"].get("error", "error")))
     if "2" in asked and steps["training"]["status"] != "pass":
-        bad = [r["run"] for r in steps["training"]["rows"] if not r["pass"]]
+        bad = [r["run"] for r in steps["training"]["rows"] if r["pass"] is False]
         failures.append("step 2: " + (", ".join(bad) or steps["training"].get("error", "error")))
     if "3" in asked and steps["model"]["status"] == "error":
         failures.append("step 3: " + ("; ".join(steps["model"].get("errors") or []) or steps["model"].get("error", "error")))

@@ -76,9 +76,12 @@ fn relative_difference(a: &HashMap<String, Vec<u32>>, b: &HashMap<String, Vec<u3
 /// micro-batches, which add the same f32 terms in another order (micro-batches of rank sums,
 /// not ranks of micro-batch sums). Each such sum differs by a few units in the last place
 /// (2^-24 ≈ 6e-8 relative); Adam's normalised step carries a relative error through at its
-/// size, so four steps stay near 1e-7 (measured: at most 2.2e-7 over the twelve runs below).
-/// The bound, 1e-5 of each file's largest value and 1e-6 of each logged loss, leaves a wide
-/// margin and still catches any wrong gradient, which errs at the size of the gradient itself.
+/// size, so four steps stay near 1e-7. Measured over the twelve runs below: at most 2.2e-7 where
+/// the matrix products run on AVX-512; on AVX2 alone (their 8-wide kernels block the sums
+/// otherwise) 5.6e-7 in the moments, 4.7e-7 in a loss and 1.3e-6 in a gradient norm, a norm of
+/// partly cancelling sums. The bound, 1e-5 of each file's largest value, of each logged loss and
+/// of each gradient norm, leaves a wide margin and still catches any wrong gradient, which errs
+/// at the size of the gradient itself.
 fn assert_close_run(a: &Path, b: &Path, run_a: &Path, run_b: &Path, what: &str) {
     let weights = relative_difference(&file_bits(a, run_dir::MODEL_FILE), &file_bits(b, run_dir::MODEL_FILE));
     let moments = relative_difference(&optimizer_state(a), &optimizer_state(b));
@@ -89,9 +92,9 @@ fn assert_close_run(a: &Path, b: &Path, run_a: &Path, run_b: &Path, what: &str) 
     assert_eq!(la.len(), lb.len(), "{what}");
     for ((step, x, gx), (_, y, gy)) in la.iter().zip(&lb) {
         let (x, y) = (f64::from_bits(*x), f64::from_bits(*y));
-        assert!((x - y).abs() <= 1e-6 * x.abs(), "{what}: step {step} loss {x} against {y}");
+        assert!((x - y).abs() <= 1e-5 * x.abs(), "{what}: step {step} loss {x} against {y}");
         let (gx, gy) = (f64::from_bits(*gx), f64::from_bits(*gy));
-        assert!((gx - gy).abs() <= 1e-6 * gx.abs(), "{what}: step {step} gradient norm {gx} against {gy}");
+        assert!((gx - gy).abs() <= 1e-5 * gx.abs(), "{what}: step {step} gradient norm {gx} against {gy}");
     }
 }
 

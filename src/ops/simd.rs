@@ -33,20 +33,22 @@ pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Whether `ALIGN_NO_AVX512` is set: every AVX-512 path (the 16-wide loops, the bf16 and int8
+/// products, the instruction peaks) then stays off, so one machine shows what a CPU with AVX2
+/// only runs, both to compare the two and to test the refusals such a CPU gives.
+pub fn avx512_disabled() -> bool {
+    static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *YES.get_or_init(|| std::env::var_os("ALIGN_NO_AVX512").is_some())
+}
+
 #[cfg(target_arch = "x86_64")]
 mod cpu {
     use std::arch::is_x86_feature_detected as has;
 
     pub fn has_avx512() -> bool {
-        // `ALIGN_NO_AVX512=1` keeps the 8-wide code, to compare the two on one machine.
         static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *YES.get_or_init(|| {
-            std::env::var_os("ALIGN_NO_AVX512").is_none()
-                && has!("avx512f")
-                && has!("avx512bw")
-                && has!("avx512dq")
-                && has!("avx512vl")
-                && has_avx2()
+            !super::avx512_disabled() && has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") && has_avx2()
         })
     }
 

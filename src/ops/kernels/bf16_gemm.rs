@@ -47,7 +47,10 @@ pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *YES.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16"))
+        *YES.get_or_init(|| {
+            use std::arch::is_x86_feature_detected as has;
+            !crate::ops::simd::avx512_disabled() && has!("avx512f") && has!("avx512bf16")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -50,7 +50,7 @@ pub fn available() -> bool {
         static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *YES.get_or_init(|| {
             use std::arch::is_x86_feature_detected as has;
-            has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni")
+            !crate::ops::simd::avx512_disabled() && has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni")
         })
     }
     #[cfg(not(target_arch = "x86_64"))]

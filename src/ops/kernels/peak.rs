@@ -48,7 +48,7 @@ pub fn available(p: Precision) -> bool {
 fn avx512f() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
+        !crate::ops::simd::avx512_disabled() && std::arch::is_x86_feature_detected!("avx512f")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
