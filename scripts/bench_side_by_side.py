@@ -6,7 +6,8 @@ scripts/make_bench_embed_inputs.py writes.
 
 Each case runs both sides once a round, PyTorch first in odd rounds and align first in even
 ones, so neither side always follows the other (a process that starts right after a large one
-can meet slower memory). Every run is a process of its own; the figures kept are the in-process
+can meet slower memory). `--background-load` keeps one busy process at the lowest priority
+beside every run, as on a shared machine. Every run is a process of its own; the figures kept are the in-process
 rate each side reports (`align bench model` / `align bench embed` and scripts/bench_torch.py /
 scripts/bench_embed.py, all with --json), the whole process's wall time and its peak resident
 memory (from wait4). The table gives each side's median and the ratio of the medians; --json
@@ -133,8 +134,22 @@ def main():
     p.add_argument("--train-precisions", nargs="+", choices=["f32", "bf16"], default=["f32", "bf16"])
     p.add_argument("--embed-models", nargs="+", choices=[k for k, _, _ in EMBEDDING], default=["vit-b32"])
     p.add_argument("--embed-precisions", nargs="+", choices=list(EMBED_PRECISIONS), default=["f32", "bf16", "int8"])
+    p.add_argument("--background-load", action="store_true",
+                   help="keep one busy process at the lowest priority (nice 19) beside every run, as a shared machine has")
     p.add_argument("--json", metavar="FILE", help="write every run and the medians as JSON")
     a = p.parse_args()
+    busy = None
+    if a.background_load:
+        busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+    try:
+        return compare(a)
+    finally:
+        if busy:
+            busy.kill()
+            busy.wait()
+
+
+def compare(a):
 
     env = dict(os.environ)
     todo = cases(a)
@@ -186,7 +201,8 @@ def main():
     for r in failed:
         print(f"failed: round {r['round']} {r['case']} {r['side']}: {r['error']}", file=sys.stderr)
     if a.json:
-        Path(a.json).write_text(json.dumps({"rounds": a.rounds, "threads": a.threads, "rows": rows, "runs": runs}, indent=1))
+        Path(a.json).write_text(json.dumps({"rounds": a.rounds, "threads": a.threads, "background_load": a.background_load, "rows": rows,
+                                            "runs": runs}, indent=1))
     return 1 if failed else 0
 
 

@@ -39,7 +39,8 @@
 #
 #   scripts/gpu-proof.sh --device cpu --align target/debug/align --out DIR
 #       The dry run: the same steps on the CPU with tiny towers, batches and step counts (about
-#       a minute on two cores; PyTorch rows are skipped when torch is not installed).
+#       a minute on two cores; PyTorch rows are skipped when torch is not installed, and the
+#       bf16 rows, with align's refusal, on a CPU without AVX-512 BF16).
 #
 # Options: --device cuda | cuda:N | cpu (default cuda); --align BIN (default: align.gz beside
 # this script, or gpu-bundle/align.gz); --out DIR (required to run).
