@@ -59,11 +59,11 @@ EMBEDDING = [
 EMBED_PRECISIONS = {"f32": [], "bf16": ["--autocast-bf16"], "int8": ["--int8", "dynamic"]}
 
 
-def measure(cmd, env):
+def measure(cmd):
     """One process: (its JSON or None, wall seconds, peak RSS MiB, stderr's last line on failure)."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         t0 = time.monotonic()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, text=True)
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
         # Reaped here rather than by Popen.wait, for the child's own rusage (its peak RSS).
         _, status, usage = os.wait4(p.pid, 0)
         wall = time.monotonic() - t0
@@ -81,7 +81,7 @@ def measure(cmd, env):
 
 
 def cases(a):
-    """Every case: (key, name, kind, precision, align's argv, PyTorch's argv, figure of merit)."""
+    """Every case: (key, name, kind ("train" or "embed"), precision, align's argv, PyTorch's argv)."""
     out = []
     threads = ["--threads", str(a.threads)]
     steps = ["--steps", str(a.steps), "--warmup", "1"]
@@ -150,8 +150,6 @@ def main():
 
 
 def compare(a):
-
-    env = dict(os.environ)
     todo = cases(a)
     runs = []
     total = a.rounds * len(todo) * 2
@@ -162,9 +160,9 @@ def compare(a):
             if rnd % 2 == 0:
                 sides.reverse()
             for side, argv in sides:
-                result, wall, peak, error = measure(argv, env)
+                result, wall, peak, error = measure(argv)
                 runs.append({"case": key, "round": rnd, "side": side, "rate": rate(kind, result), "wall_s": round(wall, 3),
-                             "peak_rss_mib": None if peak is None else round(peak, 1), "error": error, "result": result})
+                             "peak_rss_mib": round(peak, 1), "error": error, "result": result})
                 done = len(runs)
                 eta = (time.monotonic() - t0) / done * (total - done)
                 shown = "failed: " + error if error else f"{fmt(rate(kind, result), '.2f')}/s"
@@ -179,7 +177,7 @@ def compare(a):
                  "peak_rss_mib": median(r["peak_rss_mib"] for r in side[s]), "rates": [r["rate"] for r in side[s]]} for s in side}
         ratio = m["align"]["rate"] / m["pytorch"]["rate"] if m["align"]["rate"] and m["pytorch"]["rate"] else None
         whole = m["pytorch"]["wall_s"] / m["align"]["wall_s"] if m["align"]["wall_s"] and m["pytorch"]["wall_s"] else None
-        rows.append({"case": key, "name": name, "kind": kind, "precision": precision, **{f"{s}": m[s] for s in m},
+        rows.append({"case": key, "name": name, "kind": kind, "precision": precision, **m,
                      "speed_in_process": ratio, "speed_whole_process": whole})
 
     unit = {"train": "samples/s", "embed": "images/s"}

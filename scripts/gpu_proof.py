@@ -528,8 +528,8 @@ def join_notes(*parts):
 
 
 def cpu_lacks_bf16(stderr):
-    """align's refusal of bf16 on a CPU without AVX-512 BF16, or None. On such a CPU the dry run
-    has no bf16 path to try (a GPU's bf16 needs no such instruction): those rows are skipped,
+    """A note that align refused bf16 for want of AVX-512 BF16 (its stderr ends so), or None. On
+    such a CPU the dry run has no bf16 path to try (a GPU's bf16 needs no such instruction): those rows are skipped,
     never counted as failures."""
     line = last_line(stderr)
     return "this CPU lacks AVX-512 BF16, which bf16 needs on the CPU" if "AVX-512 BF16" in line and "lacks" in line else None

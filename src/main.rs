@@ -36,7 +36,7 @@ fn keep_freed_memory() {
 /// parallel region. On a core shared with another process (another job on a cluster node, a
 /// laptop's browser) each call hands that process the core for its time slice while the
 /// region's other threads wait at the join: one busy process at nice 19 beside a ViT-B/32 bf16
-/// embedding on two cores took half a core and the embedding from 34 to 24-27 images/s, where
+/// embedding on two cores took the embedding from 34 to 24-27 images/s, where
 /// PyTorch (whose OpenMP threads spin without yielding) kept its speed. Here a yield is instead a
 /// spin of about as long as the system call takes when nothing else is waiting, so idle workers
 /// still sleep after rayon's rounds but no longer give their core away. Under the same load the

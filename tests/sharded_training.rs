@@ -76,10 +76,10 @@ fn relative_difference(a: &HashMap<String, Vec<u32>>, b: &HashMap<String, Vec<u3
 /// micro-batches, which add the same f32 terms in another order (micro-batches of rank sums,
 /// not ranks of micro-batch sums). Each such sum differs by a few units in the last place
 /// (2^-24 ≈ 6e-8 relative); Adam's normalised step carries a relative error through at its
-/// size, so four steps stay near 1e-7. Measured over the twelve runs below: at most 2.2e-7 where
-/// the matrix products run on AVX-512; on AVX2 alone (their 8-wide kernels block the sums
-/// otherwise) 5.6e-7 in the moments, 4.7e-7 in a loss and 1.3e-6 in a gradient norm, a norm of
-/// partly cancelling sums. The bound, 1e-5 of each file's largest value, of each logged loss and
+/// size, so four steps stay near 1e-7. Measured over the twelve runs below, largest differences
+/// in weights, moments, a loss and a gradient norm (a norm of partly cancelling sums): 1.2e-7,
+/// 1.1e-7, 3.1e-7 and 7.8e-7 where the matrix products run on AVX-512; 2.8e-7, 5.6e-7, 4.7e-7
+/// and 1.3e-6 on AVX2 alone, whose 8-wide kernels block the sums otherwise. The bound, 1e-5 of each file's largest value, of each logged loss and
 /// of each gradient norm, leaves a wide margin and still catches any wrong gradient, which errs
 /// at the size of the gradient itself.
 fn assert_close_run(a: &Path, b: &Path, run_a: &Path, run_b: &Path, what: &str) {

@@ -36,7 +36,7 @@ pub(crate) fn simd<R>(f: impl FnOnce() -> R) -> R {
 /// Whether `ALIGN_NO_AVX512` is set: every AVX-512 path (the 16-wide loops, the bf16 and int8
 /// products, the instruction peaks) then stays off, so one machine shows what a CPU with AVX2
 /// only runs, both to compare the two and to test the refusals such a CPU gives.
-pub fn avx512_disabled() -> bool {
+pub(crate) fn avx512_disabled() -> bool {
     static YES: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *YES.get_or_init(|| std::env::var_os("ALIGN_NO_AVX512").is_some())
 }
