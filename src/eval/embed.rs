@@ -14,7 +14,7 @@ use crate::data::skips::SkipCounts;
 use crate::data::tokenizer::TextTokenizer;
 use crate::data::transform::ImageConfig;
 use crate::io::load::LoadedModel;
-use crate::model::dual_encoder::DualEncoder;
+use crate::model::dual_encoder::{forward_pass, DualEncoder};
 use crate::util::progress::Progress;
 
 /// The forward-only batch for a model: 64 images (and texts), the fastest measured on the CPU
@@ -42,7 +42,8 @@ pub fn embed_images(model: &DualEncoder, pixels: &[f32], image: ImageLayout, dev
 fn embed_pixels(model: &DualEncoder, pixels: Vec<f32>, image: ImageLayout, device: &Device, names: &[&str]) -> Result<Vec<f32>> {
     let n = pixels.len() / image.numel;
     let x = image.tensor(pixels, n, &Device::Cpu)?.to_device(device)?;
-    let values = model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+    let values =
+        forward_pass(device, || model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>())?;
     check_finite(&values, model.spec.embed_dim, |row| format!("image {}", names.get(row).copied().unwrap_or("?")))?;
     Ok(values)
 }
@@ -88,7 +89,7 @@ pub fn embed_texts(
             let shape = (rows.len(), width);
             let ids = Tensor::from_vec(pick(&tb.ids), shape, device)?;
             let mask = Tensor::from_vec(pick(&tb.mask), shape, device)?;
-            let e = model.text_embeddings(&ids, &mask)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+            let e = forward_pass(device, || model.text_embeddings(&ids, &mask)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>())?;
             check_finite(&e, dim, |row| format!("text {:?}", chunk[rows[row]]))?;
             for (i, &r) in rows.iter().enumerate() {
                 out[r * dim..(r + 1) * dim].copy_from_slice(&e[i * dim..(i + 1) * dim]);

@@ -275,6 +275,17 @@ pub struct DualEncoder {
     image_graph: ImageGraph,
 }
 
+/// `pass`, forward passes through the towers on `device`, run where they run fastest: on the
+/// CPU from a thread of the compute pool (`ops::pool::on_compute_pool`, which says why and what
+/// `pass` must not wait for), elsewhere on the calling thread.
+pub fn forward_pass<R: Send>(device: &candle_core::Device, pass: impl FnOnce() -> R + Send) -> R {
+    if device.is_cpu() {
+        crate::ops::pool::on_compute_pool(pass)
+    } else {
+        pass()
+    }
+}
+
 impl DualEncoder {
     pub fn new(spec: &ModelSpec, vb: VarBuilder) -> Result<Self> {
         let image = match &spec.image {

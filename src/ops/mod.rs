@@ -22,6 +22,7 @@ pub mod gemm_layout;
 pub mod gpu;
 pub mod kernels;
 pub(crate) mod op;
+pub mod pool;
 mod simd;
 
 pub(crate) use float::Float;

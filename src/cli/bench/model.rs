@@ -161,8 +161,11 @@ fn teacher_cost(bench: &Bench, a: &ModelArgs, path: &std::path::Path, step_ms: f
     for rep in 0..a.warmup + a.steps {
         bench.device.synchronize()?;
         let t0 = Instant::now();
-        let ti = t.model.image_embeddings(&images, &align::model::Ctx::EVAL)?.detach();
-        let tt = t.model.text_embeddings(&ids, &mask)?.detach();
+        // On the CPU on the compute pool, as the training step that runs it does.
+        let teacher = || -> candle_core::Result<_> {
+            Ok((t.model.image_embeddings(&images, &align::model::Ctx::EVAL)?.detach(), t.model.text_embeddings(&ids, &mask)?.detach()))
+        };
+        let (ti, tt) = if bench.device.is_cpu() { align::ops::pool::on_compute_pool(teacher)? } else { teacher()? };
         bench.device.synchronize()?;
         let t1 = Instant::now();
         // The student's embeddings as leaves: the loss and its gradient, nothing of the towers.
@@ -278,11 +281,16 @@ impl Bench {
             }
             // As in training: on the CPU, bf16 is the f32 towers with bf16 matrix products.
             let cpu_bf16 = self.device.is_cpu() && self.cfg.train.precision == align::config::Precision::Bf16;
-            let [forward, backward, optimizer] = if cpu_bf16 {
-                align::ops::kernels::bf16_gemm::with_bf16_products(|| self.step(step, &mut peak_gpu))?
-            } else {
-                self.step(step, &mut peak_gpu)?
+            let on_cpu = self.device.is_cpu();
+            let mut timed = || {
+                if cpu_bf16 {
+                    align::ops::kernels::bf16_gemm::with_bf16_products(|| self.step(step, &mut peak_gpu))
+                } else {
+                    self.step(step, &mut peak_gpu)
+                }
             };
+            // As in training: a lone CPU rank's step runs on the compute pool.
+            let [forward, backward, optimizer] = if on_cpu { align::ops::pool::on_compute_pool(timed)? } else { timed()? };
             if step >= a.warmup {
                 times.forward += forward;
                 times.backward += backward;

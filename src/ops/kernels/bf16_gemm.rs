@@ -118,6 +118,12 @@ impl Scope {
         Scope(SCOPED.with(|s| s.get()))
     }
 
+    /// Whether the products run in bf16 in this scope.
+    #[cfg(test)]
+    pub(crate) fn is_on(self) -> bool {
+        self.0
+    }
+
     pub(crate) fn run<R>(self, f: impl FnOnce() -> R) -> R {
         // Restored on the way out however `f` ends, a panic included.
         struct Restore(bool);

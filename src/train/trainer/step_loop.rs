@@ -140,13 +140,21 @@ fn one_step(
     let compute = || {
         step::compute_with(compute_model, &run.opt, &micro_batches, group, step::StepLoss::from_config(cfg), seed, masked, distill.as_ref())
     };
-    let out = if bf16_products { crate::ops::kernels::bf16_gemm::with_bf16_products(compute)? } else { compute()? };
+    let compute = || if bf16_products { crate::ops::kernels::bf16_gemm::with_bf16_products(compute) } else { compute() };
+    // Thread ranks meet at barriers inside the step, and the pool has fewer threads than a run
+    // may have ranks: only a lone CPU rank runs its step on the pool.
+    let lone_cpu_rank = run.device.is_cpu() && group.world_size() == 1;
+    let out = if lone_cpu_rank { crate::ops::pool::on_compute_pool(compute)? } else { compute()? };
     drop(micro_batches);
     if !out.loss.is_finite() {
         let keep = end.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
         bail!("non-finite loss ({}) at step {}; stopping without saving. Last good checkpoint: {keep}", out.loss, at.step + 1);
     }
-    let stats = run.opt.step(&out.grads, end.lr)?;
+    let stats = if lone_cpu_rank {
+        crate::ops::pool::on_compute_pool(|| run.opt.step(&out.grads, end.lr))?
+    } else {
+        run.opt.step(&out.grads, end.lr)?
+    };
     if !stats.grad_norm.is_finite() {
         bail!("non-finite gradient norm at step {}; stopping without saving", at.step + 1);
     }
