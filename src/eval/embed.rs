@@ -42,8 +42,9 @@ pub fn embed_images(model: &DualEncoder, pixels: &[f32], image: ImageLayout, dev
 fn embed_pixels(model: &DualEncoder, pixels: Vec<f32>, image: ImageLayout, device: &Device, names: &[&str]) -> Result<Vec<f32>> {
     let n = pixels.len() / image.numel;
     let x = image.tensor(pixels, n, &Device::Cpu)?.to_device(device)?;
-    let values =
-        forward_pass(device, || model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>())?;
+    let values = forward_pass(device, || {
+        model.image_embeddings(&x, &crate::model::Ctx::EVAL)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()
+    })?;
     check_finite(&values, model.spec.embed_dim, |row| format!("image {}", names.get(row).copied().unwrap_or("?")))?;
     Ok(values)
 }
