@@ -3,13 +3,14 @@
 
 /// Runs `f` on one of the compute pool's threads (directly if the caller is one), with the
 /// caller's bf16 product setting carried over. For a training step or a forward pass: from any
-/// other thread, each of a step's thousands of parallel regions is handed to the pool while the
+/// other thread, each of a step's many parallel regions is handed to the pool while the
 /// caller sleeps until it is done, so every region pays for waking a worker and then the
 /// caller, and between regions the caller's serial work competes with the idle workers' spins
 /// for the cores. From a pool thread the regions split by work stealing, the caller taking its
 /// share. On two cores, medians of alternating runs against calling from the main thread:
 /// EfficientNet-B0 + BERT-mini steps 10-11% faster, ViT-Ti/8 + BERT-tiny 3-4%, ViT-Ti/16 +
-/// BERT-mini 4% in bf16 and 1% in f32, ViT-B/32 embedding 2-4%.
+/// BERT-mini 4% in bf16 and 1% in f32, ViT-B/32 embedding 2-4%. With another busy process on
+/// the cores the steps moved by −1% to −4%, inside their spread under that load.
 ///
 /// `f` must not wait for other threads that need the pool (a channel fed by a reader that
 /// decodes on the pool, another rank's step at a barrier): with every pool thread so waiting,
