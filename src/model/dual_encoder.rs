@@ -275,15 +275,11 @@ pub struct DualEncoder {
     image_graph: ImageGraph,
 }
 
-/// `pass`, forward passes through the towers on `device`, run where they run fastest: on the
-/// CPU from a thread of the compute pool (`ops::pool::on_compute_pool`, which says why and what
-/// `pass` must not wait for), elsewhere on the calling thread.
+/// `pass`, forward passes through the towers on `device`, run where they run fastest
+/// (`ops::pool::compute_on`; `ops::pool::on_compute_pool` says why, and what `pass` must not
+/// wait for). Here for the layers that may not reach `ops` themselves.
 pub fn forward_pass<R: Send>(device: &candle_core::Device, pass: impl FnOnce() -> R + Send) -> R {
-    if device.is_cpu() {
-        crate::ops::pool::on_compute_pool(pass)
-    } else {
-        pass()
-    }
+    crate::ops::pool::compute_on(device, pass)
 }
 
 impl DualEncoder {

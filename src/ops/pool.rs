@@ -24,6 +24,16 @@ pub fn on_compute_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     rayon::scope(|_| products.run(f))
 }
 
+/// `f` on the compute pool where `device` is the CPU (as [`on_compute_pool`]), on the calling
+/// thread for a GPU, whose kernels do not run on the pool.
+pub fn compute_on<R: Send>(device: &candle_core::Device, f: impl FnOnce() -> R + Send) -> R {
+    if device.is_cpu() {
+        on_compute_pool(f)
+    } else {
+        f()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -43,5 +53,6 @@ mod tests {
         });
         assert!(same_thread);
         assert_eq!(on_compute_pool(|| 7), 7);
+        assert!(compute_on(&candle_core::Device::Cpu, || rayon::current_thread_index().is_some()));
     }
 }

@@ -165,7 +165,7 @@ fn teacher_cost(bench: &Bench, a: &ModelArgs, path: &std::path::Path, step_ms: f
         let teacher = || -> candle_core::Result<_> {
             Ok((t.model.image_embeddings(&images, &align::model::Ctx::EVAL)?.detach(), t.model.text_embeddings(&ids, &mask)?.detach()))
         };
-        let (ti, tt) = if bench.device.is_cpu() { align::ops::pool::on_compute_pool(teacher)? } else { teacher()? };
+        let (ti, tt) = align::ops::pool::compute_on(&bench.device, teacher)?;
         bench.device.synchronize()?;
         let t1 = Instant::now();
         // The student's embeddings as leaves: the loss and its gradient, nothing of the towers.
@@ -281,8 +281,8 @@ impl Bench {
             }
             // As in training: on the CPU, bf16 is the f32 towers with bf16 matrix products.
             let cpu_bf16 = self.device.is_cpu() && self.cfg.train.precision == align::config::Precision::Bf16;
-            let on_cpu = self.device.is_cpu();
-            let mut timed = || {
+            let device = self.device.clone();
+            let timed = || {
                 if cpu_bf16 {
                     align::ops::kernels::bf16_gemm::with_bf16_products(|| self.step(step, &mut peak_gpu))
                 } else {
@@ -290,7 +290,7 @@ impl Bench {
                 }
             };
             // As in training: a lone CPU rank's step runs on the compute pool.
-            let [forward, backward, optimizer] = if on_cpu { align::ops::pool::on_compute_pool(timed)? } else { timed()? };
+            let [forward, backward, optimizer] = align::ops::pool::compute_on(&device, timed)?;
             if step >= a.warmup {
                 times.forward += forward;
                 times.backward += backward;

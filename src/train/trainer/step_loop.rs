@@ -143,15 +143,15 @@ fn one_step(
     let compute = || if bf16_products { crate::ops::kernels::bf16_gemm::with_bf16_products(compute) } else { compute() };
     // Thread ranks meet at barriers inside the step, and the pool has fewer threads than a run
     // may have ranks: only a lone CPU rank runs its step on the pool.
-    let lone_cpu_rank = run.device.is_cpu() && group.world_size() == 1;
-    let out = if lone_cpu_rank { crate::ops::pool::on_compute_pool(compute)? } else { compute()? };
+    let lone_rank = group.world_size() == 1;
+    let out = if lone_rank { crate::ops::pool::compute_on(&run.device, compute)? } else { compute()? };
     drop(micro_batches);
     if !out.loss.is_finite() {
         let keep = end.last_checkpoint.as_ref().map_or("none yet".to_string(), |p| p.display().to_string());
         bail!("non-finite loss ({}) at step {}; stopping without saving. Last good checkpoint: {keep}", out.loss, at.step + 1);
     }
-    let stats = if lone_cpu_rank {
-        crate::ops::pool::on_compute_pool(|| run.opt.step(&out.grads, end.lr))?
+    let stats = if lone_rank {
+        crate::ops::pool::compute_on(&run.device, || run.opt.step(&out.grads, end.lr))?
     } else {
         run.opt.step(&out.grads, end.lr)?
     };
