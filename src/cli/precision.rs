@@ -34,6 +34,11 @@ impl PrecisionArg {
             Precision::Bf16 if !bf16_gemm::set_forward_bf16(true) => {
                 bail!("--precision bf16 needs a CPU with AVX-512 BF16 (avx512_bf16 in /proc/cpuinfo), which this one lacks")
             }
+            Precision::Bf16 => {
+                if let Some(note) = bf16_gemm::kernel_note() {
+                    align::util::log::info(note);
+                }
+            }
             Precision::Int8 => {
                 if !int8_gemm::set_forward_int8(true) {
                     bail!("--precision int8 needs a CPU with AVX-512 VNNI (avx512_vnni in /proc/cpuinfo), which this one lacks");

@@ -45,6 +45,8 @@ struct ProductRow {
 #[derive(Serialize)]
 struct PeakRow {
     precision: &'static str,
+    /// The instruction the precision's products run on, whose rate this is.
+    instruction: &'static str,
     threads: usize,
     gmac_per_s: f64,
 }
@@ -72,11 +74,13 @@ pub fn products(a: &ProductsArgs) -> Result<()> {
             Precision::Bf16 => peak::Precision::Bf16,
             Precision::Int8 => peak::Precision::Int8,
         };
-        let Some(peak) = instruction_peak(kernel, threads, a.seconds) else {
+        let instruction = peak::kernel_instruction(kernel);
+        let Some(peak) = peak::available(kernel).then(|| instruction_peak(instruction, threads, a.seconds)).flatten() else {
             eprintln!("{}: this CPU lacks the instruction; skipped", p.name());
             continue;
         };
-        peaks.push(PeakRow { precision: p.name(), threads, gmac_per_s: peak / 1e9 });
+        let instruction = peak::instruction_name(instruction);
+        peaks.push(PeakRow { precision: p.name(), instruction, threads, gmac_per_s: peak / 1e9 });
         for &(m, k, n) in &shapes {
             let Some(rate) = product_rate(kernel, (m, k, n), a.reps) else { continue };
             rows.push(ProductRow { precision: p.name(), rows: m, input: k, output: n, gmac_per_s: rate / 1e9, share_of_peak: rate / peak });
@@ -87,7 +91,7 @@ pub fn products(a: &ProductsArgs) -> Result<()> {
     }
     let mut t = Table::new(&format!("matrix products on {threads} threads: GMAC/s, and share of the instruction's own rate"));
     for p in &peaks {
-        t.row(format!("{} instruction, back to back", p.precision), format!("{:>8.1}", p.gmac_per_s));
+        t.row(format!("{} products' {}, back to back", p.precision, p.instruction), format!("{:>8.1}", p.gmac_per_s));
     }
     for r in &rows {
         t.row(

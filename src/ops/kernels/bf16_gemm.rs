@@ -10,6 +10,14 @@
 //! broadcast each), the right one into panels of [`NR`] columns, each k pair of a column two
 //! neighbouring bf16. A [`MR`]×[`NR`] tile of the product is then [`MR`]·2 accumulators over the
 //! k pairs; tiles run as parallel tasks.
+//!
+//! Not every CPU with the instruction runs it fast: Intel's Xeons of the Sapphire and Emerald
+//! Rapids generations (AMX aside) issue one `vdpbf16ps` every second cycle, half the f32
+//! multiply-adds of their two 512-bit FMA units, where Zen 4 and Zen 5 issue as many as f32
+//! FMAs, each doing twice the multiply-adds. On such a CPU the tiles take the same packed
+//! operands and multiply them with f32 FMAs instead ([`TileKernel::Fma`]): a bf16 number is
+//! the top half of an f32, and the product of two is exact in f32, so the sums are those of
+//! the same rounded operands, in another order.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -41,6 +49,81 @@ const GROUP_PANEL_BYTES: usize = 512 * 1024;
 const MIN_MACS: usize = 1 << 21;
 
 static FORWARD_BF16: AtomicBool = AtomicBool::new(false);
+
+/// How a tile multiplies its bf16 operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TileKernel {
+    /// `vdpbf16ps`: two products a lane per instruction, summed into f32.
+    Dot,
+    /// The operands widened to f32 in registers (a shift or a mask), then f32 FMAs.
+    Fma,
+}
+
+#[cfg(test)]
+thread_local! {
+    static FORCED_KERNEL: std::cell::Cell<Option<TileKernel>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the products it starts on this thread on `kernel`, whatever this CPU's own
+/// choice: the tests check both on every CPU with the instruction.
+#[cfg(test)]
+pub(crate) fn with_tile_kernel<R>(kernel: TileKernel, f: impl FnOnce() -> R) -> R {
+    let before = FORCED_KERNEL.with(|k| k.replace(Some(kernel)));
+    let out = f();
+    FORCED_KERNEL.with(|k| k.set(before));
+    out
+}
+
+/// The tile kernel of this process: `ALIGN_BF16_KERNEL=dot` or `=fma` where set, otherwise the
+/// faster on this CPU, from the two instructions' rates measured once on the calling thread
+/// (about 2 ms each). The dot product wins a tie: it has no widening to do.
+pub fn tile_kernel() -> TileKernel {
+    #[cfg(test)]
+    if let Some(k) = FORCED_KERNEL.with(|k| k.get()) {
+        return k;
+    }
+    chosen().0
+}
+
+/// The kernel, and the multiply-adds per second a thread of `vdpbf16ps` and of f32 FMAs ran at
+/// where they were measured to choose it.
+fn chosen() -> (TileKernel, Option<(f64, f64)>) {
+    static KERNEL: std::sync::OnceLock<(TileKernel, Option<(f64, f64)>)> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| match std::env::var("ALIGN_BF16_KERNEL").as_deref() {
+        Ok("dot") => (TileKernel::Dot, None),
+        Ok("fma") => (TileKernel::Fma, None),
+        other => {
+            if let Ok(v) = other {
+                eprintln!("ALIGN_BF16_KERNEL={v:?} is neither \"dot\" nor \"fma\"; choosing by this CPU's rates");
+            }
+            if !available() {
+                return (TileKernel::Dot, None);
+            }
+            use super::issue_rate::{thread_rate, Precision};
+            // SAFETY: AVX-512 BF16 is there (`available`), and AVX-512 F with it.
+            let (dot, fma) = unsafe { (thread_rate(Precision::Bf16, 0.002), thread_rate(Precision::F32, 0.002)) };
+            (if dot < fma { TileKernel::Fma } else { TileKernel::Dot }, Some((dot, fma)))
+        }
+    })
+}
+
+/// A line for the log where bf16 products run on f32 FMAs because this CPU issues `vdpbf16ps`
+/// slower: bf16 then saves no time over f32, which someone asking for it should know.
+pub fn kernel_note() -> Option<String> {
+    if !available() {
+        return None;
+    }
+    match chosen() {
+        (TileKernel::Fma, Some((dot, fma))) => Some(format!(
+            "bf16 products run as f32 FMAs on bf16-rounded operands: this CPU's vdpbf16ps ran {:.1} GMAC/s a thread \
+             against {:.1} for f32 FMAs, so bf16 is about as fast as f32 here, not faster",
+            dot / 1e9,
+            fma / 1e9
+        )),
+        (TileKernel::Fma, None) => Some("bf16 products run as f32 FMAs on bf16-rounded operands (ALIGN_BF16_KERNEL=fma)".into()),
+        _ => None,
+    }
+}
 
 /// Whether this CPU has the instructions (AVX-512 F and BF16).
 pub fn available() -> bool {
@@ -426,6 +509,7 @@ pub(crate) unsafe fn product(
     threads: usize,
     epilogue: Option<Epilogue>,
 ) {
+    let kernel = tile_kernel();
     // A frozen weight's panels are packed once and kept.
     let b = super::frozen::packed(rhs, d.k, d.n, || pack_rhs(rhs, d.k, d.n));
     if b.len() * std::mem::size_of::<u16>() <= GROUP_PANEL_BYTES && row_groups_allowed() {
@@ -438,7 +522,7 @@ pub(crate) unsafe fn product(
         for_each_row_group((d.m, d.n), (MR, NR), threads, pack, |a, t| {
             let (out, operands) =
                 (dst.at(t.row0 * dst_rs + t.panel * NR), (a.as_ptr().add(t.t * MR * kp), kp, b.as_ptr().add(t.panel * kp * NR * 2)));
-            tile_with(operands, out, dst_rs, (t.row0, t.panel * NR, d.n), (t.rows, t.cols), accumulate, epilogue);
+            tile_with(kernel, operands, out, dst_rs, (t.row0, t.panel * NR, d.n), (t.rows, t.cols), accumulate, epilogue);
         });
         return;
     }
@@ -447,7 +531,8 @@ pub(crate) unsafe fn product(
     for start in (0..d.m).step_by(PACK_ROWS) {
         let m = PACK_ROWS.min(d.m - start);
         let (a, _) = pack_lhs(Mat { offset: lhs.offset + start * lhs.row_stride, ..lhs }, m, d.k);
-        every_tile((&a, d.k, &b), (start, m, d.n), TileDst(dst.add(offset + start * dst_rs)), dst_rs, accumulate, threads, epilogue);
+        let dst = TileDst(dst.add(offset + start * dst_rs));
+        every_tile(kernel, (&a, d.k, &b), (start, m, d.n), dst, dst_rs, accumulate, threads, epilogue);
     }
 }
 
@@ -459,6 +544,7 @@ pub(crate) unsafe fn product(
 /// As [`product`]'s.
 #[allow(clippy::too_many_arguments)]
 unsafe fn every_tile(
+    kernel: TileKernel,
     (a, k, b): (&[u32], usize, &[u16]),
     (first, m, n): (usize, usize, usize),
     dst: TileDst,
@@ -472,6 +558,7 @@ unsafe fn every_tile(
         let operands = (a.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2));
         let place = (first + r * MR, p * NR, n);
         tile_with(
+            kernel,
             operands,
             dst.at(r * MR * dst_rs + p * NR),
             dst_rs,
@@ -492,6 +579,7 @@ unsafe fn every_tile(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn tile_with(
+    kernel: TileKernel,
     (a, kp, b): (*const u32, usize, *const u16),
     out: *mut f32,
     dst_rs: usize,
@@ -501,7 +589,10 @@ unsafe fn tile_with(
     epilogue: Option<Epilogue>,
 ) {
     let adds = epilogue.map_or(TileAdds::NONE, |e| e.adds(row, col, n));
-    tile_avx512(a, kp, b, out, dst_rs, rows, cols, accumulate, adds);
+    match kernel {
+        TileKernel::Dot => tile_avx512(a, kp, b, out, dst_rs, rows, cols, accumulate, adds),
+        TileKernel::Fma => tile_fma_avx512(a, kp, b, out, dst_rs, rows, cols, accumulate, adds),
+    }
     if let Some(e) = epilogue {
         e.activate(out, dst_rs, rows, cols);
     }
@@ -550,7 +641,7 @@ impl PackedRows {
     /// thread touching them.
     pub(crate) unsafe fn product(&self, dst: *mut f32, dst_rs: usize, w: Mat<f32>, n: usize, threads: usize, epilogue: Option<Epilogue>) {
         let b = super::frozen::packed(w, self.k, n, || pack_rhs(w, self.k, n));
-        every_tile((&self.words, self.k, &b), (0, self.m, n), TileDst(dst), dst_rs, false, threads, epilogue);
+        every_tile(tile_kernel(), (&self.words, self.k, &b), (0, self.m, n), TileDst(dst), dst_rs, false, threads, epilogue);
     }
 
     /// [`PackedRows::product`]'s output (`n` wide) packed as the next product's left operand,
@@ -564,6 +655,7 @@ impl PackedRows {
         let np = n.div_ceil(2);
         let mut words = packed_rows(m, np);
         let out = TileWords(words.as_mut_ptr());
+        let kernel = tile_kernel();
         for_each_tile(m.div_ceil(MR), n.div_ceil(NR), BLOCK_ROWS / MR, threads, |p, r| {
             let (rows, cols) = (MR.min(m - r * MR), NR.min(n - p * NR));
             // Only the `rows` × `cols` the tile stores are read back; not zeroed first, as this
@@ -571,7 +663,7 @@ impl PackedRows {
             let mut tile = std::mem::MaybeUninit::<[f32; MR * NR]>::uninit();
             let t = tile.as_mut_ptr() as *mut f32;
             let operands = (self.words.as_ptr().add(r * MR * kp), kp, b.as_ptr().add(p * kp * NR * 2));
-            tile_with(operands, t, NR, (r * MR, p * NR, n), (rows, cols), false, epilogue);
+            tile_with(kernel, operands, t, NR, (r * MR, p * NR, n), (rows, cols), false, epilogue);
             for i in 0..rows {
                 let values = std::slice::from_raw_parts(t.add(i * NR), cols);
                 // A tile's columns are one of the 32-number runs `pack_row` packs a row in
@@ -623,6 +715,80 @@ unsafe fn tile_avx512(
             acc[1] = _mm512_dpbf16_ps(acc[1], pair, b1);
         }
     }
+    store_tile(&acc, dst, dst_rs, rows, cols, accumulate, adds);
+}
+
+/// [`tile_avx512`]'s tile with f32 FMAs: each word of a panel or of a packed row holds the even
+/// k's bf16 in its low half and the odd k's in its high half, so a shift left by 16 gives the
+/// even k's f32 and clearing the low half the odd k's. The panel's two words per k pair are
+/// widened as they are loaded (four instructions for 48 FMAs); the rows', which each FMA
+/// broadcasts, [`SPAN`] pairs at a time into a block on the stack, from where the FMAs read
+/// them as memory operands (rather than two instructions per row and pair: 24 for 48 FMAs).
+///
+/// # Safety
+/// As [`tile_avx512`]'s; the CPU needs AVX-512 F only.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_fma_avx512(
+    a: *const u32,
+    kp: usize,
+    b: *const u16,
+    dst: *mut f32,
+    dst_rs: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+    adds: TileAdds,
+) {
+    use std::arch::x86_64::*;
+    let high = _mm512_set1_epi32(0xffff_0000u32 as i32);
+    let even = |w: __m512i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+    let odd = |w: __m512i| _mm512_castsi512_ps(_mm512_and_si512(w, high));
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    // widened[0][r] holds row r's even-k numbers of the span's pairs, widened[1][r] its odd.
+    let mut widened = [[_mm512_setzero_ps(); MR]; 2];
+    for q0 in (0..kp).step_by(SPAN) {
+        let pairs = SPAN.min(kp - q0);
+        let [evens, odds] = &mut widened;
+        for (r, (e, o)) in evens.iter_mut().zip(odds.iter_mut()).enumerate() {
+            let w = _mm512_maskz_loadu_epi32(mask(pairs), a.add(r * kp + q0) as *const i32);
+            (*e, *o) = (even(w), odd(w));
+        }
+        let lanes = widened.as_ptr() as *const f32;
+        for q in 0..pairs {
+            let w0 = _mm512_loadu_si512(b.add((q0 + q) * NR * 2) as *const _);
+            let w1 = _mm512_loadu_si512(b.add((q0 + q) * NR * 2 + 32) as *const _);
+            let (e0, o0, e1, o1) = (even(w0), odd(w0), even(w1), odd(w1));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let ae = _mm512_set1_ps(*lanes.add(r * SPAN + q));
+                let ao = _mm512_set1_ps(*lanes.add((MR + r) * SPAN + q));
+                acc[0] = _mm512_fmadd_ps(ao, o0, _mm512_fmadd_ps(ae, e0, acc[0]));
+                acc[1] = _mm512_fmadd_ps(ao, o1, _mm512_fmadd_ps(ae, e1, acc[1]));
+            }
+        }
+    }
+    store_tile(&acc, dst, dst_rs, rows, cols, accumulate, adds);
+}
+
+/// k pairs of a tile's rows widened at a time by [`tile_fma_avx512`]: one register's worth.
+const SPAN: usize = 16;
+
+/// A tile's sums stored (added to what `dst` holds if `accumulate`), with the `adds`; only its
+/// first `rows` × `cols` are written.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tile(
+    acc: &[[std::arch::x86_64::__m512; 2]; MR],
+    dst: *mut f32,
+    dst_rs: usize,
+    rows: usize,
+    cols: usize,
+    accumulate: bool,
+    adds: TileAdds,
+) {
+    use std::arch::x86_64::*;
     let masks = [mask(cols), mask(cols.saturating_sub(16))];
     // Over all MR rows with a test, not `take(rows)`: a loop of constant length unrolls into
     // constant indices, so the accumulators stay registers. Iterated to a variable count, they
@@ -652,6 +818,12 @@ fn mask(n: usize) -> u16 {
 #[cfg(not(target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_avx512(_: *const u32, _: usize, _: *const u16, _: *mut f32, _: usize, _: usize, _: usize, _: bool, _: TileAdds) {
+    unreachable!("bf16 products run only where `available`")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_fma_avx512(_: *const u32, _: usize, _: *const u16, _: *mut f32, _: usize, _: usize, _: usize, _: bool, _: TileAdds) {
     unreachable!("bf16 products run only where `available`")
 }
 
@@ -689,6 +861,12 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512 BF16");
             return;
         }
+        for kernel in [TileKernel::Dot, TileKernel::Fma] {
+            with_tile_kernel(kernel, packed_operands_agree);
+        }
+    }
+
+    fn packed_operands_agree() {
         for (s, &(m, n, k)) in [(1, 1, 1), (13, 33, 7), (25, 70, 301), (400, 40, 50), (50, 64, 96), (7, 95, 64)].iter().enumerate() {
             let s = s as u64;
             let (x, w, bias, residual) = (randn(740 + s, m * k), randn(750 + s, n * k), randn(760 + s, n), randn(770 + s, m * n));
@@ -724,7 +902,14 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512 BF16");
             return;
         }
+        for kernel in [TileKernel::Dot, TileKernel::Fma] {
+            with_tile_kernel(kernel, || products_against_f64(kernel));
+        }
+    }
+
+    fn products_against_f64(kernel: TileKernel) {
         // 400 rows span three blocks of tiles, the last one partial; 3,100 rows two packed parts.
+        // k = 50 and 301: the FMA kernel widens a last span of pairs that is partial.
         // n = 50: a last panel of 18 columns, its second half partly masked.
         let shapes = [(1, 1, 1), (13, 33, 7), (12, 32, 64), (25, 70, 301), (40, 96, 768), (400, 40, 50), (30, 50, 17), (3100, 40, 9)];
         for (s, &(m, n, k)) in shapes.iter().enumerate() {
@@ -774,7 +959,7 @@ mod tests {
                 let dst = run();
                 assert!(
                     dst == with_whole_operand_packing(run),
-                    "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{lhs_kind}: row groups and whole packing differ"
+                    "{kernel:?} ({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{lhs_kind}: row groups and whole packing differ"
                 );
                 for i in 0..m {
                     for j in 0..dst_rs {
@@ -792,7 +977,7 @@ mod tests {
                         }
                         assert!(
                             (got - want).abs() <= 1e-6 * scale.max(1.0),
-                            "({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{lhs_kind} at ({i}, {j}): {got} vs {want}"
+                            "{kernel:?} ({m}, {n}, {k}) t{transposed_rhs} a{accumulate} l{lhs_kind} at ({i}, {j}): {got} vs {want}"
                         );
                     }
                 }

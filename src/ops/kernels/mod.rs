@@ -9,6 +9,7 @@ pub mod dense_conv;
 pub mod depthwise;
 pub mod frozen;
 pub mod int8_gemm;
+pub(crate) mod issue_rate;
 pub mod layer_norm;
 pub mod linear;
 pub(crate) mod matmul;

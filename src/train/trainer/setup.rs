@@ -80,6 +80,11 @@ pub(super) fn prepare(cfg: &Config, from: &Start, opts: &TrainOptions, shared: &
     let varmap = VarMap::new();
     let device = opts.device.clone();
     cpu_bf16_training(cfg.train.precision, &device, crate::ops::kernels::bf16_gemm::available())?;
+    if cfg.train.precision == crate::config::Precision::Bf16 && device.is_cpu() && group.rank() == 0 && !opts.quiet {
+        if let Some(note) = crate::ops::kernels::bf16_gemm::kernel_note() {
+            log::info(note);
+        }
+    }
     let model = build_model(cfg, &spec, SeededVars::builder(&varmap, cfg.run.seed, &device))?;
     if group.rank() == 0 {
         for line in from.load_weights(cfg, &spec, &varmap, &device)? {
