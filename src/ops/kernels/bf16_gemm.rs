@@ -76,7 +76,7 @@ pub(crate) fn with_tile_kernel<R>(kernel: TileKernel, f: impl FnOnce() -> R) -> 
 
 /// The tile kernel of this process: `ALIGN_BF16_KERNEL=dot` or `=fma` where set, otherwise the
 /// faster on this CPU, from the two instructions' rates measured once on the calling thread
-/// (about 2 ms each). The dot product wins a tie: it has no widening to do.
+/// (a few ms). The dot product wins a tie: it has no widening to do.
 pub fn tile_kernel() -> TileKernel {
     #[cfg(test)]
     if let Some(k) = FORCED_KERNEL.with(|k| k.get()) {
@@ -100,8 +100,17 @@ fn chosen() -> (TileKernel, Option<(f64, f64)>) {
                 return (TileKernel::Dot, None);
             }
             use super::issue_rate::{thread_rate, Precision};
-            // SAFETY: AVX-512 BF16 is there (`available`), and AVX-512 F with it.
-            let (dot, fma) = unsafe { (thread_rate(Precision::Bf16, 0.002), thread_rate(Precision::F32, 0.002)) };
+            // Each the fastest of ten single bursts (0.05-0.2 ms), taken in alternation: on a
+            // busy machine a thread switched out during a burst only makes that one look slow,
+            // and one turn of 1-2 ms each had chosen wrongly beside a build on both cores.
+            let (mut dot, mut fma) = (0f64, 0f64);
+            for _ in 0..10 {
+                // SAFETY: AVX-512 BF16 is there (`available`), and AVX-512 F with it.
+                unsafe {
+                    dot = dot.max(thread_rate(Precision::Bf16, 0.0));
+                    fma = fma.max(thread_rate(Precision::F32, 0.0));
+                }
+            }
             (if dot < fma { TileKernel::Fma } else { TileKernel::Dot }, Some((dot, fma)))
         }
     })

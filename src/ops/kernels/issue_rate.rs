@@ -34,7 +34,7 @@ fn macs_per_instruction(p: Precision) -> usize {
 }
 
 /// Multiply-adds per second of the precision's instruction issued back to back on the calling
-/// thread for about `seconds`.
+/// thread for about `seconds` (one burst of [`BURST`] rounds if 0).
 ///
 /// # Safety
 /// The CPU must have the precision's instruction.
