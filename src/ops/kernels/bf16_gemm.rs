@@ -11,10 +11,10 @@
 //! neighbouring bf16. A [`MR`]×[`NR`] tile of the product is then [`MR`]·2 accumulators over the
 //! k pairs; tiles run as parallel tasks.
 //!
-//! Not every CPU with the instruction runs it fast: Intel's Xeons of the Sapphire and Emerald
-//! Rapids generations (AMX aside) issue one `vdpbf16ps` every second cycle, half the f32
-//! multiply-adds of their two 512-bit FMA units, where Zen 4 and Zen 5 issue as many as f32
-//! FMAs, each doing twice the multiply-adds. On such a CPU the tiles take the same packed
+//! Not every CPU with the instruction runs it fast: an Intel Emerald Rapids Xeon (its AMX
+//! aside) issues one `vdpbf16ps` every second cycle, half the f32 multiply-adds of its two
+//! 512-bit FMA units, where Zen 4 and Zen 5 issue about as many as f32 FMAs, each doing twice
+//! the multiply-adds. On such a CPU the tiles take the same packed
 //! operands and multiply them with f32 FMAs instead ([`TileKernel::Fma`]): a bf16 number is
 //! the top half of an f32, and the product of two is exact in f32, so the sums are those of
 //! the same rounded operands, in another order.
