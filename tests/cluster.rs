@@ -70,8 +70,9 @@ fn kill(pid: u32, signal: &str) {
 #[test]
 fn sigterm_and_sigusr1_at_random_moments_then_resume_equal_the_uninterrupted_run() {
     let dir = tempfile::tempdir().unwrap();
-    // Steps take about a millisecond here: far more of them than a segment's few, so that a
-    // signal sent up to 40 ms late (and later on a loaded machine) still finds the run going.
+    // This tiny model's steps take milliseconds at most: far more of them than a segment's few,
+    // so that a signal sent up to 40 ms late (and later on a loaded machine) still finds the run
+    // going.
     let steps = 300;
     let base = ["train.checkpoint_every=0".to_string(), format!("train.steps={steps}")];
     let base: Vec<&str> = base.iter().map(String::as_str).collect();
