@@ -516,6 +516,34 @@ fn bench_model_json_reports_throughput_memory_and_profile() {
     }
 }
 
+/// Under `--precision bf16` the JSON names the instruction the products ran on: the one
+/// `ALIGN_BF16_KERNEL` forces, and none under f32.
+#[test]
+fn bench_model_json_names_the_bf16_products_instruction() {
+    let run = |precision: &str, kernel: &str| {
+        let args = ["bench", "model", "--image-tower", "vit-ti16", "--text-tower", "bert-mini", "--batch", "2"];
+        let more = ["--image-size", "32", "--steps", "1", "--warmup", "0", "--json", "--device", "cpu", "--precision", precision];
+        let out = Command::new(env!("CARGO_BIN_EXE_align")).args(args).args(more).env("ALIGN_BF16_KERNEL", kernel).output().unwrap();
+        let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned());
+        (out.status.success(), stdout, stderr)
+    };
+    let (ok, out, err) = run("f32", "fma");
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v.get("bf16_instruction").is_none(), "{out}");
+    if !align::ops::kernels::bf16_gemm::available() {
+        let (ok, _, err) = run("bf16", "fma");
+        assert!(!ok && err.contains("AVX-512 BF16"), "{err}");
+        return;
+    }
+    for (kernel, instruction) in [("dot", "vdpbf16ps"), ("fma", "vfmadd231ps")] {
+        let (ok, out, err) = run("bf16", kernel);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["bf16_instruction"].as_str(), Some(instruction), "{out}");
+    }
+}
+
 #[test]
 fn bench_loss_reports_both_exchanges_and_their_logits_blocks() {
     for (dist, block) in [("shift", 4.0 * 4.0), ("gather", 4.0 * 12.0)] {

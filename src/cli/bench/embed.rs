@@ -6,9 +6,11 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use align::config::Precision;
 use align::data::eval_reader::{EvalSource, Needs};
 use align::eval::embed::Embedder;
 use align::io::load::load_model;
+use align::ops::kernels::bf16_gemm;
 use anyhow::Result;
 use clap::Args;
 use serde::Serialize;
@@ -38,6 +40,10 @@ struct EmbedBench {
     checkpoint: String,
     /// The towers' products: `f32`, `bf16` or `int8`.
     precision: &'static str,
+    /// Where bf16 products run (under `bf16`, and `int8`'s other products): the instruction
+    /// their multiply-adds take.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bf16_instruction: Option<&'static str>,
     batch: usize,
     images: usize,
     texts: usize,
@@ -62,6 +68,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let r = EmbedBench {
         checkpoint: a.checkpoint.display().to_string(),
         precision: precision.name(),
+        bf16_instruction: (precision != Precision::F32 && bf16_gemm::available()).then(|| bf16_gemm::tile_kernel().instruction()),
         batch,
         images,
         texts: e.captions.iter().map(Vec::len).sum(),
@@ -79,6 +86,9 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let mut t = Table::new(&format!("embedding with {} (batch {})", r.checkpoint, r.batch));
     t.row("images / texts", format!("{} / {}", r.images, r.texts));
     t.row("wall time", format!("{:.2} s", r.seconds));
+    if let Some(i) = r.bf16_instruction {
+        t.row("bf16 products on", i);
+    }
     t.row("images/s", format!("{:.1}", r.images_per_s));
     t.row("peak memory", r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.0} MiB")));
     t.print();

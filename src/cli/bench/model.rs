@@ -77,6 +77,9 @@ struct TeacherBench {
 struct ModelBench {
     device: String,
     precision: String,
+    /// Where bf16 products run on the CPU: the instruction their multiply-adds take.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bf16_instruction: Option<&'static str>,
     image_tower: String,
     text_tower: String,
     batch: usize,
@@ -349,6 +352,8 @@ impl Bench {
         ModelBench {
             device: align::util::device::describe(&self.device),
             precision: a.precision.clone(),
+            bf16_instruction: (self.device.is_cpu() && self.cfg.train.precision == align::config::Precision::Bf16)
+                .then(|| align::ops::kernels::bf16_gemm::tile_kernel().instruction()),
             image_tower: a.image_tower.clone(),
             text_tower: a.text_tower.clone(),
             batch: a.batch,
@@ -396,6 +401,9 @@ fn report(a: &ModelArgs, r: &ModelBench) -> Result<()> {
     t.row("forward", format!("{:.1} ms", r.forward_ms))
         .row("backward", format!("{:.1} ms", r.backward_ms))
         .row("optimizer", format!("{:.1} ms", r.optimizer_ms));
+    if let Some(i) = r.bf16_instruction {
+        t.row("bf16 products on", i);
+    }
     t.row("samples/s", format!("{:.2}", r.samples_per_second));
     t.row("peak RSS", r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.0} MiB")));
     if let Some(m) = r.peak_gpu_mib {
