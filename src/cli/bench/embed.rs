@@ -68,7 +68,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let r = EmbedBench {
         checkpoint: a.checkpoint.display().to_string(),
         precision: precision.name(),
-        bf16_instruction: (precision != Precision::F32 && bf16_gemm::available()).then(|| bf16_gemm::tile_kernel().instruction()),
+        bf16_instruction: (precision != Precision::F32 && bf16_gemm::available()).then(super::products::bf16_products_instruction),
         batch,
         images,
         texts: e.captions.iter().map(Vec::len).sum(),

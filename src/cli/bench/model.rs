@@ -353,7 +353,7 @@ impl Bench {
             device: align::util::device::describe(&self.device),
             precision: a.precision.clone(),
             bf16_instruction: (self.device.is_cpu() && self.cfg.train.precision == align::config::Precision::Bf16)
-                .then(|| align::ops::kernels::bf16_gemm::tile_kernel().instruction()),
+                .then(super::products::bf16_products_instruction),
             image_tower: a.image_tower.clone(),
             text_tower: a.text_tower.clone(),
             batch: a.batch,

@@ -104,6 +104,12 @@ pub fn products(a: &ProductsArgs) -> Result<()> {
     Ok(())
 }
 
+/// The instruction this process's bf16 products run on, as `bench model` and `bench embed`
+/// report it (only where the CPU has AVX-512 BF16).
+pub(super) fn bf16_products_instruction() -> &'static str {
+    peak::instruction_name(peak::kernel_instruction(peak::Precision::Bf16))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

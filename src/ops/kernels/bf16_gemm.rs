@@ -59,16 +59,6 @@ pub enum TileKernel {
     Fma,
 }
 
-impl TileKernel {
-    /// The 512-bit instruction its multiply-adds run on.
-    pub fn instruction(self) -> &'static str {
-        match self {
-            TileKernel::Dot => "vdpbf16ps",
-            TileKernel::Fma => "vfmadd231ps",
-        }
-    }
-}
-
 #[cfg(test)]
 thread_local! {
     static FORCED_KERNEL: std::cell::Cell<Option<TileKernel>> = const { std::cell::Cell::new(None) };
