@@ -43,6 +43,7 @@ use super::tokenizer::TextTokenizer;
 use super::transform::{decode, decode_min_side, train_transform, ImageConfig};
 use crate::util::log;
 use crate::util::rng::Rng;
+use crate::util::threads::LoaderAtWork;
 
 /// A worker's progress, as of the end of a batch it produced.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -461,6 +462,7 @@ struct Closed;
 impl Worker {
     fn run(mut self, tx: SyncSender<Msg>) {
         crate::util::threads::lower_priority(self.settings.nice);
+        let _at_work = LoaderAtWork::enter();
         if let Err(Closed) = self.run_inner(&tx) {
             // Normal shutdown.
         }
@@ -479,7 +481,8 @@ impl Worker {
             }
             let epoch = self.state.epoch;
             let skips = self.state.skips.clone();
-            tx.send(Msg::EpochEnd { epoch, samples_in_epoch: self.state.epoch_samples, skips }).map_err(|_| Closed)?;
+            let end = Msg::EpochEnd { epoch, samples_in_epoch: self.state.epoch_samples, skips };
+            LoaderAtWork::waiting(|| tx.send(end)).map_err(|_| Closed)?;
             self.state.epoch += 1;
             self.state.cursor = 0;
             self.state.next_index = 0;
@@ -582,7 +585,7 @@ impl Worker {
             snapshot.buffer = self.buffer.positions();
             let mut batch = self.batch.take();
             batch.teacher = self.teacher.as_mut().and_then(TeacherSide::take);
-            tx.send(Msg::Batch(Box::new(batch), Box::new(snapshot))).map_err(|_| Closed)?;
+            LoaderAtWork::waiting(|| tx.send(Msg::Batch(Box::new(batch), Box::new(snapshot)))).map_err(|_| Closed)?;
         }
         Ok(())
     }

@@ -44,6 +44,40 @@ pub fn current_nice() -> i32 {
     unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::syscall(libc::SYS_gettid) as libc::id_t) }
 }
 
+/// How many of the training loader's decode threads are at work: started and not waiting for
+/// room in their full queue. Idle compute threads keep their cores only while none is.
+static LOADER_AT_WORK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Held by a loader thread for as long as it runs; [`LoaderAtWork::waiting`] marks its waits.
+pub struct LoaderAtWork(());
+
+impl LoaderAtWork {
+    pub fn enter() -> Self {
+        LOADER_AT_WORK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        LoaderAtWork(())
+    }
+
+    /// Runs `wait` (a send into a queue that may be full) with the calling loader thread, which
+    /// holds a [`LoaderAtWork`], counted as idle.
+    pub fn waiting<R>(wait: impl FnOnce() -> R) -> R {
+        LOADER_AT_WORK.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        let r = wait();
+        LOADER_AT_WORK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        r
+    }
+}
+
+impl Drop for LoaderAtWork {
+    fn drop(&mut self) {
+        LOADER_AT_WORK.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Whether any loader thread is decoding now (or has work to get on with).
+pub fn loader_at_work() -> bool {
+    LOADER_AT_WORK.load(std::sync::atomic::Ordering::Relaxed) > 0
+}
+
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
@@ -60,5 +94,19 @@ mod tests {
         .unwrap();
         assert_eq!(inside.1, (inside.0 + 5).min(19));
         assert_eq!(current_nice(), before, "the caller's own priority must not change");
+    }
+
+    #[test]
+    fn a_loader_thread_is_at_work_while_it_holds_its_mark() {
+        // Only the true side is checked: the count is the process's, shared with other tests.
+        let (tx, rx) = std::sync::mpsc::sync_channel(0);
+        let worker = std::thread::spawn(move || {
+            let _at_work = LoaderAtWork::enter();
+            let before = loader_at_work();
+            LoaderAtWork::waiting(|| tx.send(()).unwrap());
+            before && loader_at_work()
+        });
+        rx.recv().unwrap();
+        assert!(worker.join().unwrap());
     }
 }
