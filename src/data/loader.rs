@@ -459,16 +459,28 @@ struct Worker {
 /// The worker's queue is gone: the loader was dropped.
 struct Closed;
 
+/// A worker's queue, and its mark as at work, which it gives up while it waits for room.
+struct Queue<'a> {
+    tx: &'a SyncSender<Msg>,
+    at_work: &'a LoaderAtWork,
+}
+
+impl Queue<'_> {
+    fn send(&self, msg: Msg) -> Result<(), Closed> {
+        self.at_work.waiting(|| self.tx.send(msg)).map_err(|_| Closed)
+    }
+}
+
 impl Worker {
     fn run(mut self, tx: SyncSender<Msg>) {
         crate::util::threads::lower_priority(self.settings.nice);
-        let _at_work = LoaderAtWork::enter();
-        if let Err(Closed) = self.run_inner(&tx) {
+        let at_work = LoaderAtWork::enter();
+        if let Err(Closed) = self.run_inner(&Queue { tx: &tx, at_work: &at_work }) {
             // Normal shutdown.
         }
     }
 
-    fn run_inner(&mut self, tx: &SyncSender<Msg>) -> Result<(), Closed> {
+    fn run_inner(&mut self, tx: &Queue) -> Result<(), Closed> {
         self.restore_buffer();
         loop {
             while let Some(shard) = self.plan.shard_at(self.state.epoch, self.at, self.state.cursor, &mut self.cache) {
@@ -482,7 +494,7 @@ impl Worker {
             let epoch = self.state.epoch;
             let skips = self.state.skips.clone();
             let end = Msg::EpochEnd { epoch, samples_in_epoch: self.state.epoch_samples, skips };
-            LoaderAtWork::waiting(|| tx.send(end)).map_err(|_| Closed)?;
+            tx.send(end)?;
             self.state.epoch += 1;
             self.state.cursor = 0;
             self.state.next_index = 0;
@@ -491,7 +503,7 @@ impl Worker {
         }
     }
 
-    fn read_one_shard(&mut self, shard: usize, tx: &SyncSender<Msg>) -> Result<(), Closed> {
+    fn read_one_shard(&mut self, shard: usize, tx: &Queue) -> Result<(), Closed> {
         let source = self.plan.shards[shard].clone();
         let start = self.state.next_index;
         let cursor = self.state.cursor;
@@ -528,7 +540,7 @@ impl Worker {
         result
     }
 
-    fn pop_and_process(&mut self, tx: &SyncSender<Msg>) -> Result<(), Closed> {
+    fn pop_and_process(&mut self, tx: &Queue) -> Result<(), Closed> {
         let mut rng = Rng::derived(self.settings.seed, &[BUFFER, self.at.global_worker(), self.state.epoch, self.state.pops]);
         self.state.pops += 1;
         match self.buffer.draw(&mut rng) {
@@ -537,7 +549,7 @@ impl Worker {
         }
     }
 
-    fn process(&mut self, cursor: usize, index: u64, s: RawSample, tx: &SyncSender<Msg>) -> Result<(), Closed> {
+    fn process(&mut self, cursor: usize, index: u64, s: RawSample, tx: &Queue) -> Result<(), Closed> {
         let mut rng = Rng::derived(self.settings.seed, &[AUGMENT, self.at.global_worker(), self.state.epoch, cursor as u64, index]);
         if self.batch.is_empty() {
             self.begin_batch();
@@ -585,7 +597,7 @@ impl Worker {
             snapshot.buffer = self.buffer.positions();
             let mut batch = self.batch.take();
             batch.teacher = self.teacher.as_mut().and_then(TeacherSide::take);
-            LoaderAtWork::waiting(|| tx.send(Msg::Batch(Box::new(batch), Box::new(snapshot)))).map_err(|_| Closed)?;
+            tx.send(Msg::Batch(Box::new(batch), Box::new(snapshot)))?;
         }
         Ok(())
     }

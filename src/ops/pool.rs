@@ -58,8 +58,9 @@ struct KeepAwake(std::sync::Arc<Spinners>);
 #[derive(Default)]
 struct Spinners {
     done: std::sync::atomic::AtomicBool,
-    /// Spinning now, and started in all (for the tests).
+    /// Threads spinning now (for the tests).
     spinning: std::sync::atomic::AtomicUsize,
+    /// Threads that have started to spin (for the tests).
     started: std::sync::atomic::AtomicUsize,
 }
 

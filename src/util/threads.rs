@@ -57,9 +57,8 @@ impl LoaderAtWork {
         LoaderAtWork(())
     }
 
-    /// Runs `wait` (a send into a queue that may be full) with the calling loader thread, which
-    /// holds a [`LoaderAtWork`], counted as idle.
-    pub fn waiting<R>(wait: impl FnOnce() -> R) -> R {
+    /// Runs `wait` (a send into a queue that may be full) with this thread counted as idle.
+    pub fn waiting<R>(&self, wait: impl FnOnce() -> R) -> R {
         LOADER_AT_WORK.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
         let r = wait();
         LOADER_AT_WORK.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -101,9 +100,9 @@ mod tests {
         // Only the true side is checked: the count is the process's, shared with other tests.
         let (tx, rx) = std::sync::mpsc::sync_channel(0);
         let worker = std::thread::spawn(move || {
-            let _at_work = LoaderAtWork::enter();
+            let at_work = LoaderAtWork::enter();
             let before = loader_at_work();
-            LoaderAtWork::waiting(|| tx.send(()).unwrap());
+            at_work.waiting(|| tx.send(()).unwrap());
             before && loader_at_work()
         });
         rx.recv().unwrap();
