@@ -698,6 +698,25 @@ impl TileWords {
     }
 }
 
+/// A tile's sums stored (added to what `dst` holds if `accumulate`), with the `adds`; only its
+/// first `rows` × `cols` are written. A macro, so that each row's accumulators are named by a
+/// constant index where the tile kernel ends: handed to a function as an array, they were
+/// written to the stack after a memset of the whole array at every tile (3% of a ViT-B/32
+/// embedding), the function not being inlined into a kernel with other target features.
+macro_rules! store_tile {
+    ($acc:ident, $dst:expr, $dst_rs:expr, $rows:expr, $cols:expr, $accumulate:expr, $adds:expr) => {{
+        const _: () = assert!(MR == 12, "store_tile! names every row of a tile");
+        let (dst, dst_rs, rows, accumulate, adds) = ($dst, $dst_rs, $rows, $accumulate, $adds);
+        let masks = [mask($cols), mask(($cols as usize).saturating_sub(16))];
+        store_tile!(@rows $acc dst dst_rs rows masks accumulate adds; 0 1 2 3 4 5 6 7 8 9 10 11);
+    }};
+    (@rows $acc:ident $dst:ident $dst_rs:ident $rows:ident $masks:ident $accumulate:ident $adds:ident; $($r:literal)*) => {
+        $(if $r < $rows {
+            store_row($acc[$r], $r, $dst.add($r * $dst_rs), $masks, $accumulate, $adds);
+        })*
+    };
+}
+
 /// One [`MR`]×[`NR`] tile over all k pairs; only its first `rows` × `cols` are stored.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
@@ -724,7 +743,7 @@ unsafe fn tile_avx512(
             acc[1] = _mm512_dpbf16_ps(acc[1], pair, b1);
         }
     }
-    store_tile(&acc, dst, dst_rs, rows, cols, accumulate, adds);
+    store_tile!(acc, dst, dst_rs, rows, cols, accumulate, adds);
 }
 
 /// [`tile_avx512`]'s tile with f32 FMAs: each word of a panel or of a packed row holds the even
@@ -777,41 +796,23 @@ unsafe fn tile_fma_avx512(
             }
         }
     }
-    store_tile(&acc, dst, dst_rs, rows, cols, accumulate, adds);
+    store_tile!(acc, dst, dst_rs, rows, cols, accumulate, adds);
 }
 
 /// k pairs of a tile's rows widened at a time by [`tile_fma_avx512`]: one register's worth.
 const SPAN: usize = 16;
 
-/// A tile's sums stored (added to what `dst` holds if `accumulate`), with the `adds`; only its
-/// first `rows` × `cols` are written.
+/// Row `r` of a tile's sums stored at `p` (added to what it holds if `accumulate`), with the
+/// `adds`, in the lanes `masks` keep.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn store_tile(
-    acc: &[[std::arch::x86_64::__m512; 2]; MR],
-    dst: *mut f32,
-    dst_rs: usize,
-    rows: usize,
-    cols: usize,
-    accumulate: bool,
-    adds: TileAdds,
-) {
+unsafe fn store_row(acc: [std::arch::x86_64::__m512; 2], r: usize, p: *mut f32, masks: [u16; 2], accumulate: bool, adds: TileAdds) {
     use std::arch::x86_64::*;
-    let masks = [mask(cols), mask(cols.saturating_sub(16))];
-    // Over all MR rows with a test, not `take(rows)`: a loop of constant length unrolls into
-    // constant indices, so the accumulators stay registers. Iterated to a variable count, they
-    // were an array on the stack, zeroed by a call to memset at every tile (2.5% of a ViT-B/32
-    // embedding).
-    #[allow(clippy::needless_range_loop)]
-    for r in 0..MR {
-        if r < rows {
-            for h in 0..2 {
-                let p = dst.add(r * dst_rs + 16 * h);
-                let v = if accumulate { _mm512_add_ps(acc[r][h], _mm512_maskz_loadu_ps(masks[h], p)) } else { acc[r][h] };
-                _mm512_mask_storeu_ps(p, masks[h], adds.add(v, r, 16 * h, masks[h]));
-            }
-        }
+    for h in 0..2 {
+        let p = p.add(16 * h);
+        let v = if accumulate { _mm512_add_ps(acc[h], _mm512_maskz_loadu_ps(masks[h], p)) } else { acc[h] };
+        _mm512_mask_storeu_ps(p, masks[h], adds.add(v, r, 16 * h, masks[h]));
     }
 }
 
