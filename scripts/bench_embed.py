@@ -38,8 +38,10 @@ images_per_s (= images / seconds: one image and one caption make a pair), peak_r
 process's peak resident set size from getrusage's ru_maxrss, model loading included, in MiB), and
 load_peak_rss_mib (the same just before the timed loop, so the part the loop adds shows), the time
 spent per phase (decode = tar read + PIL decode, preprocess, tokenize, image forward, text forward),
-each batch's seconds (there is no warm-up batch: the first one carries torch's one-time costs)
-and the embedding widths. torch uses all cores by default (torch's own default), --threads N sets
+each batch's seconds and the embedding widths. By default there is no warm-up batch: the first
+one carries torch's one-time costs (the bf16 copies of the weights under autocast among them).
+--warmup N first embeds the data's first N batches untimed, inside the same autocast region, then
+times the pass over all of it. torch uses all cores by default (torch's own default), --threads N sets
 torch.set_num_threads(N). --json prints one JSON object whose first keys are those `align bench
 embed --json` prints: {"images", "texts", "seconds", "images_per_s", "peak_rss_mib"}. --limit N
 embeds only the first N samples; --save-embeddings FILE writes the embeddings (safetensors:
@@ -67,6 +69,7 @@ open_clip_torch 3.3.0, Pillow 13.0.0, onnxruntime 1.32.0 and onnx 1.23.2.
 """
 import argparse
 import io
+import itertools
 import json
 import os
 import re
@@ -93,6 +96,9 @@ def parser():
                    help="default: open_clip for a folder with open_clip_config.json, else transformers")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's, all cores)")
     p.add_argument("--limit", type=int, default=0, help="embed only the first N samples")
+    p.add_argument("--warmup", type=int, default=0, help="untimed batches first (the data's first ones, images and "
+                   "captions, inside the same autocast region, whose weight casts it keeps), then every batch timed; "
+                   "the counterpart of `align bench embed --warmup`")
     p.add_argument("--padding", choices=["max_length", "longest"], default="max_length",
                    help="transformers tokenizers: pad every caption to the text length (default) or each batch to its longest")
     p.add_argument("--text-len", type=int, default=0, help="text length (default: the tokenizer's model_max_length / context_length)")
@@ -321,6 +327,10 @@ def measure(a):
     text_shape = None
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast_bf16)
     with torch.inference_mode(), autocast:
+        for batch in itertools.islice(batches(a.data, a.batch, a.limit), a.warmup):
+            tokens = runner.tokenize([c for _, _, c in batch])
+            runner.embed_images(runner.preprocess([Image.open(io.BytesIO(b)).convert("RGB") for _, b, _ in batch]))
+            runner.embed_texts(tokens)
         start = time.perf_counter()
         data = iter(batches(a.data, a.batch, a.limit))
         while True:
@@ -392,6 +402,7 @@ def measure(a):
         "checkpoint": a.checkpoint,
         "data": a.data,
         "batch": a.batch,
+        "warmup": a.warmup,
         "threads": torch.get_num_threads(),
         "padding": "max_length" if library == "open_clip" else a.padding,
         "text_len": runner.text_len,

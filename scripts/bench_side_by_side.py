@@ -99,9 +99,12 @@ def cases(a):
             model = str(Path(a.inputs) / folder)
             data = str(Path(a.inputs) / "data" / "shard-000.tar")
             for precision in a.embed_precisions:
-                align_argv = [a.align, "bench", "embed", "--checkpoint", model, "--data", data, "--precision", precision, "--json"]
+                warmup = ["--warmup", str(a.embed_warmup)]
+                align_argv = [a.align, "bench", "embed", "--checkpoint", model, "--data", data, "--precision", precision,
+                              *warmup, "--json"]
                 torch_argv = [a.python, str(HERE / "bench_embed.py"), "--checkpoint", model, "--data", data, "--batch", "64",
-                              "--library", "transformers", "--padding", "longest", *threads, *EMBED_PRECISIONS[precision], "--json"]
+                              "--library", "transformers", "--padding", "longest", *threads, *EMBED_PRECISIONS[precision],
+                              *warmup, "--json"]
                 out.append((f"embed-{key}-{precision}", name, "embed", precision, align_argv, torch_argv))
     return out
 
@@ -130,6 +133,10 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="PyTorch's threads (align uses every core)")
     p.add_argument("--steps", type=int, default=5, help="timed training steps, after one warm-up")
+    p.add_argument("--embed-warmup", type=int, default=1, metavar="N",
+                   help="embedding: N untimed batches on both sides before the timed pass over the whole data, as the "
+                        "training steps have one warm-up step (0: time the first batch too, with each side's one-time "
+                        "costs: packing or casting the weights, a batch's first memory)")
     p.add_argument("--only", nargs="+", choices=["train", "embed"], default=["train", "embed"])
     p.add_argument("--train-precisions", nargs="+", choices=["f32", "bf16"], default=["f32", "bf16"])
     p.add_argument("--embed-models", nargs="+", choices=[k for k, _, _ in EMBEDDING], default=["vit-b32"])
@@ -199,7 +206,8 @@ def compare(a):
     for r in failed:
         print(f"failed: round {r['round']} {r['case']} {r['side']}: {r['error']}", file=sys.stderr)
     if a.json:
-        Path(a.json).write_text(json.dumps({"rounds": a.rounds, "threads": a.threads, "background_load": a.background_load, "rows": rows,
+        Path(a.json).write_text(json.dumps({"rounds": a.rounds, "threads": a.threads, "background_load": a.background_load,
+                                            "embed_warmup": a.embed_warmup, "rows": rows,
                                             "runs": runs}, indent=1))
     return 1 if failed else 0
 

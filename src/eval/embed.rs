@@ -162,23 +162,34 @@ impl<'a> Embedder<'a> {
 
     /// The source's images embedded; an evaluation set must hold a usable one.
     pub fn images(&self, source: EvalSource, needs: Needs) -> Result<EmbeddedImages> {
-        with_images(self.embed(source, needs, false)?)
+        with_images(self.embed(source, needs, false, None)?)
     }
 
     /// [`Embedder::images`] with each batch's captions embedded right after its images, while the
     /// reader prepares the next batch: images and texts go through the towers interleaved, and
     /// neither waits for all of the other.
     pub fn pairs(&self, source: EvalSource, needs: Needs) -> Result<EmbeddedImages> {
-        with_images(self.embed(source, needs, true)?)
+        with_images(self.embed(source, needs, true, None)?)
+    }
+
+    /// [`Embedder::pairs`] on the source's first `batches` batches only, the embeddings dropped:
+    /// a benchmark's untimed warm-up, after which the weights' packed forms and the working
+    /// memory of a batch exist, as they do for every batch after the first in a long run.
+    pub fn warm_up(&self, source: EvalSource, needs: Needs, batches: usize) -> Result<()> {
+        if batches > 0 {
+            self.embed(source, needs, true, Some(batches))?;
+        }
+        Ok(())
     }
 
     /// [`Embedder::pairs`] without the error for data that holds no usable image (a shard of a
     /// corpus may have none; the corpus's report counts why).
     pub fn pairs_of_part(&self, source: EvalSource, needs: Needs) -> Result<EmbeddedImages> {
-        self.embed(source, needs, true)
+        self.embed(source, needs, true, None)
     }
 
-    fn embed(&self, source: EvalSource, needs: Needs, with_texts: bool) -> Result<EmbeddedImages> {
+    /// The source's batches embedded, or only its first `batches`.
+    fn embed(&self, source: EvalSource, needs: Needs, with_texts: bool, batches: Option<usize>) -> Result<EmbeddedImages> {
         let (model, batch, device) = (self.model, self.batch, self.device);
         let total = match &source {
             EvalSource::Files(f) => Some(f.len() as u64),
@@ -198,7 +209,7 @@ impl<'a> Embedder<'a> {
             skipped: SkipCounts::default(),
             caption_embeddings: with_texts.then(|| Embeddings { data: Vec::new(), dim }),
         };
-        for b in reader.by_ref() {
+        for b in reader.by_ref().take(batches.unwrap_or(usize::MAX)) {
             let names: Vec<&str> = b.items.iter().map(|it| it.key.as_str()).collect();
             out.embeddings.data.extend(embed_pixels(model, b.pixels, ImageLayout::of(self.image), device, &names)?);
             if let Some(texts) = out.caption_embeddings.as_mut() {

@@ -30,6 +30,11 @@ pub struct EmbedArgs {
     /// Images (and texts) per forward pass (default: the model's, as `align embed` chooses).
     #[arg(long)]
     pub batch: Option<usize>,
+    /// Untimed batches first (the data's first ones, images and captions), then every batch
+    /// timed: throughput once the weights are packed and a batch's memory exists, as in a long
+    /// run. `scripts/bench_embed.py --warmup` does the same in PyTorch.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
     /// Print the result as JSON.
     #[arg(long)]
     pub json: bool,
@@ -45,9 +50,12 @@ struct EmbedBench {
     #[serde(skip_serializing_if = "Option::is_none")]
     bf16_instruction: Option<&'static str>,
     batch: usize,
+    /// Untimed batches before the timed pass over the whole data.
+    warmup: usize,
     images: usize,
     texts: usize,
-    /// From the first read to the last embedding (the model's loading excluded).
+    /// From the first read to the last embedding (the model's loading and the warm-up batches
+    /// excluded).
     seconds: f64,
     images_per_s: f64,
     peak_rss_mib: Option<f64>,
@@ -59,10 +67,16 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     let mut m = load_model(&a.checkpoint, &device)?;
     m.set_precision(precision);
     let batch = a.batch.unwrap_or(align::eval::embed::auto_batch(m.spec()));
-    let start = Instant::now();
     let needs = Needs { image: true, captions: true, label: false };
-    let source = EvalSource::Shards(align::data::spec::expand(&a.data)?);
-    let e = Embedder::of(&m, batch, &device, a.json).pairs(source, needs)?;
+    let shards = align::data::spec::expand(&a.data)?;
+    let embedder = Embedder::of(&m, batch, &device, a.json);
+    embedder.warm_up(EvalSource::Shards(shards.clone()), needs, a.warmup)?;
+    if align::util::profile::enabled() {
+        // The report is of the timed batches alone.
+        align::util::profile::take();
+    }
+    let start = Instant::now();
+    let e = embedder.pairs(EvalSource::Shards(shards), needs)?;
     let seconds = start.elapsed().as_secs_f64();
     let images = e.keys.len();
     let r = EmbedBench {
@@ -70,6 +84,7 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
         precision: precision.name(),
         bf16_instruction: (precision != Precision::F32 && bf16_gemm::available()).then(super::products::bf16_products_instruction),
         batch,
+        warmup: a.warmup,
         images,
         texts: e.captions.iter().map(Vec::len).sum(),
         seconds,
@@ -85,6 +100,9 @@ pub fn embed(a: &EmbedArgs) -> Result<()> {
     }
     let mut t = Table::new(&format!("embedding with {} (batch {})", r.checkpoint, r.batch));
     t.row("images / texts", format!("{} / {}", r.images, r.texts));
+    if r.warmup > 0 {
+        t.row("untimed warm-up", format!("{} batch{}", r.warmup, if r.warmup == 1 { "" } else { "es" }));
+    }
     t.row("wall time", format!("{:.2} s", r.seconds));
     if let Some(i) = r.bf16_instruction {
         t.row("bf16 products on", i);
