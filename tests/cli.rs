@@ -647,6 +647,34 @@ fn config_lists_every_field_with_default_meaning_and_a_configs_values() {
     assert!(!ok && err.lines().count() == 1 && err.contains("trian"), "{err}");
 }
 
+/// `align bench embed --warmup N` embeds the data's first N batches untimed, then times the whole
+/// data: the images and texts it reports are the data's whatever the warm-up, and a warm-up
+/// longer than the data is no error.
+#[test]
+fn bench_embed_times_the_whole_data_after_its_warm_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
+    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
+    let run = cfg.run_dir();
+    let bench = |warmup: usize| {
+        let w = warmup.to_string();
+        let args =
+            ["bench", "embed", "--checkpoint", run.to_str().unwrap(), "--data", &data.test, "--batch", "2", "--warmup", &w, "--json"];
+        let (ok, out, err) = align(&args);
+        assert!(ok, "--warmup {warmup}: {err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let cold = bench(0);
+    let images = cold["images"].as_u64().unwrap();
+    assert!(images > 2, "the test data should hold more than one batch: {cold}");
+    for warmup in [1, 1000] {
+        let warm = bench(warmup);
+        assert_eq!(warm["warmup"].as_u64(), Some(warmup as u64));
+        assert_eq!((&warm["images"], &warm["texts"]), (&cold["images"], &cold["texts"]), "--warmup {warmup}");
+        assert!(warm["seconds"].as_f64().unwrap() > 0.0);
+    }
+}
+
 /// `--precision bf16` runs the towers' products in bfloat16 and `--precision int8` the linear
 /// layers' in 8-bit integers: the embeddings move (so the path ran) but stay within the
 /// rounding's reach of the f32 ones (1 − cosine below 1e-3 and 2e-3), and the index records the
