@@ -7,7 +7,9 @@ scripts/make_bench_embed_inputs.py writes.
 Each case runs both sides once a round, PyTorch first in odd rounds and align first in even
 ones, so neither side always follows the other (a process that starts right after a large one
 can meet slower memory). `--background-load` keeps one busy process at the lowest priority
-beside every run, as on a shared machine. Every run is a process of its own; the figures kept are the in-process
+beside every run, as on a shared machine. Embedding runs embed one untimed batch first on both
+sides (`--embed-warmup N`; 0 times the first batch with each side's one-time costs), as the
+training steps have a warm-up step. Every run is a process of its own; the figures kept are the in-process
 rate each side reports (`align bench model` / `align bench embed` and scripts/bench_torch.py /
 scripts/bench_embed.py, all with --json), the whole process's wall time and its peak resident
 memory (from wait4). The table gives each side's median and the ratio of the medians; --json
