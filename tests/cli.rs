@@ -7,6 +7,14 @@ use std::process::Command;
 
 use align::data::shard_writer::ShardWriter;
 
+/// The tiny run trained for two steps under `dir`: its data and its run directory.
+fn trained_tiny_run(dir: &Path) -> (align::data::synth::SynthOutput, std::path::PathBuf) {
+    let (data, cfg, cfg_path) = common::tiny_run(dir, &["train.steps=2"]);
+    let (ok, _, err) = align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]);
+    assert!(ok, "training the tiny run: {err}");
+    (data, cfg.run_dir())
+}
+
 fn align(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_align")).args(args).output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
@@ -306,14 +314,12 @@ fn the_average_evaluated_in_training_is_the_one_ema_loads() {
 #[test]
 fn a_partial_test_set_is_flagged_and_strict_refuses_it() {
     let dir = tempfile::tempdir().unwrap();
-    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
-    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
+    let (data, run) = trained_tiny_run(dir.path());
     // The test shard cut in half: its second half is lost, and the cut sample counted.
     let test = std::path::PathBuf::from(&data.test);
     let bytes = std::fs::read(&test).unwrap();
     let cut = dir.path().join("cut.tar");
     std::fs::write(&cut, &bytes[..bytes.len() / 2 + 100]).unwrap();
-    let run = cfg.run_dir();
     let args = ["eval", "retrieval", "--checkpoint", run.to_str().unwrap(), "--data", cut.to_str().unwrap()];
     let (ok, out, err) = align(&[&args[..], &["--json"]].concat());
     assert!(ok, "{err}");
@@ -329,9 +335,7 @@ fn a_partial_test_set_is_flagged_and_strict_refuses_it() {
 #[test]
 fn embed_then_search_finds_the_captioned_image() {
     let dir = tempfile::tempdir().unwrap();
-    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
-    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
-    let run = cfg.run_dir();
+    let (data, run) = trained_tiny_run(dir.path());
     let index = dir.path().join("index.safetensors");
     let (ok, _, err) = align(&["embed", "--checkpoint", run.to_str().unwrap(), "--data", &data.test, "--out", index.to_str().unwrap()]);
     assert!(ok, "{err}");
@@ -653,9 +657,7 @@ fn config_lists_every_field_with_default_meaning_and_a_configs_values() {
 #[test]
 fn bench_embed_times_the_whole_data_after_its_warm_up() {
     let dir = tempfile::tempdir().unwrap();
-    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
-    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
-    let run = cfg.run_dir();
+    let (data, run) = trained_tiny_run(dir.path());
     let bench = |warmup: usize| {
         let w = warmup.to_string();
         let args =
@@ -683,9 +685,7 @@ fn bench_embed_times_the_whole_data_after_its_warm_up() {
 #[test]
 fn bf16_and_int8_embeddings_track_the_f32_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let (data, cfg, cfg_path) = common::tiny_run(dir.path(), &["train.steps=2"]);
-    assert!(align(&["train", "--config", cfg_path.to_str().unwrap(), "--quiet"]).0);
-    let run = cfg.run_dir();
+    let (data, run) = trained_tiny_run(dir.path());
     let embed = |precision: &str, avx512: bool| {
         let out = dir.path().join(format!("{precision}.safetensors"));
         let args = [

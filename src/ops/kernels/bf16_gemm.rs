@@ -706,8 +706,8 @@ impl TileWords {
 macro_rules! store_tile {
     ($acc:ident, $dst:expr, $dst_rs:expr, $rows:expr, $cols:expr, $accumulate:expr, $adds:expr) => {{
         const _: () = assert!(MR == 12, "store_tile! names every row of a tile");
-        let (dst, dst_rs, rows, accumulate, adds) = ($dst, $dst_rs, $rows, $accumulate, $adds);
-        let masks = [mask($cols), mask(($cols as usize).saturating_sub(16))];
+        let (dst, dst_rs, rows, cols, accumulate, adds) = ($dst, $dst_rs, $rows, $cols, $accumulate, $adds);
+        let masks = [mask(cols), mask(cols.saturating_sub(16))];
         store_tile!(@rows $acc dst dst_rs rows masks accumulate adds; 0 1 2 3 4 5 6 7 8 9 10 11);
     }};
     (@rows $acc:ident $dst:ident $dst_rs:ident $rows:ident $masks:ident $accumulate:ident $adds:ident; $($r:literal)*) => {
