@@ -8,7 +8,7 @@ quantization scheme, and reports the largest and the mean absolute difference fr
 over all pairs. The aim is to find out which operand precision keeps the largest difference within
 2e-3.
 
-A linear call is quantized when its product has at least 4,194,304 multiply-adds (m·n·k, m being
+A linear call is quantized when its product has at least 2,097,152 multiply-adds (m·n·k, m being
 the rows of the flattened input), the smallest product align's `--precision int8` and `--precision
 bf16` hand to their kernels; the decision is made per call. Attention score products, the patch
 embedding and the embeddings stay f32. The reference scheme is align's int8: the weight [n, k]
@@ -49,7 +49,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-MIN_MACS = 4_194_304
+MIN_MACS = 2_097_152
 TARGET = 2e-3
 
 SCHEMES = {"W8A8": dict(w=8, x=8), "W8A32": dict(w=8), "W32A8": dict(x=8), "W8A8 g128": dict(w=8, x=8, group=128),
