@@ -326,6 +326,16 @@ unsafe fn pack_columns_avx512(lhs: Mat<f32>, first: usize, rows: usize, k: usize
     let base = lhs.data.as_ptr().add(lhs.offset + first);
     for q0 in (0..kp).step_by(16) {
         let pairs_here = (kp - q0).min(16);
+        // The rows of k two blocks ahead into the cache. A block reads one 64-byte piece of
+        // each of 32 rows of the operand's memory (rows of dY for dYᵀ, 3 KiB apart for a
+        // 768-wide layer): nearly every read is on another page, where the hardware's
+        // prefetchers stop following the stride. Waiting for those reads had made this packing
+        // about 10% of a ViT-Ti/16 bf16 training step, as long as the products it feeds.
+        for j in (2 * (q0 + 32)..2 * (q0 + 48)).take_while(|&j| j < k) {
+            let p = base.add(j * lhs.col_stride);
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p.add(rows - 1) as *const i8);
+        }
         let mut v = [_mm512_setzero_si512(); 16];
         for (t, v) in v.iter_mut().enumerate().take(pairs_here) {
             let (j0, j1) = (2 * (q0 + t), 2 * (q0 + t) + 1);
@@ -385,6 +395,12 @@ unsafe fn pack_panel_avx512(rhs: Mat<f32>, first: usize, cols: usize, k: usize, 
     let base = rhs.data.as_ptr().add(rhs.offset + first);
     for q in 0..kp {
         let (j0, j1) = (2 * q, 2 * q + 1);
+        // The rows 16 pairs ahead, as in `pack_columns_avx512`.
+        for j in (2 * q + 32..2 * q + 34).take_while(|&j| j < k) {
+            let p = base.add(j * rhs.row_stride);
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p.add(cols - 1) as *const i8);
+        }
         for h in 0..cols.div_ceil(16) {
             let lanes = mask(cols - 16 * h);
             let (lo, hi) = (base.add(j0 * rhs.row_stride + 16 * h), (j1 < k).then(|| base.add(j1 * rhs.row_stride + 16 * h)));
