@@ -395,12 +395,6 @@ unsafe fn pack_panel_avx512(rhs: Mat<f32>, first: usize, cols: usize, k: usize, 
     let base = rhs.data.as_ptr().add(rhs.offset + first);
     for q in 0..kp {
         let (j0, j1) = (2 * q, 2 * q + 1);
-        // The rows 16 pairs ahead, as in `pack_columns_avx512`.
-        for j in (2 * q + 32..2 * q + 34).take_while(|&j| j < k) {
-            let p = base.add(j * rhs.row_stride);
-            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(p.add(cols - 1) as *const i8);
-        }
         for h in 0..cols.div_ceil(16) {
             let lanes = mask(cols - 16 * h);
             let (lo, hi) = (base.add(j0 * rhs.row_stride + 16 * h), (j1 < k).then(|| base.add(j1 * rhs.row_stride + 16 * h)));
